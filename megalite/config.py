@@ -1,0 +1,167 @@
+"""Typed configuration: the one source of truth for every option.
+
+Each option is one dataclass field whose ``help`` metadata is its one-line docstring. The Megatron-style flag
+(``--tensor-model-parallel-size``) is derived from the field name by ``megalite.cli``, and the Hydra key
+(``parallel.tensor_model_parallel_size``) is the section name plus the field name, so neither is written twice.
+
+Cross-field rules live in :func:`validate`, which runs before any process group exists so that a bad layout fails
+on every rank with one line instead of hanging in a collective.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import typing
+from dataclasses import dataclass
+from typing import Optional
+
+
+class ConfigError(ValueError):
+    """A bad option value or combination; reported as one line on every rank, exit code 2."""
+
+
+def option(default, help: str, **kwargs):
+    """A dataclass field with its one-line description (shown by ``--help``)."""
+    return dataclasses.field(default=default, metadata={"help": help, **kwargs})
+
+
+@dataclass
+class ModelConfig:
+    num_layers: int = option(4, "Number of transformer layers.")
+    hidden_size: int = option(128, "Transformer hidden size.")
+    ffn_hidden_size: Optional[int] = option(None, "MLP hidden size; default 4 x hidden size.")
+    num_attention_heads: int = option(4, "Number of attention heads.")
+    seq_length: int = option(64, "Tokens per training sample.")
+    max_position_embeddings: Optional[int] = option(None, "Size of the position table; default seq length.")
+    vocab_size: int = option(1000, "Vocabulary size (of the tokenizer, or of the mock data).")
+    make_vocab_size_divisible_by: int = option(
+        128, "Pad the vocabulary to a multiple of this times the tensor-parallel size.")
+    init_method_std: float = option(0.02, "Std of the normal initialization of weights.")
+    hidden_dropout: float = option(0.1, "Dropout after attention/MLP outputs and on embeddings.")
+    attention_dropout: float = option(0.1, "Dropout on attention probabilities.")
+    layernorm_epsilon: float = option(1e-5, "Epsilon of the LayerNorms.")
+    untie_embeddings_and_output_weights: bool = option(
+        False, "Give the output layer its own weight instead of reusing the word embedding.")
+
+    @property
+    def ffn_size(self) -> int:
+        return self.ffn_hidden_size or 4 * self.hidden_size
+
+    @property
+    def max_positions(self) -> int:
+        return self.max_position_embeddings or self.seq_length
+
+    def padded_vocab_size(self, tensor_parallel_size: int) -> int:
+        """Vocabulary rounded up to a multiple of make_vocab_size_divisible_by x TP (Megatron's rule)."""
+        multiple = self.make_vocab_size_divisible_by * tensor_parallel_size
+        return int(math.ceil(self.vocab_size / multiple) * multiple)
+
+
+@dataclass
+class ParallelConfig:
+    tensor_model_parallel_size: int = option(1, "Tensor-parallel size (ranks splitting each layer's matrices).")
+    pipeline_model_parallel_size: int = option(1, "Pipeline-parallel size (ranks splitting the layer stack).")
+
+
+@dataclass
+class OptimizerConfig:
+    lr: float = option(3e-4, "Peak learning rate.")
+    min_lr: float = option(0.0, "Learning rate at the end of the decay.")
+    lr_decay_style: str = option("cosine", "Decay after warm-up: cosine, linear or constant.")
+    lr_warmup_iters: int = option(0, "Iterations of linear warm-up from 0 to lr.")
+    lr_decay_iters: Optional[int] = option(None, "Iteration at which the decay reaches min_lr; default train iters.")
+    weight_decay: float = option(0.01, "AdamW weight decay (not applied to biases and norm weights).")
+    clip_grad: float = option(1.0, "Clip gradients to this global L2 norm; 0 disables clipping.")
+    adam_beta1: float = option(0.9, "Adam beta1.")
+    adam_beta2: float = option(0.999, "Adam beta2.")
+    adam_eps: float = option(1e-8, "Adam epsilon.")
+
+
+@dataclass
+class DataConfig:
+    mock_data: bool = option(False, "Train on deterministic synthetic sequences (no data files needed).")
+
+
+@dataclass
+class TrainingConfig:
+    micro_batch_size: int = option(2, "Samples per micro-batch on one data-parallel rank.")
+    global_batch_size: int = option(8, "Samples per optimizer step over all data-parallel ranks.")
+    train_iters: int = option(20, "Number of optimizer steps.")
+    seed: int = option(1234, "Seed for initialization, data order and dropout.")
+    bf16: bool = option(False, "Compute in bfloat16 (autocast); parameters and optimizer stay fp32.")
+
+
+@dataclass
+class LoggingConfig:
+    log_interval: int = option(1, "Print (and record) metrics every this many iterations.")
+    metrics_file: Optional[str] = option(None, "Rank 0 appends one JSON object per logged iteration to this file.")
+    tensorboard_dir: Optional[str] = option(None, "Write TensorBoard scalars to this directory (rank 0).")
+
+
+@dataclass
+class MegaliteConfig:
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
+    optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    training: TrainingConfig = dataclasses.field(default_factory=TrainingConfig)
+    logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
+
+
+def sections() -> list[tuple[str, type]]:
+    """(section name, section dataclass) pairs of MegaliteConfig, in declaration order."""
+    hints = typing.get_type_hints(MegaliteConfig)
+    return [(f.name, hints[f.name]) for f in dataclasses.fields(MegaliteConfig)]
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ConfigError(message)
+
+
+def validate(cfg: MegaliteConfig, world_size: int) -> None:
+    """Check every cross-field rule; raise ConfigError naming the offending values."""
+    m, p, o, t = cfg.model, cfg.parallel, cfg.optimizer, cfg.training
+    for name, value in [("num-layers", m.num_layers), ("hidden-size", m.hidden_size),
+                        ("num-attention-heads", m.num_attention_heads), ("seq-length", m.seq_length),
+                        ("vocab-size", m.vocab_size), ("make-vocab-size-divisible-by", m.make_vocab_size_divisible_by),
+                        ("tensor-model-parallel-size", p.tensor_model_parallel_size),
+                        ("pipeline-model-parallel-size", p.pipeline_model_parallel_size),
+                        ("micro-batch-size", t.micro_batch_size), ("global-batch-size", t.global_batch_size),
+                        ("log-interval", cfg.logging.log_interval)]:
+        _require(value >= 1, f"--{name} must be >= 1, got {value}")
+    _require(t.train_iters >= 0, f"--train-iters must be >= 0, got {t.train_iters}")
+    tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
+    _require(world_size % (tp * pp) == 0,
+             f"world size {world_size} is not divisible by tensor-model-parallel-size {tp} x "
+             f"pipeline-model-parallel-size {pp} = {tp * pp}")
+    dp = world_size // (tp * pp)
+    _require(pp == 1, f"--pipeline-model-parallel-size {pp} is not supported yet (pipeline parallelism is "
+                      "a separate issue); use 1")
+    _require(m.hidden_size % m.num_attention_heads == 0,
+             f"hidden-size {m.hidden_size} is not divisible by num-attention-heads {m.num_attention_heads}")
+    _require(m.num_attention_heads % tp == 0,
+             f"num-attention-heads {m.num_attention_heads} is not divisible by tensor-model-parallel-size {tp}")
+    _require(m.ffn_size % tp == 0,
+             f"ffn-hidden-size {m.ffn_size} is not divisible by tensor-model-parallel-size {tp}")
+    _require(m.num_layers % pp == 0,
+             f"num-layers {m.num_layers} is not divisible by pipeline-model-parallel-size {pp}")
+    _require(t.global_batch_size % (t.micro_batch_size * dp) == 0,
+             f"global-batch-size {t.global_batch_size} is not divisible by micro-batch-size {t.micro_batch_size} x "
+             f"data-parallel size {dp} = {t.micro_batch_size * dp}")
+    _require(m.max_positions >= m.seq_length,
+             f"max-position-embeddings {m.max_positions} is smaller than seq-length {m.seq_length}")
+    for name, value in [("hidden-dropout", m.hidden_dropout), ("attention-dropout", m.attention_dropout)]:
+        _require(0.0 <= value < 1.0, f"--{name} must be in [0, 1), got {value}")
+    _require(o.lr_decay_style in ("cosine", "linear", "constant"),
+             f"--lr-decay-style must be cosine, linear or constant, got {o.lr_decay_style!r}")
+    _require(o.lr >= 0 and o.min_lr >= 0 and o.min_lr <= o.lr,
+             f"need 0 <= min-lr <= lr, got lr {o.lr} and min-lr {o.min_lr}")
+    _require(o.lr_warmup_iters >= 0, f"--lr-warmup-iters must be >= 0, got {o.lr_warmup_iters}")
+    _require(o.lr_decay_iters is None or o.lr_decay_iters >= 0,
+             f"--lr-decay-iters must be >= 0, got {o.lr_decay_iters}")
+    _require(o.clip_grad >= 0, f"--clip-grad must be >= 0, got {o.clip_grad}")
+    _require(0 <= o.adam_beta1 < 1 and 0 <= o.adam_beta2 < 1,
+             f"Adam betas must be in [0, 1), got {o.adam_beta1}, {o.adam_beta2}")
+    _require(cfg.data.mock_data, "no dataset given: pass --mock-data (real data files are a separate issue)")

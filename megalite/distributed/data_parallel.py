@@ -1,0 +1,31 @@
+"""Summing gradients over data-parallel replicas: one flat all-reduce per dtype after the last micro-batch.
+
+The loss each rank backpropagates is already divided by the number of tokens in the *global* batch, so the sum over
+DP ranks (not the mean) is the gradient of the global-batch mean loss. The bucketed, overlapped engine is the
+[optimizer] issue's; this is its plain reference.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from megalite import parallel_state
+
+
+@torch.no_grad()
+def all_reduce_gradients(params: list[torch.nn.Parameter]) -> None:
+    info = parallel_state.get_data_parallel_group()
+    if info.size == 1:
+        return
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for p in params:
+        if p.grad is not None:
+            by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
+    for grads in by_dtype.values():
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=info.group)
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset: offset + g.numel()].view_as(g))
+            offset += g.numel()

@@ -1,0 +1,92 @@
+"""GPT: embeddings, a stack of transformer layers, final LayerNorm, and a vocab-parallel output layer and loss.
+
+A ``GPTModel`` may hold only part of the stack (a pipeline stage): ``layer_offset`` is the global index of its first
+layer, and ``pre_process``/``post_process`` say whether it holds the embeddings / the output layer. Parameter names
+used for initialization (and by checkpoints) are *canonical*: layers are numbered globally, so a parameter has the
+same name and the same initial value whatever the layout.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Iterator
+
+import torch
+from torch import nn
+
+from megalite import parallel_state
+from megalite.config import ModelConfig
+from megalite.model.norms import layer_norm, position_embedding
+from megalite.model.transformer import TransformerLayer
+from megalite.tensor_parallel import (ColumnParallelLinear, TensorParallelRNG, VocabParallelEmbedding,
+                                      gather_from_tensor_parallel, initialize_parameters,
+                                      vocab_parallel_cross_entropy)
+
+
+class GPTEmbedding(nn.Module):
+    """Word embeddings (split over TP by vocabulary) plus learned absolute positions, then dropout."""
+
+    def __init__(self, cfg: ModelConfig, padded_vocab_size: int):
+        super().__init__()
+        self.word = VocabParallelEmbedding(cfg.vocab_size, padded_vocab_size, cfg.hidden_size,
+                                           init_std=cfg.init_method_std)
+        self.position = position_embedding(cfg.max_positions, cfg.hidden_size, cfg.init_method_std)
+        self.dropout = nn.Dropout(cfg.hidden_dropout)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        return self.dropout(self.word(tokens) + self.position(positions))
+
+
+class GPTModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, rng: TensorParallelRNG | None = None, *, pre_process: bool = True,
+                 post_process: bool = True, layer_offset: int = 0, num_layers: int | None = None):
+        super().__init__()
+        tp = parallel_state.get_tensor_model_parallel_world_size()
+        self.cfg = cfg
+        self.padded_vocab_size = cfg.padded_vocab_size(tp)
+        self.pre_process, self.post_process = pre_process, post_process
+        self.layer_offset = layer_offset
+        self.tie_output_to_embedding = not cfg.untie_embeddings_and_output_weights
+        self.embedding = GPTEmbedding(cfg, self.padded_vocab_size) if pre_process else None
+        count = cfg.num_layers if num_layers is None else num_layers
+        self.layers = nn.ModuleList(TransformerLayer(cfg, rng) for _ in range(count))
+        if post_process:
+            self.final_norm = layer_norm(cfg.hidden_size, cfg.layernorm_epsilon)
+            # Tied: the output layer reuses the word-embedding weight (same vocab split, same padding).
+            self.output_layer = ColumnParallelLinear(
+                cfg.hidden_size, cfg.vocab_size, bias=False, init_std=cfg.init_method_std,
+                padded_output_size=self.padded_vocab_size, weight_from_caller=self.tie_output_to_embedding)
+
+    def canonical_named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """Parameters with layers numbered globally (``layers.7.mlp...`` on the stage that starts at layer 6)."""
+        for name, param in self.named_parameters():
+            match = re.match(r"layers\.(\d+)\.(.*)", name)
+            if match:
+                name = f"layers.{int(match.group(1)) + self.layer_offset}.{match.group(2)}"
+            yield name, param
+
+    def initialize(self, seed: int) -> None:
+        """Layout-independent initialization: see megalite.tensor_parallel.partition."""
+        initialize_parameters(self.canonical_named_parameters(), seed,
+                              parallel_state.get_tensor_model_parallel_rank(),
+                              parallel_state.get_tensor_model_parallel_world_size())
+
+    def output_weight(self) -> torch.Tensor:
+        return self.embedding.word.weight if self.tie_output_to_embedding else self.output_layer.weight
+
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        """Per-token loss [batch, seq] when ``labels`` are given, else this rank's vocabulary slice of the logits."""
+        hidden = self.embedding(tokens) if self.pre_process else tokens
+        for layer in self.layers:
+            hidden = layer(hidden)
+        if not self.post_process:
+            return hidden
+        logits = self.output_layer(self.final_norm(hidden), self.output_weight())
+        if labels is None:
+            return logits
+        return vocab_parallel_cross_entropy(logits, labels, self.cfg.vocab_size)
+
+    def full_logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Logits over the whole, unpadded vocabulary (gathered over TP): for evaluation and tests."""
+        return gather_from_tensor_parallel(self(tokens))[..., : self.cfg.vocab_size]

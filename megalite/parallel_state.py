@@ -1,0 +1,169 @@
+"""Process groups for a (TP, PP, DP) layout: the one piece of global state megalite keeps.
+
+Rank order (Megatron's): tensor-parallel ranks are adjacent, then data-parallel, then pipeline-parallel::
+
+    rank = pp_rank * (DP * TP) + dp_rank * TP + tp_rank
+
+so a TP group sits inside one node (fast links) and pipeline stages are the farthest apart. For TP=2, PP=2, DP=2
+(8 ranks): TP groups [0,1] [2,3] [4,5] [6,7]; DP groups [0,2] [1,3] [4,6] [5,7]; PP groups [0,4] [1,5] [2,6] [3,7];
+model-parallel groups (TP x PP) [0,1,4,5] [2,3,6,7]; embedding groups (first and last stage) = the PP groups' ends.
+
+A layout may cover a subset of the world (``ranks=``): the tests use it to run a 2-rank layout inside a 4-rank launch,
+and a 1x1x1 layout on every rank as the single-process reference. Groups of one member are never created: the
+communication helpers treat a size-1 group as "nothing to do", which is also what makes the reference run cheap.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class GroupInfo:
+    """A process group as seen by one rank: its torch group (None when size 1), members, and our place in it."""
+    group: Optional[dist.ProcessGroup]
+    ranks: tuple[int, ...]
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def rank(self) -> int:
+        return self.ranks.index(dist.get_rank() if dist.is_initialized() else 0)
+
+
+@dataclass(frozen=True)
+class ParallelState:
+    tensor: GroupInfo
+    pipeline: GroupInfo
+    data: GroupInfo
+    model: GroupInfo       # TP x PP: everything that holds one replica of the model
+    embedding: Optional[GroupInfo]   # first and last pipeline stage (tied word embeddings); None elsewhere
+
+
+_STATE: Optional[ParallelState] = None
+
+
+def layout_groups(num_ranks: int, tp: int, pp: int) -> dict[str, list[list[int]]]:
+    """All groups of the layout as lists of layout-local ranks (pure function, tested on its own)."""
+    if num_ranks % (tp * pp):
+        raise ValueError(f"{num_ranks} ranks are not divisible by TP {tp} x PP {pp}")
+    dp = num_ranks // (tp * pp)
+
+    def rank(t, d, p):
+        return p * dp * tp + d * tp + t
+
+    return {
+        "tensor": [[rank(t, d, p) for t in range(tp)] for p in range(pp) for d in range(dp)],
+        "data": [[rank(t, d, p) for d in range(dp)] for p in range(pp) for t in range(tp)],
+        "pipeline": [[rank(t, d, p) for p in range(pp)] for d in range(dp) for t in range(tp)],
+        "model": [[rank(t, d, p) for p in range(pp) for t in range(tp)] for d in range(dp)],
+        "embedding": [sorted({rank(t, d, 0), rank(t, d, pp - 1)}) for d in range(dp) for t in range(tp)],
+    }
+
+
+def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1,
+                              ranks: Optional[Sequence[int]] = None) -> ParallelState:
+    """Build every group of the layout over ``ranks`` (default: the whole world) and register them.
+
+    Every process of the world must call this with the same arguments (torch's ``new_group`` is collective), except
+    when all groups have size 1 (a 1x1x1 layout), which creates nothing and may differ per rank.
+    """
+    global _STATE
+    if _STATE is not None:
+        raise RuntimeError("model parallel groups are already initialized; call destroy_model_parallel() first")
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    me = dist.get_rank() if dist.is_initialized() else 0
+    ranks = list(range(world)) if ranks is None else list(ranks)
+    groups = layout_groups(len(ranks), tensor_model_parallel_size, pipeline_model_parallel_size)
+    mine: dict[str, GroupInfo] = {}
+    for kind, members_list in groups.items():
+        for members in members_list:
+            global_members = tuple(ranks[r] for r in members)
+            # new_group is collective over the world: every rank creates every group, in the same order.
+            group = dist.new_group(list(global_members)) if len(global_members) > 1 else None
+            if me in global_members:
+                mine[kind] = GroupInfo(group, global_members)
+    if me not in ranks:
+        return None
+    _STATE = ParallelState(**{"embedding": None, **mine})
+    return _STATE
+
+
+def destroy_model_parallel() -> None:
+    """Forget the registered groups (and destroy the torch groups) so a new layout can be built."""
+    global _STATE
+    if _STATE is not None and dist.is_initialized():
+        seen = set()
+        for info in (_STATE.tensor, _STATE.pipeline, _STATE.data, _STATE.model, _STATE.embedding):
+            if info is not None and info.group is not None and id(info.group) not in seen:
+                seen.add(id(info.group))
+                dist.destroy_process_group(info.group)
+    _STATE = None
+
+
+def is_initialized() -> bool:
+    return _STATE is not None
+
+
+def state() -> ParallelState:
+    if _STATE is None:
+        raise RuntimeError("model parallel groups are not initialized; call initialize_model_parallel()")
+    return _STATE
+
+
+def get_tensor_model_parallel_group() -> GroupInfo:
+    return state().tensor
+
+
+def get_tensor_model_parallel_rank() -> int:
+    return state().tensor.rank
+
+
+def get_tensor_model_parallel_world_size() -> int:
+    return state().tensor.size
+
+
+def get_pipeline_model_parallel_group() -> GroupInfo:
+    return state().pipeline
+
+
+def get_pipeline_model_parallel_rank() -> int:
+    return state().pipeline.rank
+
+
+def get_pipeline_model_parallel_world_size() -> int:
+    return state().pipeline.size
+
+
+def is_pipeline_first_stage() -> bool:
+    return get_pipeline_model_parallel_rank() == 0
+
+
+def is_pipeline_last_stage() -> bool:
+    return get_pipeline_model_parallel_rank() == get_pipeline_model_parallel_world_size() - 1
+
+
+def get_data_parallel_group() -> GroupInfo:
+    return state().data
+
+
+def get_data_parallel_rank() -> int:
+    return state().data.rank
+
+
+def get_data_parallel_world_size() -> int:
+    return state().data.size
+
+
+def get_model_parallel_group() -> GroupInfo:
+    return state().model
+
+
+def get_embedding_group() -> Optional[GroupInfo]:
+    """The group of first and last pipeline stage holding this rank, or None on a middle stage."""
+    return state().embedding

@@ -1,0 +1,63 @@
+"""Cross entropy over vocabulary-split logits that never gathers the full logits.
+
+Each TP rank holds logits for a contiguous slice of the (padded) vocabulary. The softmax needs three reductions over
+TP: the max (for stability), the target's logit (only its owner has it), and the sum of exponentials; each is a
+scalar per token, so traffic is tokens x 3 numbers instead of tokens x vocabulary. Padded vocabulary columns are set to
+-inf, so they get zero probability, no gradient, and the loss does not depend on how much padding the TP size implies.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from megalite import parallel_state
+
+
+def _all_reduce(x: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    info = parallel_state.get_tensor_model_parallel_group()
+    if info.size > 1:
+        dist.all_reduce(x, op=op, group=info.group)
+    return x
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, target: torch.Tensor, vocab_size: int):
+        rank = parallel_state.get_tensor_model_parallel_rank()
+        per_rank = logits.shape[-1]
+        start = rank * per_rank
+        ctx.input_dtype = logits.dtype
+        logits = logits.float()
+        columns = torch.arange(start, start + per_rank, device=logits.device)
+        logits = logits.masked_fill(columns >= vocab_size, float("-inf"))
+
+        logits_max = _all_reduce(logits.max(dim=-1).values, dist.ReduceOp.MAX)
+        logits = logits - logits_max.unsqueeze(-1)
+
+        outside = (target < start) | (target >= start + per_rank)
+        local_target = (target - start).masked_fill(outside, 0)
+        target_logit = logits.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
+        target_logit = _all_reduce(target_logit)
+
+        exp_logits = logits.exp()
+        sum_exp = _all_reduce(exp_logits.sum(dim=-1))
+        loss = sum_exp.log() - target_logit
+
+        softmax = exp_logits.div_(sum_exp.unsqueeze(-1))
+        ctx.save_for_backward(softmax, local_target, outside)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss: torch.Tensor):
+        softmax, local_target, outside = ctx.saved_tensors
+        grad = softmax  # d loss / d logits = softmax - one_hot(target); reuse the saved buffer
+        one_hot = (~outside).to(grad.dtype).unsqueeze(-1)
+        grad.scatter_add_(-1, local_target.unsqueeze(-1), -one_hot)
+        grad.mul_(grad_loss.unsqueeze(-1))
+        return grad.to(ctx.input_dtype), None, None
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Per-token loss (fp32) from this rank's vocabulary slice of ``logits``; ``vocab_size`` is the unpadded size."""
+    return _VocabParallelCrossEntropy.apply(logits, target, vocab_size)

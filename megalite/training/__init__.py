@@ -1,0 +1,6 @@
+"""The training loop, its logging, and process start-up."""
+
+from megalite.training.initialize import initialize_distributed, shutdown_distributed, world_size_from_env
+from megalite.training.trainer import Trainer, TrainState
+
+__all__ = ["Trainer", "TrainState", "initialize_distributed", "shutdown_distributed", "world_size_from_env"]

@@ -1,0 +1,55 @@
+"""What rank 0 reports each logged iteration: a console line, the metrics file, TensorBoard.
+
+The metrics file is a contract for tools and tests: one JSON object per line, with at least ``iteration`` (1-based),
+``loss`` (mean LM loss over the global batch), ``grad_norm``, ``lr``, ``consumed_samples``, ``elapsed_ms`` (per
+iteration, averaged over the log interval) and ``tokens_per_sec``; evaluations add objects with ``eval_loss``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Optional
+
+from megalite.config import LoggingConfig
+
+
+class MetricsLogger:
+    def __init__(self, cfg: LoggingConfig, enabled: bool, total_iters: int):
+        self.enabled = enabled
+        self.total_iters = total_iters
+        self.metrics_path = cfg.metrics_file if enabled else None
+        self.tensorboard = None
+        if enabled and cfg.tensorboard_dir:
+            from torch.utils.tensorboard import SummaryWriter   # imported lazily: it is slow to import
+            self.tensorboard = SummaryWriter(log_dir=cfg.tensorboard_dir)
+
+    def log(self, record: dict) -> None:
+        if not self.enabled:
+            return
+        print(self._console_line(record), flush=True)
+        if self.metrics_path:
+            with open(self.metrics_path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+        if self.tensorboard is not None:
+            for key, value in record.items():
+                if key != "iteration" and isinstance(value, (int, float)):
+                    self.tensorboard.add_scalar(key, value, record["iteration"])
+
+    def _console_line(self, record: dict) -> str:
+        parts = [f"iteration {record['iteration']:>6}/{self.total_iters}"]
+        for key, fmt in [("consumed_samples", "{:d}"), ("elapsed_ms", "{:.1f}"), ("lr", "{:.3e}"),
+                         ("loss", "{:.6f}"), ("grad_norm", "{:.4f}"), ("tokens_per_sec", "{:.0f}"),
+                         ("eval_loss", "{:.6f}")]:
+            if key in record:
+                parts.append(f"{key.replace('_', ' ')} {fmt.format(record[key])}")
+        return " | ".join(parts)
+
+    def close(self) -> None:
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+
+
+def print_rank0(message: str, enabled: bool, stream: Optional[object] = None) -> None:
+    if enabled:
+        print(message, file=stream or sys.stdout, flush=True)

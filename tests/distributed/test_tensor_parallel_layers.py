@@ -1,0 +1,126 @@
+"""Each tensor-parallel layer equals its serial torch counterpart: outputs, input gradients, weight gradients.
+
+fp32 on CPU; the only differences are summation order inside the all-reduces, so tolerances are tight (1e-5 abs).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megalite import parallel_state
+from megalite.tensor_parallel import (ColumnParallelLinear, Partition, RowParallelLinear, VocabParallelEmbedding, shard,
+                                      vocab_parallel_cross_entropy)
+
+from .conftest import layout
+
+ATOL = 1e-5
+TP_SIZES = [2, 4]
+
+
+def _tp():
+    return parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size()
+
+
+def _load_full(param, full):
+    rank, world = _tp()
+    with torch.no_grad():
+        param.copy_(shard(full, param.partition, rank, world))
+
+
+def _my_shard(param, full):
+    rank, world = _tp()
+    return shard(full, param.partition, rank, world)
+
+
+@pytest.mark.parametrize("tp", TP_SIZES)
+@pytest.mark.parametrize("fused", [1, 3])
+def test_column_parallel_linear(tp, fused):
+    torch.manual_seed(0)   # same full tensors on every rank
+    x = torch.randn(2, 5, 16, requires_grad=True)
+    w, b = torch.randn(24, 16, requires_grad=True), torch.randn(24, requires_grad=True)
+    grad_out = torch.randn(2, 5, 24)
+    (F.linear(x, w, b) * grad_out).sum().backward()
+    expected = F.linear(x, w, b).detach()
+    with layout(tp):
+        layer = ColumnParallelLinear(16, 24, init_std=0.02, fused=fused)
+        _load_full(layer.weight, w.detach())
+        _load_full(layer.bias, b.detach())
+        rank, world = _tp()
+        # The output stays split: this rank's columns of each fused block (e.g. its heads' q, k and v).
+        output_partition = Partition(dim=2, fused=fused)
+        x_parallel = x.detach().clone().requires_grad_()
+        y = layer(x_parallel)
+        (y * shard(grad_out, output_partition, rank, world)).sum().backward()
+        torch.testing.assert_close(y, shard(expected, output_partition, rank, world), atol=ATOL, rtol=0)
+        torch.testing.assert_close(x_parallel.grad, x.grad, atol=ATOL, rtol=0)
+        torch.testing.assert_close(layer.weight.grad, _my_shard(layer.weight, w.grad), atol=ATOL, rtol=0)
+        torch.testing.assert_close(layer.bias.grad, _my_shard(layer.bias, b.grad), atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("tp", TP_SIZES)
+def test_column_parallel_linear_gathered_output(tp):
+    torch.manual_seed(4)
+    x, w = torch.randn(3, 16), torch.randn(24, 16)
+    with layout(tp):
+        layer = ColumnParallelLinear(16, 24, init_std=0.02, bias=False, gather_output=True)
+        _load_full(layer.weight, w)
+        torch.testing.assert_close(layer(x), F.linear(x, w), atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("tp", TP_SIZES)
+def test_row_parallel_linear(tp):
+    torch.manual_seed(1)
+    x = torch.randn(2, 5, 24, requires_grad=True)
+    w, b = torch.randn(16, 24, requires_grad=True), torch.randn(16, requires_grad=True)
+    grad_out = torch.randn(2, 5, 16)
+    (F.linear(x, w, b) * grad_out).sum().backward()
+    expected = F.linear(x, w, b).detach()
+    with layout(tp):
+        layer = RowParallelLinear(24, 16, init_std=0.02, input_is_parallel=False)
+        _load_full(layer.weight, w.detach())
+        _load_full(layer.bias, b.detach())
+        x_parallel = x.detach().clone().requires_grad_()
+        y = layer(x_parallel)
+        (y * grad_out).sum().backward()
+        torch.testing.assert_close(y, expected, atol=ATOL, rtol=0)
+        torch.testing.assert_close(x_parallel.grad, x.grad, atol=ATOL, rtol=0)
+        torch.testing.assert_close(layer.weight.grad, _my_shard(layer.weight, w.grad), atol=ATOL, rtol=0)
+        torch.testing.assert_close(layer.bias.grad, b.grad, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("tp", TP_SIZES)
+def test_vocab_parallel_embedding(tp):
+    vocab, padded, dim = 301, 512, 8
+    torch.manual_seed(2)
+    ids = torch.randint(vocab, (3, 7))
+    table = torch.randn(vocab, dim, requires_grad=True)
+    grad_out = torch.randn(3, 7, dim)
+    (F.embedding(ids, table) * grad_out).sum().backward()
+    with layout(tp):
+        layer = VocabParallelEmbedding(vocab, padded, dim, init_std=0.02)
+        _load_full(layer.weight, table.detach())
+        y = layer(ids)
+        (y * grad_out).sum().backward()
+        torch.testing.assert_close(y, F.embedding(ids, table).detach(), atol=ATOL, rtol=0)
+        torch.testing.assert_close(layer.weight.grad, _my_shard(layer.weight, table.grad), atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("tp", TP_SIZES)
+def test_vocab_parallel_cross_entropy_ignores_padding(tp):
+    vocab, padded = 301, 512
+    torch.manual_seed(3)
+    logits = torch.randn(6, padded, requires_grad=True)
+    target = torch.randint(vocab, (6,))
+    grad_out = torch.rand(6)
+    expected = F.cross_entropy(logits[:, :vocab], target, reduction="none")
+    (expected * grad_out).sum().backward()
+    with layout(tp):
+        rank, world = _tp()
+        local = logits.detach().chunk(world, dim=-1)[rank].clone().requires_grad_()
+        loss = vocab_parallel_cross_entropy(local, target, vocab)
+        (loss * grad_out).sum().backward()
+        torch.testing.assert_close(loss, expected.detach(), atol=ATOL, rtol=0)
+        # Padded columns get exactly zero gradient (logits.grad is zero there too: they were sliced away).
+        torch.testing.assert_close(local.grad, logits.grad.chunk(world, dim=-1)[rank], atol=ATOL, rtol=0)

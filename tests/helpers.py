@@ -1,0 +1,31 @@
+"""Shared test helpers: tiny configurations and tolerances."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from megalite.config import (DataConfig, LoggingConfig, MegaliteConfig, ModelConfig, OptimizerConfig, ParallelConfig,
+                             TrainingConfig)
+
+
+def tiny_config(tp: int = 1, pp: int = 1, **sections) -> MegaliteConfig:
+    """A GPT small enough for 2 CPU cores; an odd vocabulary so padding differs between TP sizes.
+
+    ``sections`` override fields by section, e.g. ``training={"micro_batch_size": 1}``.
+    """
+    cfg = MegaliteConfig(
+        model=ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32, vocab_size=301,
+                          hidden_dropout=0.0, attention_dropout=0.0),
+        parallel=ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp),
+        optimizer=OptimizerConfig(lr=1e-3, min_lr=1e-4, lr_warmup_iters=2),
+        data=DataConfig(mock_data=True),
+        training=TrainingConfig(micro_batch_size=2, global_batch_size=8, train_iters=10, seed=1234),
+        logging=LoggingConfig(log_interval=1),
+    )
+    for section, values in sections.items():
+        setattr(cfg, section, dataclasses.replace(getattr(cfg, section), **values))
+    return cfg
+
+
+def max_relative_difference(actual: list[float], expected: list[float]) -> float:
+    return max(abs(a - e) / max(abs(e), 1e-12) for a, e in zip(actual, expected, strict=True))

@@ -1,0 +1,158 @@
+"""megalite.cli: Megatron flags and Hydra overrides resolve into one typed MegaliteConfig; errors are ConfigErrors."""
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import yaml
+
+from megalite import cli
+from megalite.cli import config_to_dict, parse_args
+from megalite.config import ConfigError, MegaliteConfig, sections
+
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+
+
+def all_fields():
+    return [(section, field) for section, cls in sections() for field in dataclasses.fields(cls)]
+
+
+def test_no_arguments_gives_dataclass_defaults_plus_default_groups():
+    cfg = parse_args([])
+    assert isinstance(cfg, MegaliteConfig)
+    expected = MegaliteConfig()
+    expected.data.mock_data = True  # the default data group is data/mock
+    assert cfg == expected
+
+
+def test_flags_set_their_fields():
+    # One command line for many flags: each parse_args composes with Hydra (~50 ms), so tests share calls.
+    cfg = parse_args(["--tensor-model-parallel-size", "2", "--lr", "1e-3", "--bf16", "--metrics-file", "x.jsonl",
+                      "--ffn-hidden-size", "256", "--lr-decay-style", "linear",
+                      "--min-lr", "-1"])  # validate() rejects a negative min-lr later; parsing must not
+    for got, want in [(cfg.parallel.tensor_model_parallel_size, 2), (cfg.optimizer.lr, 1e-3), (cfg.training.bf16, True),
+                      (cfg.logging.metrics_file, "x.jsonl"), (cfg.model.ffn_hidden_size, 256),
+                      (cfg.optimizer.lr_decay_style, "linear"), (cfg.optimizer.min_lr, -1.0)]:
+        assert got == want and type(got) is type(want)
+    untouched = MegaliteConfig()
+    assert cfg.model.num_layers == untouched.model.num_layers and cfg.optimizer.adam_eps == untouched.optimizer.adam_eps
+
+
+def test_flag_equals_form():
+    cfg = parse_args(["--tensor-model-parallel-size=2", "--metrics-file=a=b.jsonl"])
+    assert cfg.parallel.tensor_model_parallel_size == 2 and cfg.logging.metrics_file == "a=b.jsonl"
+
+
+def test_hydra_override():
+    cfg = parse_args(["optimizer.lr=3e-3", "model.num_layers=3", "training.bf16=true"])
+    assert (cfg.optimizer.lr, cfg.model.num_layers, cfg.training.bf16) == (3e-3, 3, True)
+
+
+def test_group_choice():
+    model = parse_args(["model=gpt_tiny"]).model
+    assert (model.num_layers, model.hidden_size, model.num_attention_heads, model.seq_length, model.vocab_size) == \
+        (2, 64, 4, 32, 500)
+    assert model.init_method_std == 0.02  # untouched fields keep the dataclass default
+    cfg = parse_args(["model=gpt2_small", "parallel=tp2"])
+    assert (cfg.model.num_layers, cfg.model.hidden_size, cfg.model.vocab_size) == (12, 768, 50257)
+    assert cfg.parallel.tensor_model_parallel_size == 2
+
+
+def test_flags_and_hydra_overrides_mix():
+    cfg = parse_args(["model=gpt_tiny", "--tensor-model-parallel-size", "2", "optimizer.lr=0.5", "--bf16",
+                      "model.num_layers=3", "--metrics-file=m.jsonl"])
+    assert cfg.model.hidden_size == 64 and cfg.model.num_layers == 3
+    assert cfg.parallel.tensor_model_parallel_size == 2
+    assert cfg.optimizer.lr == 0.5
+    assert cfg.training.bf16 and cfg.logging.metrics_file == "m.jsonl"
+
+
+@pytest.mark.parametrize("argv", [["optimizer.lr=0.5", "--lr", "2"], ["--lr", "2", "optimizer.lr=0.5"]])
+def test_flag_beats_hydra_override_of_same_key(argv):
+    assert parse_args(argv).optimizer.lr == 2.0
+
+
+def test_flag_beats_group_file():
+    assert parse_args(["model=gpt_tiny", "--num-layers", "6"]).model.num_layers == 6
+
+
+@pytest.mark.parametrize("texts", [("a b,c=d", "1", "true"), ("null", "", "é %s"), ("it's", 'say "hi"', "back\\slash\\"),
+                                   ("${oc.env:HOME}", "\\${x}", "[1, 2]")])
+def test_string_flag_values_round_trip(texts):
+    # Strings reach Hydra quoted and with "${" escaped, so none is read as a number, bool, null, list or
+    # interpolation. Three string fields per call: every parse_args composes with Hydra (~50 ms).
+    cfg = parse_args(["--metrics-file", texts[0], "--tensorboard-dir", texts[1], "--lr-decay-style", texts[2]])
+    assert (cfg.logging.metrics_file, cfg.logging.tensorboard_dir, cfg.optimizer.lr_decay_style) == texts
+
+
+def test_optional_field_accepts_null_override():
+    assert parse_args(["--ffn-hidden-size", "256", "model.ffn_hidden_size=null"]).model.ffn_hidden_size == 256
+    assert parse_args(["model.ffn_hidden_size=null"]).model.ffn_hidden_size is None
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["--no-such-flag"], "--no-such-flag"),
+    (["--no-such-flag=3"], "--no-such-flag"),
+    (["--tensor", "2"], "--tensor"),  # no abbreviations
+    (["--num-layers", "abc"], "abc"),
+    (["--num-layers"], "--num-layers"),
+    (["--bf16=yes"], "--bf16"),
+    (["model.num_layers=abc"], "abc"),
+    (["model.no_such_key=1"], "no_such_key"),
+    (["nosection.x=1"], "nosection"),
+    (["+model.no_such_key=1"], "model.no_such_key"),  # '+' bypasses Hydra's struct check; caught by us
+    (["model=no_such_model"], "gpt_tiny"),  # lists the available options
+    (["optimizer.lr=[1"], "bad override"),
+])
+def test_errors_are_one_line_config_errors(argv, fragment):
+    with pytest.raises(ConfigError) as info:
+        parse_args(argv)
+    message = str(info.value)
+    assert fragment in message and "\n" not in message
+
+
+def test_every_field_has_a_flag_and_help():
+    table = {f.key: f for f in cli.FLAGS}
+    assert len(table) == len(all_fields())
+    for section, field in all_fields():
+        flag = table[f"{section}.{field.name}"]
+        assert flag.flag == "--" + field.name.replace("_", "-")
+        assert field.metadata["help"].strip() and flag.help == field.metadata["help"]
+    assert len({f.flag for f in cli.FLAGS}) == len(cli.FLAGS)
+
+
+def test_help_lists_every_flag(capsys):
+    with pytest.raises(SystemExit) as info:
+        parse_args(["--help"])
+    assert info.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps to the terminal width
+    for section, field in all_fields():
+        assert "--" + field.name.replace("_", "-") in text
+        assert f"(hydra: {section}.{field.name}; default: {field.default})" in text
+    assert "wins over a Hydra override" in text
+
+
+def test_group_files_only_set_values_that_differ_from_the_dataclasses():
+    defaults = {section: cls() for section, cls in sections()}
+    files = [p for p in CONFIGS.glob("*/*.yaml")]
+    assert {p.parent.name for p in files} == set(defaults)
+    for path in files:
+        values = yaml.safe_load(path.read_text()) or {}
+        for name, value in values.items():
+            assert value != getattr(defaults[path.parent.name], name), f"{path}: {name} repeats the default"
+
+
+def test_config_dir_env_var(tmp_path, monkeypatch):
+    (tmp_path / "config.yaml").write_text("defaults:\n  - megalite_schema\n  - _self_\nmodel:\n  num_layers: 7\n")
+    monkeypatch.setenv(cli.CONFIG_DIR_ENV, str(tmp_path))
+    assert parse_args([]).model.num_layers == 7
+    monkeypatch.setenv(cli.CONFIG_DIR_ENV, str(tmp_path / "missing"))
+    with pytest.raises(ConfigError):
+        parse_args([])
+
+
+def test_config_to_dict_is_plain_and_nested():
+    d = config_to_dict(parse_args(["--lr", "0.5"]))
+    assert type(d) is dict and type(d["optimizer"]) is dict
+    assert d["optimizer"]["lr"] == 0.5 and d["data"]["mock_data"] is True
+    assert set(d) == {section for section, _ in sections()}

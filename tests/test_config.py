@@ -1,0 +1,43 @@
+"""Cross-field validation: every bad layout or value is one ConfigError naming the numbers."""
+
+from __future__ import annotations
+
+import pytest
+
+from megalite.config import ConfigError, validate
+
+from .helpers import tiny_config
+
+
+def test_tiny_config_is_valid_on_several_world_sizes():
+    for world, tp in [(1, 1), (2, 2), (4, 2), (4, 4), (8, 2)]:
+        validate(tiny_config(tp=tp), world)
+
+
+@pytest.mark.parametrize("cfg, world, message", [
+    (tiny_config(tp=3), 4, "world size 4 is not divisible by tensor-model-parallel-size 3"),
+    (tiny_config(tp=8), 8, "num-attention-heads 4 is not divisible by tensor-model-parallel-size 8"),
+    (tiny_config(pp=2), 2, "--pipeline-model-parallel-size 2 is not supported yet"),
+    (tiny_config(training={"global_batch_size": 6}), 2,
+     "global-batch-size 6 is not divisible by micro-batch-size 2 x data-parallel size 2 = 4"),
+    (tiny_config(model={"hidden_size": 66}), 1, "hidden-size 66 is not divisible by num-attention-heads 4"),
+    (tiny_config(model={"max_position_embeddings": 16}), 1, "max-position-embeddings 16 is smaller than seq-length 32"),
+    (tiny_config(optimizer={"lr_decay_style": "exp"}), 1, "--lr-decay-style must be cosine, linear or constant"),
+    (tiny_config(optimizer={"min_lr": 1.0}), 1, "need 0 <= min-lr <= lr"),
+    (tiny_config(model={"hidden_dropout": 1.0}), 1, "--hidden-dropout must be in [0, 1)"),
+    (tiny_config(training={"micro_batch_size": 0}), 1, "--micro-batch-size must be >= 1, got 0"),
+    (tiny_config(data={"mock_data": False}), 1, "pass --mock-data"),
+])
+def test_bad_values_name_the_numbers(cfg, world, message):
+    with pytest.raises(ConfigError) as error:
+        validate(cfg, world)
+    assert message in str(error.value)
+    assert "\n" not in str(error.value)
+
+
+def test_vocabulary_padding_is_a_multiple_of_divisor_times_tp():
+    model = tiny_config().model   # vocab 301, divisor 128
+    assert model.padded_vocab_size(1) == 384
+    assert model.padded_vocab_size(2) == 512
+    assert model.padded_vocab_size(4) == 512
+    assert model.padded_vocab_size(8) == 1024

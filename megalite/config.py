@@ -62,6 +62,18 @@ class ModelConfig:
 class ParallelConfig:
     tensor_model_parallel_size: int = option(1, "Tensor-parallel size (ranks splitting each layer's matrices).")
     pipeline_model_parallel_size: int = option(1, "Pipeline-parallel size (ranks splitting the layer stack).")
+    num_layers_per_virtual_pipeline_stage: Optional[int] = option(
+        None, "Layers per model chunk for the interleaved schedule (alternative to the next option).")
+    num_virtual_stages_per_pipeline_rank: Optional[int] = option(
+        None, "Model chunks per pipeline rank (V); V > 1 selects the interleaved 1F1B schedule.")
+
+    def virtual_stages(self, num_layers: int) -> int:
+        """V, the number of model chunks per pipeline rank (1 unless an interleaving option is set)."""
+        if self.num_virtual_stages_per_pipeline_rank is not None:
+            return self.num_virtual_stages_per_pipeline_rank
+        if self.num_layers_per_virtual_pipeline_stage is not None:
+            return num_layers // (self.num_layers_per_virtual_pipeline_stage * self.pipeline_model_parallel_size)
+        return 1
 
 
 @dataclass
@@ -137,16 +149,13 @@ def validate(cfg: MegaliteConfig, world_size: int) -> None:
              f"world size {world_size} is not divisible by tensor-model-parallel-size {tp} x "
              f"pipeline-model-parallel-size {pp} = {tp * pp}")
     dp = world_size // (tp * pp)
-    _require(pp == 1, f"--pipeline-model-parallel-size {pp} is not supported yet (pipeline parallelism is "
-                      "a separate issue); use 1")
+    _check_pipeline(cfg, dp)
     _require(m.hidden_size % m.num_attention_heads == 0,
              f"hidden-size {m.hidden_size} is not divisible by num-attention-heads {m.num_attention_heads}")
     _require(m.num_attention_heads % tp == 0,
              f"num-attention-heads {m.num_attention_heads} is not divisible by tensor-model-parallel-size {tp}")
     _require(m.ffn_size % tp == 0,
              f"ffn-hidden-size {m.ffn_size} is not divisible by tensor-model-parallel-size {tp}")
-    _require(m.num_layers % pp == 0,
-             f"num-layers {m.num_layers} is not divisible by pipeline-model-parallel-size {pp}")
     _require(t.global_batch_size % (t.micro_batch_size * dp) == 0,
              f"global-batch-size {t.global_batch_size} is not divisible by micro-batch-size {t.micro_batch_size} x "
              f"data-parallel size {dp} = {t.micro_batch_size * dp}")
@@ -165,3 +174,34 @@ def validate(cfg: MegaliteConfig, world_size: int) -> None:
     _require(0 <= o.adam_beta1 < 1 and 0 <= o.adam_beta2 < 1,
              f"Adam betas must be in [0, 1), got {o.adam_beta1}, {o.adam_beta2}")
     _require(cfg.data.mock_data, "no dataset given: pass --mock-data (real data files are a separate issue)")
+
+
+def _check_pipeline(cfg: MegaliteConfig, dp: int) -> None:
+    """Layers split evenly over PP x V chunks; the interleaved schedule needs micro-batches in multiples of PP."""
+    p, m, t = cfg.parallel, cfg.model, cfg.training
+    pp, per_chunk, v = (p.pipeline_model_parallel_size, p.num_layers_per_virtual_pipeline_stage,
+                        p.num_virtual_stages_per_pipeline_rank)
+    _require(per_chunk is None or per_chunk >= 1,
+             f"--num-layers-per-virtual-pipeline-stage must be >= 1, got {per_chunk}")
+    _require(v is None or v >= 1, f"--num-virtual-stages-per-pipeline-rank must be >= 1, got {v}")
+    if per_chunk is not None:
+        _require(m.num_layers % (per_chunk * pp) == 0,
+                 f"num-layers {m.num_layers} is not divisible by num-layers-per-virtual-pipeline-stage {per_chunk} "
+                 f"x pipeline-model-parallel-size {pp} = {per_chunk * pp}")
+        _require(v is None or v * per_chunk * pp == m.num_layers,
+                 f"num-virtual-stages-per-pipeline-rank {v} disagrees with num-layers-per-virtual-pipeline-stage "
+                 f"{per_chunk}: {v} x {per_chunk} x PP {pp} != num-layers {m.num_layers}")
+    chunks = p.virtual_stages(m.num_layers)
+    _require(m.num_layers % (pp * chunks) == 0,
+             f"num-layers {m.num_layers} is not divisible by pipeline-model-parallel-size {pp} x virtual stages "
+             f"{chunks} = {pp * chunks}")
+    _require(chunks == 1 or pp > 1,
+             f"virtual pipeline stages ({chunks}) need --pipeline-model-parallel-size > 1")
+    micro_batch_product = t.micro_batch_size * dp
+    if chunks > 1 and t.global_batch_size % micro_batch_product == 0:
+        num_micro = t.global_batch_size // micro_batch_product
+        _require(num_micro % pp == 0,
+                 f"the interleaved schedule needs the number of micro-batches (global-batch-size "
+                 f"{t.global_batch_size} / (micro-batch-size {t.micro_batch_size} x data-parallel size {dp}) = "
+                 f"{num_micro}) to be a multiple of pipeline-model-parallel-size {pp}: use a global batch size that "
+                 f"is a multiple of {micro_batch_product * pp}, e.g. {micro_batch_product * pp * -(-num_micro // pp)}")

@@ -17,7 +17,18 @@ def test_tiny_config_is_valid_on_several_world_sizes():
 @pytest.mark.parametrize("cfg, world, message", [
     (tiny_config(tp=3), 4, "world size 4 is not divisible by tensor-model-parallel-size 3"),
     (tiny_config(tp=8), 8, "num-attention-heads 4 is not divisible by tensor-model-parallel-size 8"),
-    (tiny_config(pp=2), 2, "--pipeline-model-parallel-size 2 is not supported yet"),
+    (tiny_config(pp=3), 3, "num-layers 2 is not divisible by pipeline-model-parallel-size 3 x virtual stages 1"),
+    (tiny_config(pp=2, model={"num_layers": 8}, parallel={"num_virtual_stages_per_pipeline_rank": 2},
+                 training={"global_batch_size": 6}), 2,
+     "number of micro-batches (global-batch-size 6 / (micro-batch-size 2 x data-parallel size 1) = 3) to be a "
+     "multiple of pipeline-model-parallel-size 2: use a global batch size that is a multiple of 4, e.g. 8"),
+    (tiny_config(pp=2, model={"num_layers": 8}, parallel={"num_layers_per_virtual_pipeline_stage": 3}), 2,
+     "num-layers 8 is not divisible by num-layers-per-virtual-pipeline-stage 3 x pipeline-model-parallel-size 2"),
+    (tiny_config(pp=2, model={"num_layers": 8}, parallel={"num_layers_per_virtual_pipeline_stage": 2,
+                                                          "num_virtual_stages_per_pipeline_rank": 3}), 2,
+     "num-virtual-stages-per-pipeline-rank 3 disagrees with num-layers-per-virtual-pipeline-stage 2"),
+    (tiny_config(model={"num_layers": 8}, parallel={"num_virtual_stages_per_pipeline_rank": 2}), 1,
+     "virtual pipeline stages (2) need --pipeline-model-parallel-size > 1"),
     (tiny_config(training={"global_batch_size": 6}), 2,
      "global-batch-size 6 is not divisible by micro-batch-size 2 x data-parallel size 2 = 4"),
     (tiny_config(model={"hidden_size": 66}), 1, "hidden-size 66 is not divisible by num-attention-heads 4"),
@@ -33,6 +44,12 @@ def test_bad_values_name_the_numbers(cfg, world, message):
         validate(cfg, world)
     assert message in str(error.value)
     assert "\n" not in str(error.value)
+
+
+def test_virtual_stages_from_either_option():
+    assert tiny_config(pp=2, parallel={"num_layers_per_virtual_pipeline_stage": 1}).parallel.virtual_stages(8) == 4
+    assert tiny_config(pp=2, parallel={"num_virtual_stages_per_pipeline_rank": 2}).parallel.virtual_stages(8) == 2
+    assert tiny_config(pp=2).parallel.virtual_stages(8) == 1
 
 
 def test_vocabulary_padding_is_a_multiple_of_divisor_times_tp():

@@ -1,5 +1,5 @@
-"""Data-parallel gradient reduction."""
+"""Gradient reductions over data-parallel replicas and over tied-embedding copies."""
 
-from megalite.distributed.data_parallel import all_reduce_gradients
+from megalite.distributed.grad_sync import all_reduce_gradients, all_reduce_tied_embedding_gradients
 
-__all__ = ["all_reduce_gradients"]
+__all__ = ["all_reduce_gradients", "all_reduce_tied_embedding_gradients"]

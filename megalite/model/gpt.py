@@ -4,6 +4,10 @@ A ``GPTModel`` may hold only part of the stack (a pipeline stage): ``layer_offse
 layer, and ``pre_process``/``post_process`` say whether it holds the embeddings / the output layer. Parameter names
 used for initialization (and by checkpoints) are *canonical*: layers are numbered globally, so a parameter has the
 same name and the same initial value whatever the layout.
+
+With the output layer tied to the word embedding and the two on different pipeline stages, the last stage holds a
+copy of the embedding weight: named ``embedding.word.weight`` canonically, so it starts with the same values, and
+flagged ``is_embedding_copy`` so its gradient is summed with the original's and the norm counts it once.
 """
 
 from __future__ import annotations
@@ -51,12 +55,16 @@ class GPTModel(nn.Module):
         self.embedding = GPTEmbedding(cfg, self.padded_vocab_size) if pre_process else None
         count = cfg.num_layers if num_layers is None else num_layers
         self.layers = nn.ModuleList(TransformerLayer(cfg, rng) for _ in range(count))
+        # Tied and on the same stage as the embedding: reuse its weight. Tied on another stage: hold a copy.
+        self.holds_embedding_copy = post_process and self.tie_output_to_embedding and not pre_process
         if post_process:
             self.final_norm = layer_norm(cfg.hidden_size, cfg.layernorm_epsilon)
-            # Tied: the output layer reuses the word-embedding weight (same vocab split, same padding).
             self.output_layer = ColumnParallelLinear(
                 cfg.hidden_size, cfg.vocab_size, bias=False, init_std=cfg.init_method_std,
-                padded_output_size=self.padded_vocab_size, weight_from_caller=self.tie_output_to_embedding)
+                padded_output_size=self.padded_vocab_size,
+                weight_from_caller=self.tie_output_to_embedding and pre_process)
+            if self.holds_embedding_copy:
+                self.output_layer.weight.is_embedding_copy = True
 
     def canonical_named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         """Parameters with layers numbered globally (``layers.7.mlp...`` on the stage that starts at layer 6)."""
@@ -64,6 +72,8 @@ class GPTModel(nn.Module):
             match = re.match(r"layers\.(\d+)\.(.*)", name)
             if match:
                 name = f"layers.{int(match.group(1)) + self.layer_offset}.{match.group(2)}"
+            elif name == "output_layer.weight" and self.holds_embedding_copy:
+                name = "embedding.word.weight"
             yield name, param
 
     def initialize(self, seed: int) -> None:
@@ -73,10 +83,20 @@ class GPTModel(nn.Module):
                               parallel_state.get_tensor_model_parallel_world_size())
 
     def output_weight(self) -> torch.Tensor:
-        return self.embedding.word.weight if self.tie_output_to_embedding else self.output_layer.weight
+        return self.embedding.word.weight if self.output_layer.weight is None else self.output_layer.weight
+
+    def tied_embedding_weights(self) -> list[torch.nn.Parameter]:
+        """This chunk's copies of the tied word embedding that must agree with the other stage's."""
+        if not self.tie_output_to_embedding:
+            return []
+        if self.pre_process:
+            return [self.embedding.word.weight]
+        return [self.output_layer.weight] if self.post_process else []
 
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
-        """Per-token loss [batch, seq] when ``labels`` are given, else this rank's vocabulary slice of the logits."""
+        """Per-token loss [batch, seq] when ``labels`` are given, else this rank's vocabulary slice of the logits.
+        A chunk without the embedding takes the previous stage's hidden states as ``tokens``; one without the
+        output layer returns its hidden states."""
         hidden = self.embedding(tokens) if self.pre_process else tokens
         for layer in self.layers:
             hidden = layer(hidden)

@@ -1,7 +1,8 @@
 """The global gradient norm over every shard of the model, and clipping by it.
 
 Each rank sums the squares of the gradients it owns: tensor-parallel shards on every TP rank, replicated parameters
-(norms, row-parallel biases, position embeddings) on TP rank 0 only, so nothing is counted twice. One all-reduce
+(norms, row-parallel biases, position embeddings) on TP rank 0 only, and the last stage's copy of a tied embedding
+not at all, so nothing is counted twice. One all-reduce
 over the model-parallel group (TP x PP) gives the squared norm of one whole replica; DP replicas hold equal
 gradients after the data-parallel reduction, so they need no further sum.
 """
@@ -15,6 +16,8 @@ from megalite import parallel_state
 
 
 def _is_owned_here(param: torch.nn.Parameter) -> bool:
+    if getattr(param, "is_embedding_copy", False):
+        return False
     sharded = getattr(param, "partition", None) is not None and param.partition.is_sharded
     return sharded or parallel_state.get_tensor_model_parallel_rank() == 0
 

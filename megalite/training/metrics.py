@@ -40,7 +40,7 @@ class MetricsLogger:
         parts = [f"iteration {record['iteration']:>6}/{self.total_iters}"]
         for key, fmt in [("consumed_samples", "{:d}"), ("elapsed_ms", "{:.1f}"), ("lr", "{:.3e}"),
                          ("loss", "{:.6f}"), ("grad_norm", "{:.4f}"), ("tokens_per_sec", "{:.0f}"),
-                         ("eval_loss", "{:.6f}")]:
+                         ("pipeline_bubble", "{:.2f}"), ("eval_loss", "{:.6f}")]:
             if key in record:
                 parts.append(f"{key.replace('_', ' ')} {fmt.format(record[key])}")
         return " | ".join(parts)

@@ -18,11 +18,19 @@ import torch.distributed as dist
 from megalite import parallel_state
 
 
+DEFAULT_WORLD = 4
+
+
 def pytest_collection_modifyitems(config, items):
-    if "WORLD_SIZE" not in os.environ:
-        skip = pytest.mark.skip(reason="distributed test: run under torchrun (tests/run.sh)")
-        for item in items:
-            item.add_marker(skip)
+    """Each test runs in the launch whose size its ``world`` marker names (default 4) and is skipped in others."""
+    actual = int(os.environ.get("WORLD_SIZE", "0"))
+    for item in items:
+        marker = item.get_closest_marker("world")
+        wanted = marker.args[0] if marker else DEFAULT_WORLD
+        if actual == 0:
+            item.add_marker(pytest.mark.skip(reason="distributed test: run under torchrun (tests/run.sh)"))
+        elif actual != wanted:
+            item.add_marker(pytest.mark.skip(reason=f"runs in the launch of {wanted} ranks"))
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -59,5 +67,6 @@ def single_process():
         yield
 
 
-def world_size() -> int:
-    return dist.get_world_size()
+def requires_world(size: int):
+    """Run the test in the launch of this many ranks (tests/run.sh starts one of 4 and one of 8)."""
+    return pytest.mark.world(size)

@@ -11,6 +11,7 @@ import sys
 
 from megalite.cli import parse_args
 from megalite.config import ConfigError, validate
+from megalite.data import check_data_files
 from megalite.training import Trainer, initialize_distributed, shutdown_distributed, world_size_from_env
 
 
@@ -19,6 +20,7 @@ def main(argv: list[str]) -> int:
         cfg = parse_args(argv)
         # Every rank checks the options on its own before any collective, so a bad value cannot hang the job.
         validate(cfg, world_size_from_env())
+        check_data_files(cfg)   # data files too: a corrupt file stops every rank here, not in a collective
     except ConfigError as error:
         print(f"megalite: error: {error}", file=sys.stderr, flush=True)
         return 2

@@ -7,7 +7,8 @@ Two spellings reach the same option::
     model=gpt_tiny                      # Hydra config-group choice (a YAML file under configs/model/)
 
 The flag table is derived from the dataclass fields in :mod:`megalite.config` (``section.field_name`` ->
-``--field-name``), so an option is declared exactly once, with its type, default and help.
+``--field-name``), so an option is declared exactly once, with its type, default and help. A string field marked
+``nargs="+"`` takes several words as in Megatron (``--data-path 0.3 A 0.7 B``), joined by spaces into its one value.
 
 Precedence, lowest to highest: dataclass defaults < the group YAML files chosen in ``configs/config.yaml``
 (or on the command line, e.g. ``model=gpt_tiny``) < Hydra overrides (``optimizer.lr=3e-4``) < Megatron flags
@@ -55,6 +56,8 @@ class Flag:
     type: Any                  # the field's annotation, e.g. int or Optional[int]
     default: Any
     help: str
+    multi_word: bool = False   # takes one or more words (Megatron's nargs="+"), joined by spaces into the string
+    metavar: Optional[str] = None
 
     @property
     def key(self) -> str:
@@ -87,7 +90,11 @@ def build_flag_table() -> list[Flag]:
             help_text = field.metadata.get("help", "")
             if not help_text:
                 raise RuntimeError(f"{key} has no help text")
-            table.append(Flag(flag, section, field.name, ftype, field.default, help_text))
+            multi_word = field.metadata.get("nargs") == "+"
+            if multi_word and ftype not in (str, Optional[str]):
+                raise RuntimeError(f"{key}: only string options may take several words")
+            table.append(Flag(flag, section, field.name, ftype, field.default, help_text, multi_word,
+                              field.metadata.get("metavar")))
     return table
 
 
@@ -121,7 +128,8 @@ def build_parser() -> argparse.ArgumentParser:
         "  see configs/).\n"
         "Precedence, lowest first: dataclass defaults < group YAML files < Hydra overrides < --flags, so a flag\n"
         "wins over a Hydra override of the same key. Defaults below are the dataclass defaults; the default groups\n"
-        "of configs/config.yaml may change them (data=mock turns --mock-data on).",
+        "of configs/config.yaml may change them (data=mock turns --mock-data on).\n"
+        "Without --data-path or --mock-data the built-in corpus is used (built once, then cached).",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         allow_abbrev=False,  # "--tensor" must not silently mean --tensor-model-parallel-size
         usage="%(prog)s [--flag VALUE ...] [section.key=value ...] [group=option ...]",
@@ -136,8 +144,9 @@ def build_parser() -> argparse.ArgumentParser:
             group.add_argument(f.flag, dest=f.key, action="store_true", default=argparse.SUPPRESS, help=help_text)
         else:
             convert = _SUPPORTED_TYPES[f.type]
+            metavar = f.metavar or convert.__name__.upper()
             group.add_argument(f.flag, dest=f.key, type=convert, default=argparse.SUPPRESS,
-                               metavar=convert.__name__.upper(), help=help_text)
+                               metavar=f"{metavar} ..." if f.multi_word else metavar, help=help_text)
     return parser
 
 
@@ -188,9 +197,30 @@ def _reject_unknown_keys(cfg: Any) -> None:
                 raise ConfigError(f"bad override: unknown key '{section}.{name}'")
 
 
+def _join_multi_word_values(argv: list[str]) -> list[str]:
+    """``--data-path 0.3 A 0.7 B`` -> ``--data-path=0.3 A 0.7 B``: the words after a multi-word flag, up to the next
+    flag or Hydra override (a word with '='), become its one string value. argparse's own nargs="+" would also
+    swallow a following ``model=gpt_tiny``; a word that contains '=' can still be part of the value when given in
+    one piece: ``--data-path='0.5 a=b 0.5 c'``."""
+    multi_word = {f.flag for f in FLAGS if f.multi_word}
+    result, i = [], 0
+    while i < len(argv):
+        name, has_value, value = argv[i].partition("=")
+        i += 1
+        if name not in multi_word:
+            result.append(argv[i - 1])
+            continue
+        words = [value] if has_value else []
+        while i < len(argv) and not argv[i].startswith("-") and "=" not in argv[i]:
+            words.append(argv[i])
+            i += 1
+        result.append(f"{name}={' '.join(words)}" if words else name)  # no words: argparse reports the flag
+    return result
+
+
 def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
     """(Hydra overrides, flag overrides) for argv; the latter already formatted as ``section.field=value``."""
-    namespace, rest = build_parser().parse_known_args(list(argv))
+    namespace, rest = build_parser().parse_known_args(_join_multi_word_values(list(argv)))
     unknown = [arg for arg in rest if arg.startswith("-")]
     if unknown:
         raise ConfigError(f"unknown flag {unknown[0].split('=')[0]} (see --help)")

@@ -88,11 +88,74 @@ class OptimizerConfig:
     adam_beta1: float = option(0.9, "Adam beta1.")
     adam_beta2: float = option(0.999, "Adam beta2.")
     adam_eps: float = option(1e-8, "Adam epsilon.")
+    use_distributed_optimizer: bool = option(
+        False, "Shard fp32 main parameters and Adam states over data-parallel ranks (ZeRO-1; see zero_stage).")
+    zero_stage: int = option(
+        1, "With the distributed optimizer: 1 shards optimizer states, 2 also keeps only this rank's gradient shard.")
+    overlap_grad_reduce: bool = option(
+        False, "Start each gradient bucket's reduction as soon as backward has produced all of its gradients.")
+    overlap_param_gather: bool = option(
+        False, "With the distributed optimizer: gather updated parameters asynchronously, waiting only when the "
+               "next forward needs them.")
+    ddp_bucket_size: Optional[int] = option(
+        None, "Elements per gradient-reduction bucket; default max(40M, 1M x data-parallel size).")
+    optimizer_cpu_offload: bool = option(
+        False, "Keep fp32 main parameters and Adam states on the CPU and step them there (fused C++ Adam).")
+    loss_scale: Optional[float] = option(None, "With --fp16: a constant loss scale instead of dynamic scaling.")
+    initial_loss_scale: float = option(2.0**32, "With --fp16: the starting dynamic loss scale.")
+    min_loss_scale: float = option(1.0, "With --fp16: the dynamic loss scale never goes below this.")
+    loss_scale_window: int = option(1000, "With --fp16: steps without overflow before the scale doubles.")
+    hysteresis: int = option(2, "With --fp16: overflowing steps tolerated before the scale halves.")
 
 
 @dataclass
 class DataConfig:
     mock_data: bool = option(False, "Train on deterministic synthetic sequences (no data files needed).")
+    data_path: Optional[str] = option(
+        None, "Dataset prefixes (PREFIX.bin + PREFIX.idx), or weighted 'W1 PREFIX1 W2 PREFIX2 ...' blended by weight; "
+              "default: the built-in corpus (the Python standard library's sources, built once and cached).",
+        nargs="+", metavar="[WEIGHT] PREFIX")
+    split: str = option("969,30,1", "Train,valid,test proportions of each dataset's documents.")
+    data_cache_path: Optional[str] = option(
+        None, "Directory for the cached sample/shuffle/blending indices; default megalite-cache/ beside the data.")
+    tokenizer_type: str = option(
+        "SentencePieceTokenizer", "SentencePieceTokenizer (needs --tokenizer-model) or NullTokenizer (token ids "
+                                  "below --vocab-size, EOD = vocab size - 1).")
+    tokenizer_model: Optional[str] = option(None, "SentencePiece model file of the data given by --data-path.")
+    eval_interval: int = option(1000, "Compute the validation loss every this many iterations; 0 disables it.")
+    eval_iters: int = option(100, "Global batches per validation-loss evaluation.")
+
+    def blend(self) -> tuple[list[str], Optional[list[float]]]:
+        """(prefixes, weights) of data_path: 'A B' -> ([A, B], None), '0.3 A 0.7 B' -> ([A, B], [0.3, 0.7])."""
+        words = (self.data_path or "").split()
+        if not words:
+            raise ConfigError("--data-path is empty")
+        try:
+            float(words[0])
+        except ValueError:  # the first word is a prefix: no weights
+            return words, None
+        if len(words) % 2:
+            raise ConfigError(f"--data-path {self.data_path!r}: weights and prefixes must come in pairs")
+        weights, prefixes = words[0::2], words[1::2]
+        try:
+            values = [float(w) for w in weights]
+        except ValueError as error:
+            raise ConfigError(f"--data-path {self.data_path!r}: bad weight ({error})") from None
+        if any(not math.isfinite(w) or w < 0 for w in values) or sum(values) <= 0:
+            raise ConfigError(f"--data-path {self.data_path!r}: weights must be >= 0 with a positive sum")
+        return prefixes, values
+
+    def split_fractions(self) -> list[float]:
+        """The three split proportions normalized to sum 1 ('99,1' means '99,1,0'; '/' separates like ',')."""
+        try:
+            parts = [float(x) for x in self.split.replace("/", ",").split(",")]
+        except ValueError:
+            parts = []
+        if not 1 <= len(parts) <= 3 or any(not math.isfinite(x) or x < 0 for x in parts) or sum(parts) <= 0:
+            raise ConfigError(f"--split {self.split!r} must be up to three proportions >= 0 with a positive sum, "
+                              f"e.g. 969,30,1")
+        parts += [0.0] * (3 - len(parts))
+        return [x / sum(parts) for x in parts]
 
 
 @dataclass
@@ -101,7 +164,8 @@ class TrainingConfig:
     global_batch_size: int = option(8, "Samples per optimizer step over all data-parallel ranks.")
     train_iters: int = option(20, "Number of optimizer steps.")
     seed: int = option(1234, "Seed for initialization, data order and dropout.")
-    bf16: bool = option(False, "Compute in bfloat16 (autocast); parameters and optimizer stay fp32.")
+    bf16: bool = option(False, "bfloat16 parameters and compute; fp32 gradients, main parameters and Adam states.")
+    fp16: bool = option(False, "float16 parameters and compute with loss scaling; fp32 gradients and main parameters.")
 
 
 @dataclass
@@ -171,9 +235,10 @@ def validate(cfg: MegaliteConfig, world_size: int) -> None:
     _require(o.lr_decay_iters is None or o.lr_decay_iters >= 0,
              f"--lr-decay-iters must be >= 0, got {o.lr_decay_iters}")
     _require(o.clip_grad >= 0, f"--clip-grad must be >= 0, got {o.clip_grad}")
+    _check_optimizer(cfg)
     _require(0 <= o.adam_beta1 < 1 and 0 <= o.adam_beta2 < 1,
              f"Adam betas must be in [0, 1), got {o.adam_beta1}, {o.adam_beta2}")
-    _require(cfg.data.mock_data, "no dataset given: pass --mock-data (real data files are a separate issue)")
+    _check_data(cfg)
 
 
 def _check_pipeline(cfg: MegaliteConfig, dp: int) -> None:
@@ -205,3 +270,41 @@ def _check_pipeline(cfg: MegaliteConfig, dp: int) -> None:
                  f"{t.global_batch_size} / (micro-batch-size {t.micro_batch_size} x data-parallel size {dp}) = "
                  f"{num_micro}) to be a multiple of pipeline-model-parallel-size {pp}: use a global batch size that "
                  f"is a multiple of {micro_batch_product * pp}, e.g. {micro_batch_product * pp * -(-num_micro // pp)}")
+
+
+def _check_optimizer(cfg: MegaliteConfig) -> None:
+    o, t = cfg.optimizer, cfg.training
+    _require(not (t.bf16 and t.fp16), "--bf16 and --fp16 exclude each other")
+    _require(o.zero_stage in (1, 2), f"--zero-stage must be 1 or 2, got {o.zero_stage}")
+    _require(o.zero_stage == 1 or o.use_distributed_optimizer,
+             f"--zero-stage {o.zero_stage} needs --use-distributed-optimizer")
+    _require(not o.overlap_param_gather or o.use_distributed_optimizer,
+             "--overlap-param-gather needs --use-distributed-optimizer")
+    _require(o.ddp_bucket_size is None or o.ddp_bucket_size >= 1,
+             f"--ddp-bucket-size must be >= 1, got {o.ddp_bucket_size}")
+    _require(o.loss_scale is None or t.fp16, "--loss-scale applies to --fp16 only")
+    _require(o.loss_scale is None or o.loss_scale > 0, f"--loss-scale must be > 0, got {o.loss_scale}")
+    _require(0 < o.min_loss_scale <= o.initial_loss_scale,
+             f"need 0 < min-loss-scale <= initial-loss-scale, got {o.min_loss_scale} and {o.initial_loss_scale}")
+    _require(o.loss_scale_window >= 1 and o.hysteresis >= 1,
+             f"--loss-scale-window and --hysteresis must be >= 1, got {o.loss_scale_window} and {o.hysteresis}")
+
+
+def _check_data(cfg: MegaliteConfig) -> None:
+    """The data options alone (no file is opened here: megalite.data.check_data_files does that)."""
+    d = cfg.data
+    d.split_fractions()
+    _require(d.tokenizer_type in ("SentencePieceTokenizer", "NullTokenizer"),
+             f"--tokenizer-type must be SentencePieceTokenizer or NullTokenizer, got {d.tokenizer_type!r}")
+    _require(d.eval_interval >= 0 and d.eval_iters >= 0,
+             f"--eval-interval and --eval-iters must be >= 0, got {d.eval_interval} and {d.eval_iters}")
+    if d.mock_data:
+        _require(d.data_path is None, "--mock-data and --data-path exclude each other")
+        return
+    if d.data_path is None:  # the built-in corpus, which brings its own tokenizer
+        _require(d.tokenizer_model is None and d.tokenizer_type == "SentencePieceTokenizer",
+                 "--tokenizer-type/--tokenizer-model need --data-path (the built-in corpus has its own tokenizer)")
+        return
+    d.blend()
+    _require(d.tokenizer_type != "SentencePieceTokenizer" or d.tokenizer_model is not None,
+             "--data-path needs --tokenizer-model (or --tokenizer-type NullTokenizer)")

@@ -18,7 +18,7 @@ def tiny_config(tp: int = 1, pp: int = 1, **sections) -> MegaliteConfig:
                           hidden_dropout=0.0, attention_dropout=0.0),
         parallel=ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp),
         optimizer=OptimizerConfig(lr=1e-3, min_lr=1e-4, lr_warmup_iters=2),
-        data=DataConfig(mock_data=True),
+        data=DataConfig(mock_data=True, eval_interval=5, eval_iters=2),
         training=TrainingConfig(micro_batch_size=2, global_batch_size=8, train_iters=10, seed=1234),
         logging=LoggingConfig(log_interval=1),
     )

@@ -4,6 +4,6 @@
 # report is shown; any rank failing fails the launch. Extra arguments go to every pytest run (e.g. -x, -k name).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-python -m pytest -q tests --ignore=tests/distributed "$@"
-torchrun --nproc_per_node 4 --local-ranks-filter 0 -m pytest -q tests/distributed "$@"
-torchrun --nproc_per_node 8 --local-ranks-filter 0 -m pytest -q tests/distributed "$@"
+python -m pytest -q tests --ignore=tests/multiprocess "$@"
+torchrun --nproc_per_node 4 --local-ranks-filter 0 -m pytest -q tests/multiprocess "$@"
+torchrun --nproc_per_node 8 --local-ranks-filter 0 -m pytest -q tests/multiprocess "$@"

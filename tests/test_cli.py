@@ -20,9 +20,8 @@ def all_fields():
 def test_no_arguments_gives_dataclass_defaults_plus_default_groups():
     cfg = parse_args([])
     assert isinstance(cfg, MegaliteConfig)
-    expected = MegaliteConfig()
-    expected.data.mock_data = True  # the default data group is data/mock
-    assert cfg == expected
+    assert cfg == MegaliteConfig()  # the default data group (data/default) changes nothing: the built-in corpus
+    assert parse_args(["data=mock"]).data.mock_data is True
 
 
 def test_flags_set_their_fields():
@@ -154,5 +153,26 @@ def test_config_dir_env_var(tmp_path, monkeypatch):
 def test_config_to_dict_is_plain_and_nested():
     d = config_to_dict(parse_args(["--lr", "0.5"]))
     assert type(d) is dict and type(d["optimizer"]) is dict
-    assert d["optimizer"]["lr"] == 0.5 and d["data"]["mock_data"] is True
+    assert d["optimizer"]["lr"] == 0.5 and d["data"]["mock_data"] is False
     assert set(d) == {section for section, _ in sections()}
+
+
+@pytest.mark.parametrize("argv, data_path, lr", [
+    (["--data-path", "0.3", "a/b", "0.7", "c"], "0.3 a/b 0.7 c", None),                # Megatron's spelling
+    (["--data-path", "A", "B", "model=gpt_tiny", "--lr", "2"], "A B", 2.0),           # stops at an override or flag
+    (["--data-path=A", "B", "--lr=2"], "A B", 2.0),
+    (["--data-path", "0.5 a=b 0.5 c"], "0.5 a=b 0.5 c", None),                         # '=' inside one quoted word
+    (["data.data_path='0.3 A 0.7 B'"], "0.3 A 0.7 B", None),                           # the Hydra key: one string
+    (["--lr", "2", "--data-path", "single"], "single", 2.0),
+])
+def test_data_path_takes_several_words(argv, data_path, lr):
+    cfg = parse_args(argv)
+    assert cfg.data.data_path == data_path
+    assert lr is None or cfg.optimizer.lr == lr
+    if "model=gpt_tiny" in argv:
+        assert cfg.model.hidden_size == 64
+
+
+def test_data_path_without_words_is_an_error():
+    with pytest.raises(ConfigError, match="--data-path"):
+        parse_args(["--data-path", "--lr", "1"])

@@ -37,7 +37,20 @@ def test_tiny_config_is_valid_on_several_world_sizes():
     (tiny_config(optimizer={"min_lr": 1.0}), 1, "need 0 <= min-lr <= lr"),
     (tiny_config(model={"hidden_dropout": 1.0}), 1, "--hidden-dropout must be in [0, 1)"),
     (tiny_config(training={"micro_batch_size": 0}), 1, "--micro-batch-size must be >= 1, got 0"),
-    (tiny_config(data={"mock_data": False}), 1, "pass --mock-data"),
+    (tiny_config(data={"data_path": "a"}), 1, "--mock-data and --data-path exclude each other"),
+    (tiny_config(data={"mock_data": False, "data_path": "a"}), 1, "--data-path needs --tokenizer-model"),
+    (tiny_config(data={"mock_data": False, "tokenizer_model": "t.model"}), 1,
+     "--tokenizer-type/--tokenizer-model need --data-path"),
+    (tiny_config(data={"mock_data": False, "data_path": "0.3 a 0.7", "tokenizer_model": "t"}), 1,
+     "weights and prefixes must come in pairs"),
+    (tiny_config(data={"mock_data": False, "data_path": "0.3 a x b", "tokenizer_model": "t"}), 1, "bad weight"),
+    (tiny_config(data={"mock_data": False, "data_path": "0 a 0 b", "tokenizer_model": "t"}), 1,
+     "weights must be >= 0 with a positive sum"),
+    (tiny_config(data={"mock_data": False, "data_path": " ", "tokenizer_model": "t"}), 1, "--data-path is empty"),
+    (tiny_config(data={"split": "90,10,0,1"}), 1, "--split '90,10,0,1' must be up to three proportions"),
+    (tiny_config(data={"split": "a,b"}), 1, "--split 'a,b'"),
+    (tiny_config(data={"tokenizer_type": "GPT2BPETokenizer"}), 1, "--tokenizer-type must be SentencePieceTokenizer"),
+    (tiny_config(data={"eval_iters": -1}), 1, "--eval-interval and --eval-iters must be >= 0"),
 ])
 def test_bad_values_name_the_numbers(cfg, world, message):
     with pytest.raises(ConfigError) as error:
@@ -58,3 +71,13 @@ def test_vocabulary_padding_is_a_multiple_of_divisor_times_tp():
     assert model.padded_vocab_size(2) == 512
     assert model.padded_vocab_size(4) == 512
     assert model.padded_vocab_size(8) == 1024
+
+
+def test_data_options():
+    validate(tiny_config(data={"mock_data": False}), 1)   # no data options at all: the built-in corpus
+    validate(tiny_config(data={"mock_data": False, "data_path": "a b", "tokenizer_model": "t.model"}), 1)
+    validate(tiny_config(data={"mock_data": False, "data_path": "a", "tokenizer_type": "NullTokenizer"}), 1)
+    data = tiny_config(data={"data_path": "0.3 a 0.7 b", "split": "99,1"}).data
+    assert data.blend() == (["a", "b"], [0.3, 0.7]) and data.split_fractions() == [0.99, 0.01, 0.0]
+    assert tiny_config(data={"data_path": "a  b"}).data.blend() == (["a", "b"], None)
+    assert tiny_config(data={"split": "8/1/1"}).data.split_fractions() == [0.8, 0.1, 0.1]

@@ -25,11 +25,14 @@ def _torchrun(nproc: int, *args: str, timeout: float = 120) -> subprocess.Comple
 
 def test_single_process_run_writes_the_metrics_contract(tmp_path, capsys):
     metrics = tmp_path / "metrics.jsonl"
-    code = pretrain_gpt.main(["model=gpt_tiny", "--train-iters", "4", "--log-interval", "2",
-                              "--metrics-file", str(metrics), "optimizer.lr=1e-3"])
+    code = pretrain_gpt.main(["model=gpt_tiny", "--train-iters", "4", "--log-interval", "2", "--eval-interval", "2",
+                              "--eval-iters", "1", "--metrics-file", str(metrics), "optimizer.lr=1e-3"])
     assert code == 0
-    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    lines = [json.loads(line) for line in metrics.read_text().splitlines()]
+    records = [r for r in lines if "loss" in r]
+    evaluations = [r for r in lines if "eval_loss" in r]
     assert [r["iteration"] for r in records] == [2, 4]
+    assert [r["iteration"] for r in evaluations] == [2, 4] and evaluations[1]["eval_loss"] > 0
     assert all(METRIC_KEYS <= r.keys() for r in records)
     assert records[-1]["consumed_samples"] == 4 * 8
     assert "iteration      2/4" in capsys.readouterr().out
@@ -50,10 +53,10 @@ def test_bad_options_fail_with_one_line(argv, message, capsys):
 
 def test_torchrun_tensor_parallel_run_and_bad_layout_on_every_rank(tmp_path):
     metrics = tmp_path / "m.jsonl"
-    good = _torchrun(2, "--tensor-model-parallel-size", "2", "model=gpt_tiny", "--train-iters", "6",
-                     "--lr", "2e-3", "--metrics-file", str(metrics))
+    good = _torchrun(2, "--tensor-model-parallel-size", "2", "model=gpt_tiny", "--train-iters", "6", "--eval-iters",
+                     "1", "--lr", "2e-3", "--metrics-file", str(metrics))
     assert good.returncode == 0, good.stderr[-2000:]
-    losses = [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
+    losses = [r["loss"] for r in map(json.loads, metrics.read_text().splitlines()) if "loss" in r]
     assert len(losses) == 6 and losses[-1] < losses[0]
 
     bad = _torchrun(2, "--tensor-model-parallel-size", "2", "--num-attention-heads", "3", "--hidden-size", "96",

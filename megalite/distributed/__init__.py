@@ -1,5 +1,6 @@
-"""Gradient reductions over data-parallel replicas and over tied-embedding copies."""
+"""Data parallelism: the bucketed gradient engine and parameter gathering for the distributed optimizer."""
 
-from megalite.distributed.grad_sync import all_reduce_gradients, all_reduce_tied_embedding_gradients
+from megalite.distributed.buckets import Bucket, BufferLayout, build_layout
+from megalite.distributed.data_parallel import DataParallel
 
-__all__ = ["all_reduce_gradients", "all_reduce_tied_embedding_gradients"]
+__all__ = ["Bucket", "BufferLayout", "build_layout", "DataParallel"]

@@ -3,7 +3,12 @@
 ``forward_step(chunk, micro_batch, input_tensor)`` is the caller's: it returns the chunk's output activation, or on
 the last virtual stage the loss to backpropagate. The engine keeps each micro-batch's input and output until its
 backward, receives what a step needs just before it and sends what it produced with the next exchange. It also
-measures, per rank, the time spent computing and the peak number of micro-batches held, so the bubble can be read.
+measures, per rank, the time spent computing and the peak number of micro-batches held, so the bubble can be read:
+``bubble_fraction`` is idle time over compute time, the quantity (PP - 1) / (V M) of Narayanan et al. 2021 predicts.
+On GPUs the timers synchronize the device around each step (a small cost, paid for an honest reading).
+
+Not done yet (Megatron does both): freeing an output's data once it is sent (the next stage holds it), and posting
+the next receive before the current step computes, so transfer latency hides behind compute.
 """
 
 from __future__ import annotations
@@ -28,15 +33,24 @@ class ScheduleStats:
 
     @property
     def idle_fraction(self) -> float:
+        """Idle time over the schedule's wall time."""
         return 1.0 - self.busy_s / self.total_s if self.total_s > 0 else 0.0
+
+    @property
+    def bubble_fraction(self) -> float:
+        """Idle time over compute time: what (PP - 1) / (V M) predicts for equal step costs."""
+        return (self.total_s - self.busy_s) / self.busy_s if self.busy_s > 0 else 0.0
 
 
 def run_schedule(steps: list[Step], forward_step: ForwardStep, *, pp: int, rank: int, virtual_stages: int,
-                 links: PipelineLinks | None) -> ScheduleStats:
+                 links: PipelineLinks | None, forward_only: bool = False) -> ScheduleStats:
+    """Run ``steps`` (forward steps only, outputs not kept, when ``forward_only``: evaluation)."""
     stats = ScheduleStats()
     inputs: dict[tuple[int, int], Optional[torch.Tensor]] = {}
     outputs: dict[tuple[int, int], torch.Tensor] = {}
     pending_sends: list[tuple[int, torch.Tensor]] = []
+    synchronize = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    synchronize()
     start = time.perf_counter()
     for step in steps:
         needs, sends = step_messages(step, pp, virtual_stages, rank)
@@ -45,17 +59,19 @@ def run_schedule(steps: list[Step], forward_step: ForwardStep, *, pp: int, rank:
         pending_sends = []
         key = (step.chunk, step.micro_batch)
 
+        synchronize()   # a received tensor may still be in flight on the GPU
         compute_start = time.perf_counter()
         if step.kind == "F":
-            input_tensor = received[0].requires_grad_() if received else None
-            inputs[key] = input_tensor
-            outputs[key] = forward_step(step.chunk, step.micro_batch, input_tensor)
-            produced = outputs[key]
-            stats.peak_in_flight = max(stats.peak_in_flight, len(outputs))
+            input_tensor = received[0].requires_grad_(not forward_only) if received else None
+            produced = forward_step(step.chunk, step.micro_batch, input_tensor)
+            if not forward_only:
+                inputs[key], outputs[key] = input_tensor, produced
+            stats.peak_in_flight = max(stats.peak_in_flight, len(outputs) or 1)
         else:
             output, input_tensor = outputs.pop(key), inputs.pop(key)
             torch.autograd.backward(output, grad_tensors=received[0] if received else None)
             produced = input_tensor.grad if input_tensor is not None else None
+        synchronize()
         stats.busy_s += time.perf_counter() - compute_start
 
         if sends is not None:
@@ -64,5 +80,6 @@ def run_schedule(steps: list[Step], forward_step: ForwardStep, *, pp: int, rank:
         links.exchange(pending_sends, [])
     if links is not None:
         links.finish()
+    synchronize()
     stats.total_s = time.perf_counter() - start
     return stats

@@ -32,6 +32,8 @@ class PipelineLinks:
         if not ops:
             return received
         works = dist.batch_isend_irecv(ops)
+        # Drop sends that have completed, keep the rest (and their buffers) alive.
+        self._in_flight = [(w, t) for w, t in self._in_flight if not w.is_completed()]
         for work, op in zip(works[: len(sends)], ops[: len(sends)]):
             self._in_flight.append((work, op.tensor))
         for work in works[len(sends):]:

@@ -40,9 +40,11 @@ class MetricsLogger:
         parts = [f"iteration {record['iteration']:>6}/{self.total_iters}"]
         for key, fmt in [("consumed_samples", "{:d}"), ("elapsed_ms", "{:.1f}"), ("lr", "{:.3e}"),
                          ("loss", "{:.6f}"), ("grad_norm", "{:.4f}"), ("tokens_per_sec", "{:.0f}"),
-                         ("pipeline_bubble", "{:.2f}"), ("eval_loss", "{:.6f}")]:
-            if key in record:
+                         ("loss_scale", "{:.1f}"), ("pipeline_bubble", "{:.2f}"), ("eval_loss", "{:.6f}")]:
+            if record.get(key) is not None:
                 parts.append(f"{key.replace('_', ' ')} {fmt.format(record[key])}")
+        if record.get("skipped"):
+            parts.append("skipped (gradient overflow)")
         return " | ".join(parts)
 
     def close(self) -> None:

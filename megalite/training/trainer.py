@@ -1,5 +1,7 @@
 """The training loop: one iteration is data -> pipeline schedule of forward/backward steps over micro-batches ->
-DP gradient sum (and tied-embedding sum across stages) -> clip -> AdamW step -> log.
+gradient reduction over DP (and the tied-embedding sum across stages) -> optimizer step (unscale, clip, AdamW,
+parameter gather) -> log; every ``eval_interval`` iterations, the validation loss over ``eval_iters`` global batches
+(the same validation samples each time, so evaluations are comparable).
 
 The loss is normalized by the number of tokens in the whole global batch (counted across DP before backward), so
 each rank backpropagates its share of the global mean and the DP reduction is a plain sum: the result is the same
@@ -8,7 +10,7 @@ whatever the DP size or micro-batch size, which is what the equivalence tests ch
 
 from __future__ import annotations
 
-import contextlib
+import dataclasses
 import time
 from dataclasses import dataclass
 
@@ -17,10 +19,10 @@ import torch.distributed as dist
 
 from megalite import parallel_state
 from megalite.config import MegaliteConfig
-from megalite.data import MockGPTDataset, micro_batch_indices
-from megalite.distributed import all_reduce_gradients, all_reduce_tied_embedding_gradients
+from megalite.data import build_datasets, micro_batch_indices
+from megalite.distributed import DataParallel
 from megalite.model import GPTModel
-from megalite.optimizer import build_optimizer, clip_grad_norm_, learning_rate
+from megalite.optimizer import MegaliteOptimizer, learning_rate
 from megalite.pipeline import PipelineLinks, build_schedule, chunks_of_rank, run_schedule
 from megalite.tensor_parallel import TensorParallelRNG
 from megalite.training.metrics import MetricsLogger
@@ -52,6 +54,11 @@ class Trainer:
     """Builds this rank's model chunks, optimizer and data for the registered layout, then runs iterations."""
 
     def __init__(self, cfg: MegaliteConfig, device: torch.device):
+        t, d = cfg.training, cfg.data
+        valid_samples = d.eval_iters * t.global_batch_size if d.eval_interval > 0 else 0
+        self.data = build_datasets(cfg, (t.train_iters * t.global_batch_size, valid_samples, 0))
+        # The tokenizer decides the vocabulary (as in Megatron); --vocab-size only sizes mock data.
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=self.data.vocab_size))
         self.cfg, self.device = cfg, device
         seed, m = cfg.training.seed, cfg.model
         self.pp = parallel_state.get_pipeline_model_parallel_world_size()
@@ -63,18 +70,25 @@ class Trainer:
                      num_layers=c.num_layers)
             for c in chunks_of_rank(m.num_layers, self.pp, self.virtual_stages, self.pp_rank)).to(device)
         for chunk in self.model:
-            chunk.initialize(seed)
-        self.params = [p for p in self.model.parameters() if p.requires_grad]
+            chunk.initialize(seed)   # in fp32, then cast: the same initial weights for every dtype and layout
+        self.dtype = (torch.bfloat16 if cfg.training.bf16 else torch.float16 if cfg.training.fp16
+                      else torch.float32)
+        self.model.to(self.dtype)
         self.tied_embedding_weights = [w for chunk in self.model for w in chunk.tied_embedding_weights()]
-        self.optimizer = build_optimizer(self.model, cfg.optimizer)
-        self.dataset = MockGPTDataset(m.vocab_size, m.seq_length, seed)
+        o = cfg.optimizer
+        self.ddp = DataParallel(
+            list(self.model), data_group=parallel_state.get_data_parallel_group(),
+            embedding_group=parallel_state.get_embedding_group(), tied_params=self.tied_embedding_weights,
+            bucket_size=o.ddp_bucket_size, distributed_optimizer=o.use_distributed_optimizer,
+            zero_stage=o.zero_stage, overlap_grad_reduce=o.overlap_grad_reduce,
+            overlap_param_gather=o.overlap_param_gather)
+        self.optimizer = MegaliteOptimizer(self.ddp, o, cfg.training)
         self.state = TrainState()
         dp = parallel_state.get_data_parallel_world_size()
         self.num_micro_batches = cfg.training.global_batch_size // (cfg.training.micro_batch_size * dp)
         self.schedule = build_schedule(self.pp, self.pp_rank, self.num_micro_batches, self.virtual_stages)
-        # Activations travel in fp32: the residual stream stays fp32 under bf16 autocast.
         self.links = (PipelineLinks(parallel_state.get_pipeline_model_parallel_group(),
-                                    (cfg.training.micro_batch_size, m.seq_length, m.hidden_size), torch.float32,
+                                    (cfg.training.micro_batch_size, m.seq_length, m.hidden_size), self.dtype,
                                     device) if self.pp > 1 else None)
         is_logging_rank = not dist.is_initialized() or dist.get_rank() == 0
         self.logger = MetricsLogger(cfg.logging, is_logging_rank, cfg.training.train_iters)
@@ -84,67 +98,92 @@ class Trainer:
         for chunk in self.model:
             yield from chunk.canonical_named_parameters()
 
-    def _micro_batches(self) -> list[torch.Tensor]:
+    def _micro_batches(self, dataset, consumed_samples: int) -> list[torch.Tensor]:
         t = self.cfg.training
-        indices = micro_batch_indices(self.state.consumed_samples, t.micro_batch_size, self.num_micro_batches,
+        indices = micro_batch_indices(consumed_samples, t.micro_batch_size, self.num_micro_batches,
                                       parallel_state.get_data_parallel_rank(),
                                       parallel_state.get_data_parallel_world_size())
-        return [torch.stack([self.dataset[i] for i in batch]).to(self.device) for batch in indices]
+        return [torch.stack([dataset[i] for i in batch]).to(self.device) for batch in indices]
 
-    def _autocast(self):
-        if self.cfg.training.bf16:
-            return torch.autocast(self.device.type, dtype=torch.bfloat16)
-        return contextlib.nullcontext()
+    def _run_global_batch(self, dataset, consumed_samples: int, forward_only: bool):
+        """Forward (and backward) one global batch through the pipeline schedule.
 
-    def train_step(self) -> dict:
-        """One optimizer step over one global batch; returns the iteration's metrics."""
-        self.model.train()
-        micro_batches = self._micro_batches()
-        # Every token counts (mock data has no padding); the count is summed over DP for the global mean.
+        Returns (loss summed over this rank's tokens, token count of the whole global batch, schedule stats)."""
+        micro_batches = self._micro_batches(dataset, consumed_samples)
+        # Every token counts (no padding in our samples); the count is summed over DP for the global mean.
         loss_masks = [torch.ones_like(b[:, 1:], dtype=torch.float32) for b in micro_batches]
         global_tokens = _sum_over_data_parallel(torch.stack([m.sum() for m in loss_masks]).sum())
         loss_sums: list[torch.Tensor] = []
+        loss_scale = self.optimizer.loss_scale   # 1 unless fp16
 
         def forward_step(chunk_index: int, micro_batch: int, input_tensor: torch.Tensor | None) -> torch.Tensor:
             chunk, batch, mask = self.model[chunk_index], micro_batches[micro_batch], loss_masks[micro_batch]
-            with self._autocast():
-                output = chunk(batch[:, :-1] if chunk.pre_process else input_tensor,
-                               batch[:, 1:] if chunk.post_process else None)
+            output = chunk(batch[:, :-1] if chunk.pre_process else input_tensor,
+                           batch[:, 1:] if chunk.post_process else None)
             if not chunk.post_process:
                 return output
             loss_sum = (output.float() * mask).sum()
             loss_sums.append(loss_sum.detach())
-            return loss_sum / global_tokens
+            return loss_sum * (loss_scale / global_tokens)
 
-        stats = run_schedule(self.schedule, forward_step, pp=self.pp, rank=self.pp_rank,
-                             virtual_stages=self.virtual_stages, links=self.links)
-        all_reduce_gradients(self.params)
-        all_reduce_tied_embedding_gradients(self.tied_embedding_weights)
+        steps = self.schedule if not forward_only else [s for s in self.schedule if s.kind == "F"]
+        stats = run_schedule(steps, forward_step, pp=self.pp, rank=self.pp_rank,
+                             virtual_stages=self.virtual_stages, links=self.links, forward_only=forward_only)
+        loss_sum = torch.stack(loss_sums).sum() if loss_sums else torch.zeros((), device=self.device)
+        return loss_sum, global_tokens, stats
+
+    def train_step(self) -> dict:
+        """One optimizer step over one global batch; returns the iteration's metrics."""
+        self.model.train()
+        self.ddp.start_iteration(self.num_micro_batches)
+        loss_sum, global_tokens, stats = self._run_global_batch(self.data.train, self.state.consumed_samples,
+                                                                forward_only=False)
+        self.ddp.finish_grad_sync()
 
         iteration = self.state.iteration + 1
         lr = learning_rate(iteration, self.cfg.optimizer, self.cfg.training.train_iters)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        grad_norm = clip_grad_norm_(self.params, self.cfg.optimizer.clip_grad)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        step = self.optimizer.step(lr)
+        self.ddp.zero_grad()
 
         # Only the last stage has the loss: sum it over DP, then share it (and each stage's schedule statistics)
         # along the pipeline so rank 0 can report it.
-        loss_sum = torch.stack(loss_sums).sum() if loss_sums else torch.zeros((), device=self.device)
         loss = _sum_over_data_parallel(loss_sum) / global_tokens
-        per_stage = _gather_over_pipeline(torch.stack([loss, torch.tensor(stats.idle_fraction, device=self.device),
+        per_stage = _gather_over_pipeline(torch.stack([loss, torch.tensor(stats.bubble_fraction, device=self.device),
                                                        torch.tensor(float(stats.peak_in_flight), device=self.device)]))
         self.state.iteration = iteration
         self.state.consumed_samples += self.cfg.training.global_batch_size
-        record = {"iteration": iteration, "loss": float(per_stage[-1][0]), "grad_norm": grad_norm, "lr": lr,
-                  "consumed_samples": self.state.consumed_samples}
+        record = {"iteration": iteration, "loss": float(per_stage[-1][0]), "grad_norm": step["grad_norm"],
+                  "lr": lr, "consumed_samples": self.state.consumed_samples}
+        if step["skipped"]:
+            record["skipped"] = True
+        if "loss_scale" in step:
+            record["loss_scale"] = step["loss_scale"]
         if self.pp > 1:
-            idle = [float(stage[1]) for stage in per_stage]
-            record["pipeline_bubble"] = sum(idle) / len(idle)
-            record["pipeline_idle_per_stage"] = idle
+            bubble = [float(stage[1]) for stage in per_stage]
+            record["pipeline_bubble"] = sum(bubble) / len(bubble)   # idle / compute time, mean over stages
+            record["pipeline_bubble_per_stage"] = bubble
             record["pipeline_peak_in_flight"] = [int(stage[2]) for stage in per_stage]
         return record
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean validation loss over ``eval_iters`` global batches (the first ones of the validation set)."""
+        self.ddp.finish_param_sync()
+        self.model.eval()
+        total, tokens = torch.zeros((), device=self.device), torch.zeros((), device=self.device)
+        for k in range(self.cfg.data.eval_iters):
+            loss_sum, global_tokens, _ = self._run_global_batch(
+                self.data.valid, k * self.cfg.training.global_batch_size, forward_only=True)
+            total += loss_sum
+            tokens += global_tokens
+        self.model.train()
+        total = _sum_over_data_parallel(total)
+        return float(_gather_over_pipeline(total / tokens)[-1])
+
+    def _should_evaluate(self, iteration: int) -> bool:
+        d = self.cfg.data
+        return (d.eval_interval > 0 and d.eval_iters > 0 and self.data.valid is not None
+                and (iteration % d.eval_interval == 0 or iteration == self.cfg.training.train_iters))
 
     def train(self) -> list[dict]:
         """Run to ``train_iters``; return the logged records (every rank computes them, rank 0 writes them)."""
@@ -162,5 +201,11 @@ class Trainer:
                 self.logger.log(record)
                 records.append(record)
                 window_start, window_iters = time.perf_counter(), 0
+            if self._should_evaluate(record["iteration"]):
+                evaluation = {"iteration": record["iteration"], "eval_loss": self.evaluate()}
+                self.logger.log(evaluation)
+                records.append(evaluation)
+                window_start = time.perf_counter()   # evaluation time is not training time
+        self.ddp.finish_param_sync()
         self.logger.close()
         return records

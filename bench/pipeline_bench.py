@@ -1,0 +1,341 @@
+"""Benchmark: megalite's pipeline engine against torch.distributed.pipelining, same model, same data, one launch.
+
+    torchrun --nproc_per_node 4 bench/pipeline_bench.py [--iters N] [--warmup W] [--micro-batches M] ...
+
+What is compared
+    For each layout (default: PP=4 x V=1 x DP=1, then PP=2 x V=2 x DP=2) both sides run the forward and backward of
+    one global batch through the same pipeline-rank chunks of a megalite ``GPTModel`` (TP=1, dropout 0, fp32):
+
+    - ours:  ``megalite.pipeline.run_schedule`` over ``build_schedule`` (1F1B, or interleaved 1F1B for V > 1) with
+             ``PipelineLinks``, driven by a ``forward_step`` written like ``Trainer.train_step``'s;
+    - torch: ``PipelineStage`` around the very same kind of chunk (one stage per chunk, stage index c * PP + r as in
+             ``chunks_of_rank``) under ``Schedule1F1B`` (V=1) or ``ScheduleInterleaved1F1B`` (V>1), with
+             ``scale_grads=False`` and a ``loss_fn`` computing the same per-token cross entropy.
+
+    Both sides build their chunks from the same seed (layout-independent init), read the same mock-data samples, and
+    normalise each micro-batch's summed token loss by the global batch's token count, so both backpropagate the
+    gradient of the same global-batch mean loss. The first iteration of each side is checked against the other: the
+    loss and every gradient on every rank are printed as relative differences. Both sides run the same ops in the
+    same order, so on CPU they come out bit-identical (0.0); anything above ~1e-6 means the comparison is off
+    (scaling one side's loss by 1 + 1e-5 shows up as 1e-5 in both numbers).
+
+How it is timed
+    Only forward + backward of one global batch is timed, on both sides: no optimizer step, no gradient clipping, and
+    no gradient reduction (neither the DP all-reduce nor the tied-embedding all-reduce between first and last stage;
+    torch's pipelining does not do them either for a plain module). With DP=2 each DP replica runs its own pipeline
+    concurrently, so the step time includes the contention of two pipelines on the machine, for both sides alike.
+    Each timed iteration starts after a world barrier; its time is the maximum over ranks of the per-rank wall time
+    (the pipeline is done when its slowest rank is). Ours and torch's iterations alternate, so drift in machine load
+    hits both sides equally. The first --warmup iterations of each side are not timed (torch's first one also runs
+    its shape inference). Reported: mean and standard deviation over --iters iterations, and as the ratio the median
+    of the per-iteration ratios ours_i / torch_i of neighbouring (in time) iterations, which is robust to other load
+    on the machine coming and going (the 1-minute load average at start and end is printed to flag that).
+
+The bubble
+    Our ``ScheduleStats.idle_fraction`` is 1 - busy / total per rank (busy = time inside forward/backward compute,
+    total = wall time of the schedule), averaged over all ranks. The textbook bubble (PP-1)/(V*M) (Narayanan et al.
+    2021) is the bubble time relative to the *ideal* (busy) time, not to the total, so the table shows both our
+    idle/total (= idle_fraction) and idle/busy = (total - busy) / busy, each averaged over ranks and iterations; the
+    latter is the one to hold against (PP-1)/(V*M) (as idle/total the theory is (PP-1)/(V*M + PP-1)). The schedules
+    themselves reach the theory exactly: a unit-cost simulation of build_schedule's orderings (F = 1/V, B = 2/V, free
+    transfers) gives idle/busy = (PP-1)/(V*M). With more ranks than cores (4 ranks on 2 cores), "busy" includes time
+    a rank was runnable but descheduled, and an idle rank hands its core to a busy one, so the measured bubble is only
+    indicative there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import statistics
+import sys
+import time
+
+# Benchmark the checkout this script lives in, not whatever ``megalite`` the environment has installed.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch
+import torch.distributed as dist
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
+
+from megalite import parallel_state
+from megalite.config import ModelConfig
+from megalite.data import MockGPTDataset, micro_batch_indices
+from megalite.model import GPTModel
+from megalite.pipeline import PipelineLinks, build_schedule, chunks_of_rank, run_schedule
+from megalite.tensor_parallel import TensorParallelRNG, vocab_parallel_cross_entropy
+
+CPU = torch.device("cpu")
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--iters", type=int, default=10, help="timed iterations per side and layout")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed iterations per side and layout (>= 1)")
+    parser.add_argument("--micro-batches", type=int, default=8, help="M, micro-batches per pipeline per step")
+    parser.add_argument("--micro-batch-size", type=int, default=2)
+    parser.add_argument("--num-layers", type=int, default=8)
+    parser.add_argument("--hidden-size", type=int, default=256)
+    parser.add_argument("--num-attention-heads", type=int, default=8)
+    parser.add_argument("--seq-length", type=int, default=128)
+    parser.add_argument("--vocab-size", type=int, default=1000)
+    parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--layouts", default="4x1,2x2",
+                        help="comma-separated PPxV pairs; DP = world size / PP")
+    args = parser.parse_args()
+    if args.warmup < 1:
+        parser.error("--warmup must be >= 1: the first iteration is the correctness check")
+    return args
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Model and data, identical for both sides
+# ---------------------------------------------------------------------------------------------------------------------
+
+def build_chunks(cfg: ModelConfig, pp: int, v: int, pp_rank: int, seed: int) -> list[GPTModel]:
+    """This pipeline rank's V model chunks, initialised from ``seed`` (the same values every time it is called)."""
+    rng = TensorParallelRNG(seed, 0, pp_rank, CPU)   # only used by attention dropout, which is off
+    chunks = []
+    for c in chunks_of_rank(cfg.num_layers, pp, v, pp_rank):
+        chunk = GPTModel(cfg, rng, pre_process=c.is_first, post_process=c.is_last, layer_offset=c.first_layer,
+                         num_layers=c.num_layers)
+        chunk.initialize(seed)
+        chunk.train()
+        chunks.append(chunk)
+    return chunks
+
+
+def global_batch(cfg: ModelConfig, args, dp_rank: int, dp: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """(tokens, labels) per micro-batch of this DP rank, for the first global batch, as the Trainer reads them."""
+    dataset = MockGPTDataset(cfg.vocab_size, cfg.seq_length, args.seed)
+    indices = micro_batch_indices(0, args.micro_batch_size, args.micro_batches, dp_rank, dp)
+    samples = [torch.stack([dataset[i] for i in batch]) for batch in indices]
+    return [s[:, :-1].contiguous() for s in samples], [s[:, 1:].contiguous() for s in samples]
+
+
+def zero_grads(chunks: list[GPTModel]) -> None:
+    for chunk in chunks:
+        chunk.zero_grad(set_to_none=True)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The two engines
+# ---------------------------------------------------------------------------------------------------------------------
+
+class Ours:
+    """megalite's engine: the schedule the Trainer would build, run by run_schedule over PipelineLinks."""
+
+    def __init__(self, chunks, cfg: ModelConfig, args, pp: int, v: int, pp_rank: int, tokens, labels,
+                 global_tokens: float):
+        self.chunks, self.pp, self.v, self.pp_rank = chunks, pp, v, pp_rank
+        self.tokens, self.labels, self.global_tokens = tokens, labels, global_tokens
+        self.schedule = build_schedule(pp, pp_rank, args.micro_batches, v)
+        self.links = PipelineLinks(parallel_state.get_pipeline_model_parallel_group(),
+                                   (args.micro_batch_size, cfg.seq_length, cfg.hidden_size), torch.float32, CPU)
+
+    def step(self):
+        """(ScheduleStats, this rank's share of the global-batch loss: nonzero only where the last stage is)."""
+        loss_sums = []
+
+        def forward_step(chunk_index: int, micro_batch: int, input_tensor):
+            # As Trainer.train_step: the last chunk returns per-token losses (labels given), summed and divided by
+            # the global token count; the Trainer's all-ones loss mask is left out (torch's side has none either).
+            chunk = self.chunks[chunk_index]
+            output = chunk(self.tokens[micro_batch] if chunk.pre_process else input_tensor,
+                           self.labels[micro_batch] if chunk.post_process else None)
+            if not chunk.post_process:
+                return output
+            loss_sum = output.sum()
+            loss_sums.append(loss_sum.detach())
+            return loss_sum / self.global_tokens
+
+        stats = run_schedule(self.schedule, forward_step, pp=self.pp, rank=self.pp_rank, virtual_stages=self.v,
+                             links=self.links)
+        loss = float(sum(loss_sums)) / self.global_tokens if loss_sums else 0.0
+        return stats, loss
+
+
+class Torch:
+    """torch.distributed.pipelining: one PipelineStage per chunk, 1F1B or interleaved 1F1B, no grad scaling."""
+
+    def __init__(self, chunks, cfg: ModelConfig, args, pp: int, v: int, pp_rank: int, tokens, labels,
+                 global_tokens: float):
+        self.chunks = chunks
+        group = parallel_state.get_pipeline_model_parallel_group().group
+        # GPTModel.forward(x) already takes token ids on the first chunk and hidden states elsewhere, and returns
+        # logits on the last chunk (no labels passed), so it serves as the stage module without a wrapper.
+        self.stages = [PipelineStage(chunk, c * pp + pp_rank, pp * v, CPU, group=group)
+                       for c, chunk in enumerate(chunks)]
+        vocab = cfg.vocab_size
+
+        def loss_fn(logits, target):
+            # The same per-token loss as our last chunk computes (padded vocab columns masked), same normalisation.
+            return vocab_parallel_cross_entropy(logits, target, vocab).sum() / global_tokens
+
+        if v == 1:
+            self.schedule = Schedule1F1B(self.stages[0], args.micro_batches, loss_fn=loss_fn, scale_grads=False)
+        else:
+            self.schedule = ScheduleInterleaved1F1B(self.stages, args.micro_batches, loss_fn=loss_fn,
+                                                    scale_grads=False)
+        self.has_first = any(s.is_first for s in self.stages)
+        self.has_last = any(s.is_last for s in self.stages)
+        # torch splits the whole batch along dim 0 into M equal chunks, in order: micro-batch m is rows m*b..(m+1)*b,
+        # the same samples as our micro-batch m.
+        self.tokens, self.labels = torch.cat(tokens), torch.cat(labels)
+
+    def step(self):
+        losses: list[torch.Tensor] = []
+        args = (self.tokens,) if self.has_first else ()
+        kwargs = dict(target=self.labels, losses=losses) if self.has_last else {}
+        # return_outputs=False: we keep no logits either.
+        self.schedule.step(*args, return_outputs=False, **kwargs)
+        return None, float(sum(l.detach() for l in losses)) if losses else 0.0
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Measurement
+# ---------------------------------------------------------------------------------------------------------------------
+
+def timed(side):
+    """Run one step starting together on all ranks; (max over ranks of wall seconds, stats, loss share)."""
+    dist.barrier()
+    start = time.perf_counter()
+    stats, loss = side.step()
+    elapsed = torch.tensor([time.perf_counter() - start])
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+    return float(elapsed), stats, loss
+
+
+def world_sum(values: list[float]) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t)
+    return t.tolist()
+
+
+def world_max(value: float) -> float:
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
+
+
+def grads_of(chunks) -> list[torch.Tensor]:
+    grads = [p.grad for chunk in chunks for p in chunk.parameters()]
+    if any(g is None for g in grads):   # would otherwise compare zeros with zeros and pass
+        raise RuntimeError(f"rank {dist.get_rank()}: a parameter got no gradient")
+    return [g.detach().clone() for g in grads]
+
+
+def max_relative_grad_difference(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    """max over parameters of max|a - b| / max|a|: a relative error per tensor, worst tensor wins."""
+    worst = 0.0
+    for x, y in zip(a, b, strict=True):
+        scale = float(x.abs().max())
+        if scale > 0:
+            worst = max(worst, float((x - y).abs().max()) / scale)
+        elif float(y.abs().max()) > 0:
+            worst = float("inf")
+    return worst
+
+
+def bench_layout(args, pp: int, v: int) -> dict:
+    world = dist.get_world_size()
+    if world % pp:
+        raise SystemExit(f"world size {world} is not divisible by PP {pp}")
+    dp = world // pp
+    parallel_state.initialize_model_parallel(1, pp)
+    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    dp_rank = parallel_state.get_data_parallel_rank()
+    cfg = ModelConfig(num_layers=args.num_layers, hidden_size=args.hidden_size,
+                      num_attention_heads=args.num_attention_heads, seq_length=args.seq_length,
+                      vocab_size=args.vocab_size, hidden_dropout=0.0, attention_dropout=0.0)
+    tokens, labels = global_batch(cfg, args, dp_rank, dp)
+    global_tokens = float(dp * args.micro_batches * args.micro_batch_size * args.seq_length)
+
+    # Two independent copies of the same weights, so each side's gradients can be compared with the other's.
+    ours = Ours(build_chunks(cfg, pp, v, pp_rank, args.seed), cfg, args, pp, v, pp_rank, tokens, labels,
+                global_tokens)
+    theirs = Torch(build_chunks(cfg, pp, v, pp_rank, args.seed), cfg, args, pp, v, pp_rank, tokens, labels,
+                   global_tokens)
+
+    # Correctness first: one step each from zero gradients, then compare loss and gradients.
+    zero_grads(ours.chunks)
+    zero_grads(theirs.chunks)
+    _, _, loss_ours = timed(ours)
+    _, _, loss_torch = timed(theirs)
+    loss_ours, loss_torch = world_sum([loss_ours, loss_torch])   # last stages of every DP replica: global mean
+    grad_diff = world_max(max_relative_grad_difference(grads_of(ours.chunks),
+                                                       grads_of(theirs.chunks)))
+
+    # Remaining warm-up, then timed iterations, alternating sides.
+    times = {"ours": [], "torch": []}
+    idle, idle_per_busy = [], []
+    for i in range(args.warmup - 1 + args.iters):
+        for name, side in (("ours", ours), ("torch", theirs)):
+            zero_grads(side.chunks)
+            seconds, stats, _ = timed(side)
+            if i < args.warmup - 1:
+                continue
+            times[name].append(seconds)
+            if stats is not None:
+                # Average the per-rank idle fractions over all ranks (every pipeline rank of every DP replica).
+                frac, per_busy = world_sum([stats.idle_fraction, (stats.total_s - stats.busy_s) / stats.busy_s])
+                idle.append(frac / world)
+                idle_per_busy.append(per_busy / world)
+
+    parallel_state.destroy_model_parallel()
+    return {"pp": pp, "v": v, "dp": dp, "m": args.micro_batches, "loss_ours": loss_ours, "loss_torch": loss_torch,
+            "grad_diff": grad_diff, "ours_ms": [t * 1e3 for t in times["ours"]],
+            "torch_ms": [t * 1e3 for t in times["torch"]], "idle": statistics.mean(idle),
+            "idle_per_busy": statistics.mean(idle_per_busy), "theory": (pp - 1) / (v * args.micro_batches)}
+
+
+def mean_std(values: list[float]) -> str:
+    std = statistics.stdev(values) if len(values) > 1 else 0.0
+    return f"{statistics.mean(values):7.1f} ± {std:5.1f}"
+
+
+def main() -> None:
+    args = parse_args()
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
+    torch.set_num_threads(1)   # 4 ranks on 2 cores: intra-op threads would only fight each other
+    rank0 = dist.get_rank() == 0
+    layouts = [tuple(int(x) for x in item.lower().split("x")) for item in args.layouts.split(",")]
+    if rank0:
+        print(f"GPT {args.num_layers} layers, hidden {args.hidden_size}, {args.num_attention_heads} heads, "
+              f"seq {args.seq_length}, vocab {args.vocab_size}; micro-batch {args.micro_batch_size}, "
+              f"M={args.micro_batches} per pipeline; fp32, dropout 0, TP=1; {dist.get_world_size()} ranks, "
+              f"{torch.get_num_threads()} thread each, {os.cpu_count()} CPUs; load average {os.getloadavg()[0]:.1f}",
+              flush=True)
+    results = []
+    for pp, v in layouts:
+        wall = time.perf_counter()
+        result = bench_layout(args, pp, v)
+        results.append(result)
+        if rank0:
+            rel = abs(result["loss_ours"] - result["loss_torch"]) / abs(result["loss_torch"])
+            print(f"PP={pp} V={v} DP={result['dp']}: first-step loss ours {result['loss_ours']:.8f} torch "
+                  f"{result['loss_torch']:.8f} (rel diff {rel:.1e}); max rel grad diff {result['grad_diff']:.1e} "
+                  f"({time.perf_counter() - wall:.0f} s)", flush=True)
+
+    if rank0:
+        print(f"\nforward+backward of one global batch, no optimizer step, no DP / tied-embedding grad reduction "
+              f"(both sides); ms: mean ± std over {args.iters} iterations after {args.warmup} warm-up")
+        header = (f"{'PP':>3} {'V':>2} {'DP':>3} {'M':>3} | {'ours ms/step':>15} | {'torch ms/step':>15} | "
+                  f"{'ours/torch*':>11} | {'bubble idle/total':>17} {'idle/busy':>9} | {'theory (PP-1)/(VM)':>18}")
+        print(header)
+        print("-" * len(header))
+        for r in results:
+            ratio = statistics.median(o / t for o, t in zip(r["ours_ms"], r["torch_ms"]))
+            print(f"{r['pp']:>3} {r['v']:>2} {r['dp']:>3} {r['m']:>3} | {mean_std(r['ours_ms']):>15} | "
+                  f"{mean_std(r['torch_ms']):>15} | {ratio:>11.3f} | {r['idle']:>17.3f} {r['idle_per_busy']:>9.3f} | "
+                  f"{r['theory']:>18.3f}")
+        print(f"* median of per-iteration ratios. Bubble: ours only (ScheduleStats), averaged over ranks; idle/busy "
+              f"is the measure comparable with (PP-1)/(V*M), idle/total with (PP-1)/(V*M+PP-1). DP>1 runs DP "
+              f"pipelines side by side (DP x the work per step). Load average at end {os.getloadavg()[0]:.1f}.")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,141 @@
+"""From the data options to the train/valid/test datasets: the one entry point the trainer calls.
+
+Which data: ``--mock-data`` -> synthetic samples; ``--data-path`` -> those prefixes with ``--tokenizer-model``; neither
+-> the built-in corpus (built on first use). Each prefix's documents are cut into train/valid/test ranges by
+``--split``; with several prefixes every split is a blend of the prefixes' same split, by the given weights or, with
+none given, by each prefix's number of tokens in that split.
+
+Nothing here talks to other processes. :func:`check_data_files` is cheap enough for every rank to run before any
+collective (headers and sizes; the token-range scan is done once per file and remembered), so a bad file stops every
+rank with the same one-line :class:`DataError` instead of hanging the others.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Protocol
+
+import torch
+
+from megalite.config import MegaliteConfig
+from megalite.data.blended_dataset import BlendedDataset
+from megalite.data.default_corpus import ensure_default_corpus
+from megalite.data.errors import DataError
+from megalite.data.gpt_dataset import SPLIT_NAMES, GPTDataset, split_documents
+from megalite.data.indexed_dataset import IndexedDataset, check_token_range
+from megalite.data.mock import MockGPTDataset
+from megalite.data.tokenizer import Tokenizer, build_tokenizer
+
+CACHE_DIR_NAME = "megalite-cache"
+# Mock valid/test samples come from other seeds than train's, so evaluating never scores training samples.
+_MOCK_SEED_OFFSETS = (0, 1, 2)
+
+
+class Dataset(Protocol):
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, index: int) -> torch.Tensor: ...
+
+
+@dataclass
+class DataBundle:
+    """The datasets of one run; item ``i`` of each is a LongTensor of ``seq_length + 1`` tokens."""
+    train: Optional[Dataset]
+    valid: Optional[Dataset]     # None when the split leaves it no documents or it was asked for no samples
+    test: Optional[Dataset]
+    vocab_size: int              # the tokenizer's (the model's --vocab-size for mock data): set the model's from it
+    tokenizer: Optional[Tokenizer]
+
+
+@dataclass
+class _Sources:
+    prefixes: list[str]
+    weights: Optional[list[float]]
+    tokenizer: Tokenizer
+    cache_dirs: list[Path]       # one per prefix: where its indices are cached
+    blend_cache_dir: Path
+
+
+def _sources(cfg: MegaliteConfig) -> _Sources:
+    d = cfg.data
+    if d.data_path is None:
+        corpus = ensure_default_corpus()
+        prefixes, weights = [corpus.prefix], None
+        tokenizer = build_tokenizer("SentencePieceTokenizer", corpus.tokenizer_model, cfg.model.vocab_size)
+    else:
+        prefixes, weights = d.blend()
+        tokenizer = build_tokenizer(d.tokenizer_type, d.tokenizer_model, cfg.model.vocab_size)
+    if d.data_cache_path is not None:
+        cache_dirs = [Path(d.data_cache_path)] * len(prefixes)
+    else:
+        cache_dirs = [Path(prefix).parent / CACHE_DIR_NAME for prefix in prefixes]
+    return _Sources(prefixes, weights, tokenizer, cache_dirs, cache_dirs[0])
+
+
+def _open(sources: _Sources) -> list[IndexedDataset]:
+    """Every prefix opened (headers and sizes validated) and its tokens checked against the vocabulary."""
+    datasets = []
+    for prefix, cache_dir in zip(sources.prefixes, sources.cache_dirs):
+        indexed = IndexedDataset(prefix)
+        if len(indexed) == 0:
+            raise DataError(f"{indexed.index_path}: the dataset has no documents")
+        check_token_range(indexed, sources.tokenizer.vocab_size, cache_dir)
+        datasets.append(indexed)
+    return datasets
+
+
+def _checked(cfg: MegaliteConfig) -> tuple[_Sources, list[IndexedDataset]]:
+    sources = _sources(cfg)
+    indexed = _open(sources)
+    fractions = cfg.data.split_fractions()
+    if all(first == last for first, last in (split_documents(len(d), fractions)[0] for d in indexed)):
+        raise DataError(f"{indexed[0].index_path}: --split {cfg.data.split} leaves no documents for training "
+                        f"(the data has {', '.join(str(len(d)) for d in indexed)})")
+    return sources, indexed
+
+
+def check_data_files(cfg: MegaliteConfig) -> None:
+    """Raise DataError (one line naming the file) if a data or tokenizer file is missing, truncated or corrupt, or
+    holds tokens outside the vocabulary, or if the split leaves nothing to train on. Builds the built-in corpus if it
+    is the one used and not built yet. Costs a pass over each .bin the first time only (the verdict is cached)."""
+    if not cfg.data.mock_data:
+        _checked(cfg)
+
+
+def build_datasets(cfg: MegaliteConfig, num_samples: tuple[int, int, int]) -> DataBundle:
+    """The (train, valid, test) datasets holding ``num_samples`` samples each (checks the files as
+    :func:`check_data_files` does, cheaply when that already ran)."""
+    m, seed = cfg.model, cfg.training.seed
+    if cfg.data.mock_data:
+        mocks = [MockGPTDataset(m.vocab_size, m.seq_length, seed + offset, n)
+                 for offset, n in zip(_MOCK_SEED_OFFSETS, num_samples)]
+        return DataBundle(*mocks, vocab_size=m.vocab_size, tokenizer=None)
+    sources, indexed = _checked(cfg)
+    fractions = cfg.data.split_fractions()
+    ranges = [split_documents(len(dataset), fractions) for dataset in indexed]
+    splits = []
+    for s, (name, wanted) in enumerate(zip(SPLIT_NAMES, num_samples)):
+        splits.append(_split(sources, indexed, [r[s] for r in ranges], name, wanted, m.seq_length, seed))
+    return DataBundle(*splits, vocab_size=sources.tokenizer.vocab_size, tokenizer=sources.tokenizer)
+
+
+def _split(sources: _Sources, indexed: list[IndexedDataset], ranges: list[tuple[int, int]], name: str,
+           num_samples: int, seq_length: int, seed: int) -> Optional[Dataset]:
+    """One split: a GPTDataset, a blend of them, or None if it has no documents or is asked for no samples."""
+    usable = [i for i, (first, last) in enumerate(ranges) if last > first]
+    if num_samples <= 0 or not usable:
+        return None
+
+    def make(i: int, n: int) -> GPTDataset:
+        return GPTDataset(indexed[i], ranges[i], seq_length, n, seed, sources.cache_dirs[i], name)
+
+    if len(indexed) == 1:
+        return make(0, num_samples)
+    if sources.weights is not None:
+        weights = [sources.weights[i] for i in usable]
+    else:  # no weights given: each prefix weighs its tokens in this split
+        weights = [float(indexed[i].sizes[slice(*ranges[i])].sum()) for i in usable]
+    if sum(weights) <= 0:
+        return None
+    return BlendedDataset(weights, num_samples, lambda d, n: make(usable[d], n), sources.blend_cache_dir)

@@ -1,0 +1,103 @@
+"""Raw text documents from the inputs of the tokenizer trainer and the preprocessor.
+
+An input is a file or a directory (walked recursively in sorted order, hidden entries and ``__pycache__`` skipped).
+A ``.jsonl``/``.json`` file holds one JSON object per line and each of ``json_keys`` gives one document; any other
+file is plain text with one document per line, or one per file with ``whole_files`` (for source code, where lines
+are not documents). Empty lines and documents of only whitespace are skipped, not fatal. Files are streamed a line at
+a time, so an input may be larger than memory (except a whole file taken as one document).
+"""
+
+from __future__ import annotations
+
+import codecs
+import json
+import sys
+from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
+
+from megalite.data.errors import DataError
+
+JSON_SUFFIXES = (".jsonl", ".json")
+
+
+def input_files(inputs: Sequence[str]) -> list[tuple[Path, bool]]:
+    """(file, named explicitly) for every input; a missing input is an error."""
+    files: list[tuple[Path, bool]] = []
+    for name in inputs:
+        path = Path(name)
+        if path.is_file():
+            files.append((path, True))
+        elif path.is_dir():
+            for child in sorted(path.rglob("*")):
+                parts = child.relative_to(path).parts
+                if child.is_file() and not any(p.startswith(".") or p == "__pycache__" for p in parts):
+                    files.append((child, False))
+        else:
+            raise DataError(f"{path}: input not found")
+    return files
+
+
+def _looks_like_text(path: Path) -> bool:
+    """Whether a file met while walking a directory is text: its first 8 KiB are NUL-free UTF-8."""
+    with open(path, "rb") as handle:
+        head = handle.read(8192)
+    try:
+        codecs.getincrementaldecoder("utf-8")().decode(head, final=False)  # a character cut at 8 KiB is fine
+    except UnicodeDecodeError:
+        return False
+    return b"\0" not in head
+
+
+def _lines(path: Path) -> Iterator[tuple[int, str]]:
+    """(line number, line) of a UTF-8 file, streamed (inputs can be larger than memory). Lines end at b"\n" only
+    (not at U+2028 and friends, which may sit inside a JSON string); a CR before it goes too."""
+    with open(path, "rb") as handle:
+        for number, raw in enumerate(handle, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                raise DataError(f"{path}:{number}: not UTF-8 text") from None
+            yield number, line.removesuffix("\n").removesuffix("\r")
+
+
+def _json_documents(path: Path, json_keys: Sequence[str]) -> Iterator[str]:
+    for number, line in _lines(path):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise DataError(f"{path}:{number}: not a JSON object ({error.msg})") from None
+        if not isinstance(record, dict):
+            raise DataError(f"{path}:{number}: not a JSON object")
+        for key in json_keys:
+            if key not in record:
+                raise DataError(f"{path}:{number}: no key {key!r} (see --json-keys)")
+            value = record[key]
+            if value is None:
+                continue
+            if not isinstance(value, str):
+                raise DataError(f"{path}:{number}: {key!r} is a {type(value).__name__}, not a string")
+            yield value
+
+
+def iter_documents(inputs: Sequence[str], json_keys: Sequence[str] = ("text",),
+                   whole_files: bool = False) -> Iterator[str]:
+    """Every non-blank document of the inputs, in input order."""
+    for path, explicit in input_files(inputs):
+        if not explicit and not _looks_like_text(path):
+            # A binary file met while walking a directory (an image, a .pyc) is not text for us: skip it.
+            print(f"megalite: skipping {path}: not UTF-8 text", file=sys.stderr)
+            continue
+        if path.suffix in JSON_SUFFIXES:
+            documents: Iterable[str] = _json_documents(path, json_keys)
+        elif whole_files:
+            try:
+                documents = [path.read_bytes().decode("utf-8")]
+            except UnicodeDecodeError as error:
+                raise DataError(f"{path}: not UTF-8 text (byte {error.start})") from None
+        else:
+            documents = (line for _, line in _lines(path))
+        for document in documents:
+            if document.strip():
+                yield document

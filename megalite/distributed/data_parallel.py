@@ -1,0 +1,221 @@
+"""The data-parallel engine: gradients in contiguous fp32 buckets, reduced over DP ranks, optionally overlapped.
+
+Each parameter's gradient is accumulated (in fp32, whatever the parameter dtype) into its slice of a flat buffer
+by a hook that runs as soon as autograd has produced it. A bucket whose parameters all have their gradient for the
+*last* micro-batch of the global batch is ready; with ``overlap_grad_reduce`` its reduction starts there and then,
+asynchronously, while backward goes on with the other buckets; otherwise all buckets are reduced at the end. No
+reduction ever happens for the earlier micro-batches.
+
+The reduction depends on the optimizer:
+- plain data parallel: all-reduce each bucket (every rank gets the whole summed gradient);
+- distributed optimizer, ZeRO-1: reduce-scatter each bucket; a rank keeps the summed gradient of its own shard;
+- ZeRO-2: there is no persistent full-size gradient buffer. Gradients wait in ``param.grad`` until their bucket
+  is ready *in each micro-batch*; then they are packed into a scratch buffer, reduce-scattered, added to this rank's
+  shard accumulator and freed. Memory for gradients is 1/DP plus what backward holds in flight.
+
+Sums, not means: the loss is already normalized by the global token count. After the optimizer step, the
+distributed optimizer writes updated shards into the flat parameter buffer and ``gather_params`` all-gathers each
+bucket (asynchronously with ``overlap_param_gather``: a forward pre-hook waits for a module's buckets just before
+the module runs).
+
+Tied word embeddings split across pipeline stages are "deferred": their bucket waits until the end, where their
+gradient is first summed with the other stage's copy over the embedding group, then reduced over DP like the rest.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from megalite.distributed.buckets import Bucket, build_layout
+from megalite.parallel_state import GroupInfo
+
+DEFAULT_BUCKET_SIZE = 40_000_000
+
+# torch 2.13 renamed the flat-tensor collectives (the old names warn); older torch (2.11 on the GPU machines) has
+# only the old ones. Same signatures.
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+class DataParallel:
+    def __init__(self, modules: list[torch.nn.Module], *, data_group: GroupInfo,
+                 embedding_group: Optional[GroupInfo] = None, tied_params: list[torch.nn.Parameter] = (),
+                 bucket_size: Optional[int] = None, distributed_optimizer: bool = False, zero_stage: int = 1,
+                 overlap_grad_reduce: bool = False, overlap_param_gather: bool = False):
+        self.group = data_group
+        self.embedding_group = embedding_group
+        self.dp, self.dp_rank = data_group.size, data_group.rank
+        self.distributed = distributed_optimizer
+        self.zero2 = distributed_optimizer and zero_stage == 2
+        self.overlap_grad_reduce, self.overlap_param_gather = overlap_grad_reduce, overlap_param_gather
+        self.params = [p for m in modules for p in m.parameters() if p.requires_grad]
+        dtypes = {p.dtype for p in self.params}
+        if len(dtypes) != 1:
+            raise ValueError(f"all parameters must share one dtype, got {sorted(map(str, dtypes))}")
+        self.param_dtype = dtypes.pop()
+        device = self.params[0].device
+        size = bucket_size or max(DEFAULT_BUCKET_SIZE, 1_000_000 * self.dp)
+        self.layout = build_layout(self.params, size, self.dp, tied_params)
+        self.buckets = self.layout.buckets
+        self.tied_params = list(tied_params)
+
+        # Parameters become views into one flat buffer, so the distributed optimizer can all-gather bucket by bucket.
+        self.param_buffer = torch.zeros(self.layout.total, dtype=self.param_dtype, device=device)
+        for p in self.params:
+            start, end = self.range(p)
+            self.param_buffer[start:end].copy_(p.data.view(-1))
+            p.data = self.param_buffer[start:end].view_as(p)
+
+        if self.zero2:
+            self.grad_shards = [torch.zeros(b.shard(0, self.dp)[1] - b.start, dtype=torch.float32, device=device)
+                                for b in self.buckets]
+        else:
+            self.grad_buffer = torch.zeros(self.layout.total, dtype=torch.float32, device=device)
+            for p in self.params:
+                start, end = self.range(p)
+                p.main_grad = self.grad_buffer[start:end].view_as(p)
+
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.params]
+        self._pending_reductions: list[tuple[Optional[dist.Work], Callable[[], None]]] = []
+        self._pending_gathers: dict[int, dist.Work] = {}
+        if overlap_param_gather:
+            for m in modules:
+                for sub in m.modules():
+                    if any(True for _ in sub.parameters(recurse=False)):
+                        self._hooks.append(sub.register_forward_pre_hook(self._wait_for_params))
+        self.start_iteration(1)
+
+    # ---- layout -------------------------------------------------------------------------------------------------
+    def range(self, param: torch.nn.Parameter) -> tuple[int, int]:
+        return self.layout.ranges[id(param)]
+
+    def bucket_of(self, param: torch.nn.Parameter) -> Bucket:
+        return self.buckets[self.layout.bucket_of[id(param)]]
+
+    def shard(self, bucket: Bucket) -> tuple[int, int]:
+        return bucket.shard(self.dp_rank, self.dp)
+
+    def reduced_grad(self, bucket: Bucket, start: int, end: int) -> torch.Tensor:
+        """The summed gradient of flat range [start, end), which must lie in this rank's shard when sharded."""
+        if self.zero2:
+            shard_start = self.shard(bucket)[0]
+            return self.grad_shards[bucket.index][start - shard_start: end - shard_start]
+        return self.grad_buffer[start:end]
+
+    # ---- gradient reduction ---------------------------------------------------------------------------------------
+    def start_iteration(self, num_micro_batches: int) -> None:
+        """Reset readiness counting for a global batch of ``num_micro_batches`` backward passes."""
+        self.num_micro_batches = num_micro_batches
+        self._waiting = {b.index: len(b.params) for b in self.buckets}
+        self._micro_batches_done = {b.index: 0 for b in self.buckets}
+        self._launched: set[int] = set()
+
+    def _on_grad_ready(self, param: torch.nn.Parameter) -> None:
+        if not self.zero2:
+            param.main_grad.add_(param.grad)
+            param.grad = None
+        bucket = self.bucket_of(param)
+        self._waiting[bucket.index] -= 1
+        if self._waiting[bucket.index] > 0:
+            return
+        self._waiting[bucket.index] = len(bucket.params)
+        self._micro_batches_done[bucket.index] += 1
+        if bucket.deferred:
+            return
+        last = self._micro_batches_done[bucket.index] == self.num_micro_batches
+        if self.zero2:
+            self._launch(bucket, async_op=self.overlap_grad_reduce)   # every micro-batch: frees the gradients
+        elif last and self.overlap_grad_reduce:
+            self._launch(bucket, async_op=True)
+
+    def _launch(self, bucket: Bucket, async_op: bool) -> None:
+        if self.zero2:
+            scratch = torch.zeros(bucket.end - bucket.start, dtype=torch.float32, device=self.param_buffer.device)
+            for p in bucket.params:
+                if p.grad is not None:
+                    start, end = self.range(p)
+                    scratch[start - bucket.start: end - bucket.start].copy_(p.grad.view(-1))
+                    p.grad = None
+            full = scratch
+        else:
+            self._launched.add(bucket.index)
+            full = self.grad_buffer[bucket.start:bucket.end]
+        if not self.distributed:
+            work = dist.all_reduce(full, group=self.group.group, async_op=async_op) if self.dp > 1 else None
+            self._pending_reductions.append((work, lambda: None))
+            return
+        start, end = self.shard(bucket)
+        if self.dp > 1:
+            shard_sum = torch.empty(end - start, dtype=torch.float32, device=full.device)
+            work = _reduce_scatter(shard_sum, full, group=self.group.group, async_op=async_op)
+        else:
+            shard_sum, work = full, None
+        if self.zero2:
+            accumulator = self.grad_shards[bucket.index]
+            self._pending_reductions.append((work, lambda: accumulator.add_(shard_sum)))
+        else:
+            target = self.grad_buffer[start:end]
+            self._pending_reductions.append((work, lambda: target.copy_(shard_sum) if self.dp > 1 else None))
+
+    def finish_grad_sync(self) -> None:
+        """Sum tied-embedding gradients across stages, reduce every bucket not yet reduced, wait for all."""
+        self._sum_tied_gradients()
+        for bucket in self.buckets:
+            if self.zero2:
+                if bucket.deferred or any(p.grad is not None for p in bucket.params):
+                    self._launch(bucket, async_op=False)   # deferred, or a parameter that got no gradient hook
+            elif bucket.index not in self._launched:
+                self._launch(bucket, async_op=False)
+        for work, complete in self._pending_reductions:
+            if work is not None:
+                work.wait()
+            complete()
+        self._pending_reductions.clear()
+
+    def _sum_tied_gradients(self) -> None:
+        group = self.embedding_group
+        if group is None or group.size == 1:
+            return
+        for p in self.tied_params:
+            grad = p.grad if self.zero2 else p.main_grad
+            if grad is None:
+                grad = p.grad = torch.zeros_like(p)
+            dist.all_reduce(grad, group=group.group)
+
+    def zero_grad(self) -> None:
+        if self.zero2:
+            for shard in self.grad_shards:
+                shard.zero_()
+        else:
+            self.grad_buffer.zero_()
+        for p in self.params:
+            p.grad = None
+
+    # ---- parameter gather (distributed optimizer) -----------------------------------------------------------------
+    def gather_params(self) -> None:
+        """All-gather every bucket's updated shards into the full parameters."""
+        if not self.distributed or self.dp == 1:
+            return
+        for bucket in self.buckets:
+            start, end = self.shard(bucket)
+            local = self.param_buffer[start:end].clone()   # gloo does not promise in-place gathers
+            work = _all_gather(self.param_buffer[bucket.start:bucket.end], local,
+                                               group=self.group.group, async_op=self.overlap_param_gather)
+            if self.overlap_param_gather:
+                self._pending_gathers[bucket.index] = (work, local)
+        # Without overlap the gathers completed above.
+
+    def _wait_for_params(self, module: torch.nn.Module, _inputs) -> None:
+        for p in module.parameters(recurse=False):
+            pending = self._pending_gathers.pop(self.layout.bucket_of.get(id(p), -1), None)
+            if pending is not None:
+                pending[0].wait()
+
+    def finish_param_sync(self) -> None:
+        """Wait for every outstanding parameter gather (before evaluation, checkpointing or the end)."""
+        for work, _ in self._pending_gathers.values():
+            work.wait()
+        self._pending_gathers.clear()

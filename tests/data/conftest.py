@@ -1,0 +1,72 @@
+"""A small generated corpus, its tokenizer and its indexed dataset, built once per test session."""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from megalite.data.documents import iter_documents
+from megalite.data.preprocess import preprocess
+from megalite.data.tokenizer import SentencePieceTokenizer, train_sentencepiece
+
+VOCAB_SIZE = 601  # odd, as the model tests like it
+_SYLLABLES = ("ka", "lo", "mi", "ne", "ru", "sa", "to", "vi", "ze", "qu", "ph", "str", "ing", "er", "_", "0", "7")
+_WORDS = ("the quick brown fox jumps over a lazy dog while seven wizards quietly judge boxing matches; "
+          "def return class import yield lambda 42 3.14 x_1 = (a, b) -> {k: v} é ü ß 漢字 — ok!").split()
+
+
+def generated_documents(count: int, seed: int = 0) -> list[str]:
+    """Documents of 1-6 lines, with indentation, tabs, odd spacing and non-ASCII text, as a tokenizer meets them."""
+    rng = random.Random(seed)
+    documents = []
+    for _ in range(count):
+        lines = []
+        for _ in range(rng.randint(1, 6)):
+            indent = rng.choice(["", "    ", "        ", "\t", "  "])
+            words = [rng.choice(_WORDS) if rng.random() < 0.6 else
+                     "".join(rng.choice(_SYLLABLES) for _ in range(rng.randint(1, 3)))
+                     for _ in range(rng.randint(1, 12))]
+            lines.append(indent + rng.choice([" ", "  "]).join(words) + rng.choice(["", " ", ""]))
+        documents.append("\n".join(lines))
+    return documents
+
+
+@dataclass
+class Corpus:
+    directory: Path
+    documents: list[str]        # the non-blank documents, in file order
+    jsonl: Path
+    tokenizer_model: Path
+    prefix: Path                # of the preprocessed .bin/.idx (with EOD)
+
+    @property
+    def tokenizer(self) -> SentencePieceTokenizer:
+        return SentencePieceTokenizer(self.tokenizer_model)
+
+
+def write_jsonl(path: Path, documents: list[str], blanks: bool = True) -> None:
+    """One record per document; with ``blanks``, also empty lines and empty documents that must be skipped."""
+    with open(path, "w", encoding="utf-8") as handle:
+        for i, text in enumerate(documents):
+            if blanks and i % 40 == 0:
+                handle.write("\n")
+                handle.write(json.dumps({"text": ""}) + "\n")
+                handle.write(json.dumps({"text": "  \n "}) + "\n")
+            handle.write(json.dumps({"text": text, "id": i}) + "\n")
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory) -> Corpus:
+    directory = tmp_path_factory.mktemp("corpus")
+    documents = generated_documents(400)
+    jsonl = directory / "docs.jsonl"
+    write_jsonl(jsonl, documents)
+    model = train_sentencepiece(iter_documents([str(jsonl)]), directory / "tokenizer", VOCAB_SIZE)
+    prefix = directory / "docs"
+    preprocess(iter_documents([str(jsonl)]), SentencePieceTokenizer(model), prefix, workers=1, append_eod=True,
+               progress=None)
+    return Corpus(directory, documents, jsonl, model, prefix)

@@ -1,0 +1,90 @@
+"""The data-parallel engine and the distributed optimizer against the single-process run, state sharding, and the
+fp16 loss scaler's all-ranks-skip rule.
+
+Small buckets (4,000 elements) make several buckets per model so bucket boundaries, padding and overlap are
+exercised; micro-batch size 1 makes several micro-batches, so gradients accumulate before any reduction.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megalite import parallel_state
+from megalite.training import Trainer
+
+from ..helpers import tiny_config
+from .conftest import layout
+from .equivalence import CPU, check_against_reference
+
+BUCKET = 4000
+DIST = {"use_distributed_optimizer": True}
+
+
+@pytest.mark.parametrize("label, tp, pp, ranks, options", [
+    ("DP=2 all-reduce", 1, 1, [0, 1], {}),
+    ("DP=4 all-reduce overlapped", 1, 1, None, {"overlap_grad_reduce": True}),
+    ("DP=2 ZeRO-1", 1, 1, [0, 1], DIST),
+    ("DP=4 ZeRO-1 overlapped", 1, 1, None, {**DIST, "overlap_grad_reduce": True, "overlap_param_gather": True}),
+    ("DP=4 ZeRO-2", 1, 1, None, {**DIST, "zero_stage": 2}),
+    ("DP=2 ZeRO-2 overlapped", 1, 1, [0, 1], {**DIST, "zero_stage": 2, "overlap_grad_reduce": True,
+                                              "overlap_param_gather": True}),
+    ("TP=2 x DP=2 ZeRO-1", 2, 1, None, {**DIST, "overlap_grad_reduce": True}),
+    ("PP=2 x DP=2 ZeRO-2 (tied embedding across stages)", 1, 2, None, {**DIST, "zero_stage": 2,
+                                                                        "overlap_grad_reduce": True}),
+    ("DP=2 ZeRO-1 CPU offload", 1, 1, [0, 1], {**DIST, "optimizer_cpu_offload": True}),
+])
+def test_matches_single_process(label, tp, pp, ranks, options):
+    cfg = tiny_config(tp=tp, pp=pp, optimizer={"ddp_bucket_size": BUCKET, **options},
+                      training={"micro_batch_size": 1})
+    check_against_reference(cfg, ranks, label)
+
+
+def _state_bytes(cfg) -> int:
+    trainer = Trainer(cfg, CPU)
+    trainer.train()     # Adam states exist after the first step
+    return trainer.optimizer.state_bytes(), len(trainer.ddp.buckets)
+
+
+def test_optimizer_state_bytes_are_one_over_dp():
+    cfg = tiny_config(optimizer={"ddp_bucket_size": BUCKET, **DIST}, training={"train_iters": 1})
+    with layout(1, 1, ranks=[torch.distributed.get_rank()]):
+        unsharded, _ = _state_bytes(cfg)
+    with layout(1, 1):
+        sharded, buckets = _state_bytes(cfg)
+    dp = parallel_state_world = torch.distributed.get_world_size()
+    # Each bucket is padded to a multiple of DP x 16 elements: at most that much more, per state tensor kind.
+    padding_bytes = buckets * dp * 16 * 4 * 2
+    print(f"Adam state bytes: unsharded {unsharded}, DP={parallel_state_world} shard {sharded} "
+          f"(ratio {sharded / unsharded:.4f})")
+    assert unsharded / dp <= sharded + 1 and sharded * dp <= unsharded + padding_bytes
+
+
+def test_fp16_overflow_on_one_rank_skips_the_step_everywhere():
+    cfg = tiny_config(optimizer={**DIST, "initial_loss_scale": 1024.0, "min_loss_scale": 256.0, "hysteresis": 1,
+                                 "loss_scale_window": 2},
+                      training={"fp16": True, "micro_batch_size": 1, "train_iters": 8})
+    with layout(1, 1):
+        trainer = Trainer(cfg, CPU)
+        finish = trainer.ddp.finish_grad_sync
+        inject_at = {2, 5, 6}   # iterations whose gradients get an inf on DP rank 1's own shard only
+
+        def finish_with_overflow():
+            finish()
+            if trainer.state.iteration + 1 in inject_at and parallel_state.get_data_parallel_rank() == 1:
+                trainer.optimizer.fragments[0].grad[0] = float("inf")
+
+        trainer.ddp.finish_grad_sync = finish_with_overflow
+        records, weights = [], []
+        for _ in range(cfg.training.train_iters):
+            before = trainer.ddp.param_buffer.clone()
+            records.append(trainer.train_step())
+            weights.append(torch.equal(before, trainer.ddp.param_buffer))
+    skipped = [r["iteration"] for r in records if r.get("skipped")]
+    scales = [r["loss_scale"] for r in records]
+    assert skipped == [2, 5, 6]                       # on every rank, although only rank 1 overflowed
+    assert [weights[i - 1] for i in skipped] == [True] * 3 and not any(
+        weights[i - 1] for i in range(1, 9) if i not in skipped)
+    # 1024 -> overflow halves to 512 -> two clean steps (3, 4) double it back -> two overflows: 512, then the
+    # minimum 256 holds -> clean steps 7, 8.
+    assert scales == [1024.0, 1024.0, 512.0, 512.0, 1024.0, 512.0, 256.0, 256.0]

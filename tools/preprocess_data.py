@@ -1,0 +1,60 @@
+"""Tokenize text into an indexed dataset: PREFIX.bin (the tokens) and PREFIX.idx (where each document is).
+
+    python tools/preprocess_data.py --input docs.jsonl --output-prefix data/mine \\
+        --tokenizer-model tokenizers/mine.model --workers 4 --append-eod
+
+Then train with ``--data-path data/mine --tokenizer-model tokenizers/mine.model``. Inputs and documents are as for
+train_tokenizer.py (megalite/data/documents.py); the file format is in megalite/data/indexed_dataset.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
+
+from megalite.config import ConfigError  # noqa: E402
+from megalite.data.documents import iter_documents  # noqa: E402
+from megalite.data.preprocess import preprocess  # noqa: E402
+from megalite.data.tokenizer import TOKENIZER_TYPES, build_tokenizer  # noqa: E402
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="preprocess_data", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--input", nargs="+", required=True, metavar="PATH",
+                        help="Text files, directories (read recursively) or .jsonl files.")
+    parser.add_argument("--output-prefix", required=True, help="Write PREFIX.bin and PREFIX.idx.")
+    parser.add_argument("--tokenizer-type", default="SentencePieceTokenizer", choices=TOKENIZER_TYPES)
+    parser.add_argument("--tokenizer-model", help="SentencePiece model file.")
+    parser.add_argument("--vocab-size", type=int, default=0, help="Vocabulary of the NullTokenizer.")
+    parser.add_argument("--json-keys", nargs="+", default=["text"], metavar="KEY",
+                        help="Keys of the JSON-lines records to tokenize, each one document (default text).")
+    parser.add_argument("--whole-files", action="store_true",
+                        help="A plain-text file is one document (source code), instead of one per line.")
+    parser.add_argument("--workers", type=int, default=1, help="Tokenizing processes (default 1).")
+    parser.add_argument("--append-eod", action="store_true", help="Append the end-of-document id to each document.")
+    parser.add_argument("--quiet", action="store_true", help="No progress line.")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str]) -> int:
+    args = parse(argv)
+    try:
+        tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_size)
+        documents = iter_documents(args.input, args.json_keys, args.whole_files)
+        stats = preprocess(documents, tokenizer, args.output_prefix, args.workers, args.append_eod,
+                           progress=None if args.quiet else sys.stderr)
+    except ConfigError as error:
+        print(f"preprocess_data: error: {error}", file=sys.stderr)
+        return 2
+    skipped = f" ({stats.skipped} empty ones skipped)" if stats.skipped else ""
+    print(f"wrote {os.fspath(args.output_prefix)}.bin/.idx: {stats.documents:,} documents, {stats.tokens:,} tokens"
+          f"{skipped} in {stats.seconds:.1f} s", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

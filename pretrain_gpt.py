@@ -26,7 +26,10 @@ def main(argv: list[str]) -> int:
         return 2
     device = initialize_distributed(cfg.parallel)
     try:
-        Trainer(cfg, device).train()
+        trainer = Trainer(cfg, device)
+        description = trainer.describe()   # collective: every rank computes it, rank 0 prints it
+        trainer.logger.print(description)
+        trainer.train()
     finally:
         shutdown_distributed()
     return 0

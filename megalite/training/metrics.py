@@ -8,8 +8,6 @@ iteration, averaged over the log interval) and ``tokens_per_sec``; evaluations a
 from __future__ import annotations
 
 import json
-import sys
-from typing import Optional
 
 from megalite.config import LoggingConfig
 
@@ -36,6 +34,10 @@ class MetricsLogger:
                 if key != "iteration" and isinstance(value, (int, float)):
                     self.tensorboard.add_scalar(key, value, record["iteration"])
 
+    def print(self, message: str) -> None:
+        if self.enabled:
+            print(message, flush=True)
+
     def _console_line(self, record: dict) -> str:
         parts = [f"iteration {record['iteration']:>6}/{self.total_iters}"]
         for key, fmt in [("consumed_samples", "{:d}"), ("elapsed_ms", "{:.1f}"), ("lr", "{:.3e}"),
@@ -51,7 +53,3 @@ class MetricsLogger:
         if self.tensorboard is not None:
             self.tensorboard.close()
 
-
-def print_rank0(message: str, enabled: bool, stream: Optional[object] = None) -> None:
-    if enabled:
-        print(message, file=stream or sys.stdout, flush=True)

@@ -23,6 +23,7 @@ from megalite.data import build_datasets, micro_batch_indices
 from megalite.distributed import DataParallel
 from megalite.model import GPTModel
 from megalite.optimizer import MegaliteOptimizer, learning_rate
+from megalite.optimizer.clip_grads import counts_toward_norm
 from megalite.pipeline import PipelineLinks, build_schedule, chunks_of_rank, run_schedule
 from megalite.tensor_parallel import TensorParallelRNG
 from megalite.training.metrics import MetricsLogger
@@ -92,6 +93,20 @@ class Trainer:
                                     device) if self.pp > 1 else None)
         is_logging_rank = not dist.is_initialized() or dist.get_rank() == 0
         self.logger = MetricsLogger(cfg.logging, is_logging_rank, cfg.training.train_iters)
+
+    def describe(self) -> str:
+        """One line for the start of a run: layout, schedule, model size, data."""
+        counted = torch.tensor(float(sum(p.numel() for p in self.ddp.params if counts_toward_norm(p))))
+        info = parallel_state.get_model_parallel_group()
+        if info.size > 1:
+            dist.all_reduce(counted, group=info.group)
+        tp = parallel_state.get_tensor_model_parallel_world_size()
+        dp = parallel_state.get_data_parallel_world_size()
+        schedule = ("interleaved 1F1B" if self.virtual_stages > 1 else "1F1B") if self.pp > 1 else "no pipelining"
+        data = "mock data" if self.data.tokenizer is None else f"vocabulary {self.data.vocab_size}"
+        return (f"megalite: TP={tp} x PP={self.pp} x DP={dp} (V={self.virtual_stages}, {schedule}, "
+                f"{self.num_micro_batches} micro-batches per step); {counted.item() / 1e6:.2f}M parameters; "
+                f"{str(self.dtype).removeprefix('torch.')}; {data}")
 
     def canonical_named_parameters(self):
         """(canonical name, parameter) over this rank's chunks; see GPTModel.canonical_named_parameters."""

@@ -7,12 +7,17 @@ Megatron-style flags and Hydra overrides (key=value, config groups) may be mixed
 
 from __future__ import annotations
 
+import os
 import sys
 
+from megalite.checkpoint import check_checkpoint
 from megalite.cli import parse_args
 from megalite.config import ConfigError, validate
 from megalite.data import check_data_files
+from megalite.planner.doctor import is_out_of_memory, out_of_memory_message
+from megalite.planner.dry_run import format_dry_run
 from megalite.training import Trainer, initialize_distributed, shutdown_distributed, world_size_from_env
+from megalite.training.stopping import TrainingError
 
 
 def main(argv: list[str]) -> int:
@@ -21,15 +26,37 @@ def main(argv: list[str]) -> int:
         # Every rank checks the options on its own before any collective, so a bad value cannot hang the job.
         validate(cfg, world_size_from_env())
         check_data_files(cfg)   # data files too: a corrupt file stops every rank here, not in a collective
+        check_checkpoint(cfg, world_size_from_env())   # and a missing, partial or corrupt --load checkpoint
     except ConfigError as error:
         print(f"megalite: error: {error}", file=sys.stderr, flush=True)
         return 2
-    device = initialize_distributed(cfg.parallel)
+    if cfg.training.dry_run:   # the planner's memory estimate for this layout; no process group, no training
+        if os.environ.get("RANK", "0") == "0":
+            print(format_dry_run(cfg, world_size_from_env()), flush=True)
+        return 0
+    device = initialize_distributed(cfg.parallel, timeout_s=60 * cfg.training.distributed_timeout_minutes)
     try:
         trainer = Trainer(cfg, device)
         description = trainer.describe()   # collective: every rank computes it, rank 0 prints it
         trainer.logger.print(description)
         trainer.train()
+    except ConfigError as error:   # a checkpoint that does not fit the model: every rank finds it alike
+        print(f"megalite: error: {error}", file=sys.stderr, flush=True)
+        return 2
+    except TrainingError as error:   # a NaN/Inf loss or gradient: the iteration and the ranks, in one line
+        print(f"megalite: error: {error}", file=sys.stderr, flush=True)
+        return 1
+    except RuntimeError as error:   # torch's DistBackendError and OutOfMemoryError are RuntimeErrors too
+        if is_out_of_memory(error):   # which memory ran over, by how much, and what to change
+            print(out_of_memory_message(cfg, error), file=sys.stderr, flush=True)
+            return 1
+        if "timed out" not in str(error).lower():
+            raise
+        # A dead or stalled peer: say so in one line instead of a traceback from inside the backend.
+        print(f"megalite: error: rank {os.environ.get('RANK', '0')}: a collective timed out after "
+              f"--distributed-timeout-minutes {cfg.training.distributed_timeout_minutes:g}: another rank died or "
+              f"stalled ({str(error).splitlines()[0]})", file=sys.stderr, flush=True)
+        return 1
     finally:
         shutdown_distributed()
     return 0

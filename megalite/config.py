@@ -43,10 +43,38 @@ class ModelConfig:
     layernorm_epsilon: float = option(1e-5, "Epsilon of the LayerNorms.")
     untie_embeddings_and_output_weights: bool = option(
         False, "Give the output layer its own weight instead of reusing the word embedding.")
+    position_embedding_type: str = option(
+        "learned_absolute", "learned_absolute (a learned position table added to the embeddings) or rope (rotary "
+                            "embeddings applied to queries and keys in every layer, rotate-half convention).")
+    rotary_base: int = option(10000, "With rope: base of the rotary frequencies (Llama 2: 10000, Llama 3: 500000).")
+    normalization: str = option("LayerNorm", "LayerNorm or RMSNorm (a learned scale only: no bias, no centering).")
+    swiglu: bool = option(
+        False, "SwiGLU MLP: down(silu(gate(x)) * up(x)), gate and up each of --ffn-hidden-size (Llama's MLP).")
+    group_query_attention: bool = option(
+        False, "Grouped-query attention: the query heads share --num-query-groups key/value heads.")
+    num_query_groups: int = option(1, "With --group-query-attention: number of key/value heads (1: multi-query).")
+    disable_bias_linear: bool = option(False, "No biases in the attention and MLP linear layers.")
+    recompute_granularity: Optional[str] = option(
+        None, "Activation recompute: full (keep each recomputed group's input only, rerun it in backward) or "
+              "selective (rerun only the attention core: softmax, dropout and the two attention products).")
+    recompute_method: Optional[str] = option(
+        None, "With full recompute: uniform (every model chunk's layers in groups of --recompute-num-layers) or block "
+              "(only the first --recompute-num-layers layers of each model chunk, one by one).")
+    recompute_num_layers: int = option(
+        1, "With full recompute: layers per recomputed group (uniform) or recomputed layers per chunk (block).")
 
     @property
     def ffn_size(self) -> int:
         return self.ffn_hidden_size or 4 * self.hidden_size
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def query_groups(self) -> int:
+        """Number of key/value heads: num_query_groups with grouped-query attention, else one per query head."""
+        return self.num_query_groups if self.group_query_attention else self.num_attention_heads
 
     @property
     def max_positions(self) -> int:
@@ -62,6 +90,9 @@ class ModelConfig:
 class ParallelConfig:
     tensor_model_parallel_size: int = option(1, "Tensor-parallel size (ranks splitting each layer's matrices).")
     pipeline_model_parallel_size: int = option(1, "Pipeline-parallel size (ranks splitting the layer stack).")
+    sequence_parallel: bool = option(
+        False, "Split norms, dropout and the residual stream along the sequence over the tensor-parallel ranks "
+               "(activation memory / TP there too; needs TP > 1).")
     num_layers_per_virtual_pipeline_stage: Optional[int] = option(
         None, "Layers per model chunk for the interleaved schedule (alternative to the next option).")
     num_virtual_stages_per_pipeline_rank: Optional[int] = option(
@@ -166,6 +197,20 @@ class TrainingConfig:
     seed: int = option(1234, "Seed for initialization, data order and dropout.")
     bf16: bool = option(False, "bfloat16 parameters and compute; fp32 gradients, main parameters and Adam states.")
     fp16: bool = option(False, "float16 parameters and compute with loss scaling; fp32 gradients and main parameters.")
+    distributed_timeout_minutes: float = option(
+        10.0, "A collective waiting longer than this (a dead or stalled rank) fails with an error instead of hanging.")
+    exit_signal_handler: bool = option(
+        False, "On SIGTERM (what cluster schedulers send), every rank saves a checkpoint (with --save) and exits 0.")
+    exit_interval: Optional[int] = option(
+        None, "Stop cleanly (after a checkpoint, with --save) once the iteration is a multiple of this.")
+    exit_duration_in_mins: Optional[float] = option(
+        None, "Stop cleanly (after a checkpoint, with --save) once training has run this many minutes.")
+    no_check_for_nan_in_loss_and_grad: bool = option(
+        False, "Do not stop on a NaN/Inf loss or gradient (by default training stops naming the iteration and "
+               "ranks; with --fp16 such a step is skipped instead).")
+    dry_run: bool = option(
+        False, "Print the planner's per-GPU memory estimate for this layout (weights, gradients, optimizer states, "
+               "activations of each pipeline stage) and exit without training.")
 
 
 @dataclass
@@ -176,6 +221,41 @@ class LoggingConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    save: Optional[str] = option(
+        None, "Write checkpoints to this directory (one subdirectory per saved iteration; each rank writes its own "
+              "shards).")
+    save_interval: Optional[int] = option(
+        None, "With --save: save every this many iterations, and at the end; default: only at the end.")
+    load: Optional[str] = option(
+        None, "Resume from the latest complete checkpoint in this directory (or from this checkpoint directory), "
+              "whatever layout it was saved at; a --load equal to --save with nothing saved yet starts afresh.")
+    no_load_optim: bool = option(
+        False, "With --load: do not restore optimizer state (Adam moments, fp32 main parameters, loss scale).")
+    no_load_rng: bool = option(False, "With --load: do not restore the random-number generators' states.")
+    finetune: bool = option(
+        False, "With --load: load the model weights only and start at iteration 0 (fresh optimizer, data position "
+               "and random state).")
+
+
+@dataclass
+class KernelConfig:
+    use_fused_kernels: str = option(
+        "auto", "auto (fused CUDA kernels for LayerNorm/RMSNorm, bias + GeLU, rotary embeddings and the cross entropy "
+                "where the input is on a GPU and the extension builds, torch ops elsewhere), on (also the fused "
+                "masked-softmax attention core instead of scaled_dot_product_attention; a failed build is an error) "
+                "or off (torch ops only).")
+    no_masked_softmax_fusion: bool = option(
+        False, "With --use-fused-kernels on: keep scaled_dot_product_attention instead of the fused causal softmax.")
+    no_bias_gelu_fusion: bool = option(False, "Add the MLP's first bias and apply GeLU with torch ops, not fused.")
+    no_layernorm_fusion: bool = option(False, "Run LayerNorm and RMSNorm with torch ops, not the fused kernels.")
+    no_rope_fusion: bool = option(False, "Apply rotary embeddings with torch ops, not the fused kernel.")
+    no_cross_entropy_loss_fusion: bool = option(
+        False, "Compute the vocab-parallel cross entropy with torch ops, not the fused per-shard kernels (fused by "
+               "default here, where Megatron's --cross-entropy-loss-fusion is opt-in).")
+
+
+@dataclass
 class MegaliteConfig:
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
     parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
@@ -183,6 +263,8 @@ class MegaliteConfig:
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     training: TrainingConfig = dataclasses.field(default_factory=TrainingConfig)
     logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
+    checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+    kernels: KernelConfig = dataclasses.field(default_factory=KernelConfig)
 
 
 def sections() -> list[tuple[str, type]]:
@@ -208,6 +290,11 @@ def validate(cfg: MegaliteConfig, world_size: int) -> None:
                         ("log-interval", cfg.logging.log_interval)]:
         _require(value >= 1, f"--{name} must be >= 1, got {value}")
     _require(t.train_iters >= 0, f"--train-iters must be >= 0, got {t.train_iters}")
+    _require(t.exit_interval is None or t.exit_interval >= 1, f"--exit-interval must be >= 1, got {t.exit_interval}")
+    _require(t.exit_duration_in_mins is None or t.exit_duration_in_mins > 0,
+             f"--exit-duration-in-mins must be > 0, got {t.exit_duration_in_mins}")
+    _require(t.distributed_timeout_minutes > 0,
+             f"--distributed-timeout-minutes must be > 0, got {t.distributed_timeout_minutes}")
     tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
     _require(world_size % (tp * pp) == 0,
              f"world size {world_size} is not divisible by tensor-model-parallel-size {tp} x "
@@ -220,6 +307,7 @@ def validate(cfg: MegaliteConfig, world_size: int) -> None:
              f"num-attention-heads {m.num_attention_heads} is not divisible by tensor-model-parallel-size {tp}")
     _require(m.ffn_size % tp == 0,
              f"ffn-hidden-size {m.ffn_size} is not divisible by tensor-model-parallel-size {tp}")
+    _check_architecture(cfg)
     _require(t.global_batch_size % (t.micro_batch_size * dp) == 0,
              f"global-batch-size {t.global_batch_size} is not divisible by micro-batch-size {t.micro_batch_size} x "
              f"data-parallel size {dp} = {t.micro_batch_size * dp}")
@@ -239,6 +327,8 @@ def validate(cfg: MegaliteConfig, world_size: int) -> None:
     _require(0 <= o.adam_beta1 < 1 and 0 <= o.adam_beta2 < 1,
              f"Adam betas must be in [0, 1), got {o.adam_beta1}, {o.adam_beta2}")
     _check_data(cfg)
+    _check_checkpoint(cfg)
+    _check_kernels(cfg)
 
 
 def _check_pipeline(cfg: MegaliteConfig, dp: int) -> None:
@@ -272,6 +362,52 @@ def _check_pipeline(cfg: MegaliteConfig, dp: int) -> None:
                  f"is a multiple of {micro_batch_product * pp}, e.g. {micro_batch_product * pp * -(-num_micro // pp)}")
 
 
+def _check_architecture(cfg: MegaliteConfig) -> None:
+    """Positions, norms, grouped-query attention, sequence parallelism and recompute (heads already divide TP)."""
+    m, p = cfg.model, cfg.parallel
+    tp = p.tensor_model_parallel_size
+    _require(m.position_embedding_type in ("learned_absolute", "rope"),
+             f"--position-embedding-type must be learned_absolute or rope, got {m.position_embedding_type!r}")
+    _require(m.position_embedding_type != "rope" or m.head_dim % 2 == 0,
+             f"rope needs an even head dimension, got hidden-size {m.hidden_size} / num-attention-heads "
+             f"{m.num_attention_heads} = {m.head_dim}")
+    _require(m.rotary_base >= 1, f"--rotary-base must be >= 1, got {m.rotary_base}")
+    _require(m.normalization in ("LayerNorm", "RMSNorm"),
+             f"--normalization must be LayerNorm or RMSNorm, got {m.normalization!r}")
+    if m.group_query_attention:
+        g, heads = m.num_query_groups, m.num_attention_heads
+        _require(g >= 1, f"--num-query-groups must be >= 1, got {g}")
+        _require(heads % g == 0, f"num-attention-heads {heads} is not divisible by num-query-groups {g}")
+        # G % TP == 0: each rank holds G/TP whole key/value heads. TP % G == 0: each key/value head is split over
+        # the TP/G ranks of its query heads, which all-gather it (so its head dimension must split TP/G ways).
+        works = [t for t in range(1, heads + 1) if heads % t == 0 and (g % t == 0 or t % g == 0)
+                 and (t <= g or m.head_dim % (t // g) == 0)]
+        _require(g % tp == 0 or tp % g == 0,
+                 f"num-query-groups {g} is not divisible by tensor-model-parallel-size {tp}, nor {tp} by {g}: one "
+                 f"must divide the other; tensor-model-parallel sizes that work: {', '.join(map(str, works))}")
+        _require(tp <= g or m.head_dim % (tp // g) == 0,
+                 f"with num-query-groups {g} over tensor-model-parallel-size {tp}, each key/value head is split over "
+                 f"{tp // g} ranks, which head dimension {m.head_dim} does not allow; tensor-model-parallel sizes that "
+                 f"work: {', '.join(map(str, works))}")
+    if p.sequence_parallel:
+        _require(tp > 1, "--sequence-parallel needs --tensor-model-parallel-size > 1")
+        _require(m.seq_length % tp == 0,
+                 f"with --sequence-parallel, seq-length {m.seq_length} must be divisible by "
+                 f"tensor-model-parallel-size {tp}")
+    _require(m.recompute_granularity in (None, "full", "selective"),
+             f"--recompute-granularity must be full or selective, got {m.recompute_granularity!r}")
+    _require(m.recompute_method in (None, "uniform", "block"),
+             f"--recompute-method must be uniform or block, got {m.recompute_method!r}")
+    if m.recompute_granularity == "full":
+        _require(m.recompute_method is not None, "--recompute-granularity full needs --recompute-method uniform|block")
+        per_chunk = m.num_layers // (p.pipeline_model_parallel_size * p.virtual_stages(m.num_layers))
+        _require(1 <= m.recompute_num_layers <= per_chunk,
+                 f"--recompute-num-layers must be between 1 and the {per_chunk} layers of a model chunk, got "
+                 f"{m.recompute_num_layers}")
+    else:
+        _require(m.recompute_method is None, "--recompute-method applies to --recompute-granularity full only")
+
+
 def _check_optimizer(cfg: MegaliteConfig) -> None:
     o, t = cfg.optimizer, cfg.training
     _require(not (t.bf16 and t.fp16), "--bf16 and --fp16 exclude each other")
@@ -288,6 +424,26 @@ def _check_optimizer(cfg: MegaliteConfig) -> None:
              f"need 0 < min-loss-scale <= initial-loss-scale, got {o.min_loss_scale} and {o.initial_loss_scale}")
     _require(o.loss_scale_window >= 1 and o.hysteresis >= 1,
              f"--loss-scale-window and --hysteresis must be >= 1, got {o.loss_scale_window} and {o.hysteresis}")
+
+
+def _check_checkpoint(cfg: MegaliteConfig) -> None:
+    """The checkpoint options alone (the checkpoint itself is checked by megalite.checkpoint.check_checkpoint)."""
+    c = cfg.checkpoint
+    _require(c.save_interval is None or c.save_interval >= 1, f"--save-interval must be >= 1, got {c.save_interval}")
+    _require(c.save_interval is None or c.save is not None, "--save-interval needs --save")
+    _require(not c.finetune or c.load is not None, "--finetune needs --load")
+
+
+def _check_kernels(cfg: MegaliteConfig) -> None:
+    """The fused-kernel mode; ``on`` needs a GPU here (whether the extension builds is checked when the model is)."""
+    mode = cfg.kernels.use_fused_kernels
+    _require(mode in ("auto", "on", "off"), f"--use-fused-kernels must be auto, on or off, got {mode!r}")
+    if mode == "on":
+        import torch   # only here: checking the other options needs no torch
+
+        _require(torch.cuda.is_available(),
+                 "--use-fused-kernels on needs a CUDA device and none is visible: use auto (fused kernels where "
+                 "there is a GPU, torch ops elsewhere) or off")
 
 
 def _check_data(cfg: MegaliteConfig) -> None:

@@ -15,8 +15,10 @@ communication helpers treat a size-1 group as "nothing to do", which is also wha
 
 from __future__ import annotations
 
+import contextlib
+import datetime
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
 import torch.distributed as dist
 
@@ -67,11 +69,14 @@ def layout_groups(num_ranks: int, tp: int, pp: int) -> dict[str, list[list[int]]
 
 
 def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1,
-                              ranks: Optional[Sequence[int]] = None) -> ParallelState:
+                              ranks: Optional[Sequence[int]] = None,
+                              timeout: Optional[datetime.timedelta] = None) -> ParallelState:
     """Build every group of the layout over ``ranks`` (default: the whole world) and register them.
 
     Every process of the world must call this with the same arguments (torch's ``new_group`` is collective), except
-    when all groups have size 1 (a 1x1x1 layout), which creates nothing and may differ per rank.
+    when all groups have size 1 (a 1x1x1 layout), which creates nothing and may differ per rank. ``timeout`` bounds
+    every collective on the new groups (torch does not inherit it from the world group: without it, gloo waits 30
+    minutes on a dead rank).
     """
     global _STATE
     if _STATE is not None:
@@ -85,13 +90,47 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_mode
         for members in members_list:
             global_members = tuple(ranks[r] for r in members)
             # new_group is collective over the world: every rank creates every group, in the same order.
-            group = dist.new_group(list(global_members)) if len(global_members) > 1 else None
+            group = dist.new_group(list(global_members), timeout=timeout) if len(global_members) > 1 else None
             if me in global_members:
                 mine[kind] = GroupInfo(group, global_members)
     if me not in ranks:
         return None
     _STATE = ParallelState(**{"embedding": None, **mine})
     return _STATE
+
+
+@dataclass(frozen=True)
+class _SimulatedGroupInfo(GroupInfo):
+    """A group of a shape-only layout: no torch group, and this "rank"'s place in it given, not read from torch."""
+    position: int = 0
+
+    @property
+    def rank(self) -> int:
+        return self.position
+
+
+@contextlib.contextmanager
+def simulated_layout(tp: int = 1, pp: int = 1, dp: int = 1, *, tp_rank: int = 0, pp_rank: int = 0,
+                     dp_rank: int = 0) -> Iterator[ParallelState]:
+    """Register a TP x PP x DP layout *for shapes only*, as seen by one rank of it, inside the block.
+
+    Every group has ``group=None`` and the sizes and ranks of the layout, so modules build exactly the tensors that
+    rank would hold (e.g. ``with simulated_layout(4, 2, pp_rank=1), torch.device("meta"): GPTModel(...)`` counts
+    the parameters of stage 1 at TP=4 without processes or memory). For planning and counting only: never run a
+    collective under it (there is no group to run it on). The previously registered layout, if any, comes back
+    afterwards."""
+    global _STATE
+    num_ranks = tp * pp * dp
+    me = pp_rank * dp * tp + dp_rank * tp + tp_rank
+    if not (0 <= tp_rank < tp and 0 <= pp_rank < pp and 0 <= dp_rank < dp):
+        raise ValueError(f"ranks ({tp_rank}, {pp_rank}, {dp_rank}) outside the layout TP {tp} x PP {pp} x DP {dp}")
+    mine = {kind: _SimulatedGroupInfo(None, tuple(m), m.index(me))
+            for kind, members in layout_groups(num_ranks, tp, pp).items() for m in members if me in m}
+    previous, _STATE = _STATE, ParallelState(**{"embedding": None, **mine})   # a middle stage has no embedding group
+    try:
+        yield _STATE
+    finally:
+        _STATE = previous
 
 
 def destroy_model_parallel() -> None:

@@ -176,3 +176,18 @@ def test_data_path_takes_several_words(argv, data_path, lr):
 def test_data_path_without_words_is_an_error():
     with pytest.raises(ConfigError, match="--data-path"):
         parse_args(["--data-path", "--lr", "1"])
+
+
+def test_architecture_and_memory_flags():
+    cfg = parse_args(["--position-embedding-type", "rope", "--rotary-base", "500000", "--normalization", "RMSNorm",
+                      "--swiglu", "--group-query-attention", "--num-query-groups", "2", "--disable-bias-linear",
+                      "--sequence-parallel", "--recompute-granularity", "full", "--recompute-method", "uniform",
+                      "--recompute-num-layers", "2"])
+    m = cfg.model
+    assert (m.position_embedding_type, m.rotary_base, m.normalization, m.swiglu, m.group_query_attention,
+            m.num_query_groups, m.disable_bias_linear) == ("rope", 500000, "RMSNorm", True, True, 2, True)
+    assert (m.recompute_granularity, m.recompute_method, m.recompute_num_layers) == ("full", "uniform", 2)
+    assert cfg.parallel.sequence_parallel is True
+    tiny = parse_args(["model=llama_tiny", "parallel.sequence_parallel=true", "model.recompute_granularity=selective"])
+    assert (tiny.model.swiglu, tiny.model.query_groups, tiny.model.recompute_granularity) == (True, 2, "selective")
+    assert tiny.parallel.sequence_parallel

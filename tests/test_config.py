@@ -51,6 +51,31 @@ def test_tiny_config_is_valid_on_several_world_sizes():
     (tiny_config(data={"split": "a,b"}), 1, "--split 'a,b'"),
     (tiny_config(data={"tokenizer_type": "GPT2BPETokenizer"}), 1, "--tokenizer-type must be SentencePieceTokenizer"),
     (tiny_config(data={"eval_iters": -1}), 1, "--eval-interval and --eval-iters must be >= 0"),
+    (tiny_config(tp=2, model={"hidden_size": 96, "num_attention_heads": 12, "group_query_attention": True,
+                              "num_query_groups": 3}), 2,
+     "num-query-groups 3 is not divisible by tensor-model-parallel-size 2, nor 2 by 3: one must divide the other; "
+     "tensor-model-parallel sizes that work: 1, 3, 6, 12"),
+    (tiny_config(tp=4, model={"num_attention_heads": 32, "group_query_attention": True}), 4,
+     "with num-query-groups 1 over tensor-model-parallel-size 4, each key/value head is split over 4 ranks, which "
+     "head dimension 2 does not allow; tensor-model-parallel sizes that work: 1, 2"),
+    (tiny_config(model={"group_query_attention": True, "num_query_groups": 3}), 1,
+     "num-attention-heads 4 is not divisible by num-query-groups 3"),
+    (tiny_config(model={"hidden_size": 60, "position_embedding_type": "rope"}), 1,
+     "rope needs an even head dimension, got hidden-size 60 / num-attention-heads 4 = 15"),
+    (tiny_config(model={"position_embedding_type": "alibi"}), 1, "--position-embedding-type must be learned_absolute"),
+    (tiny_config(model={"normalization": "rmsnorm"}), 1, "--normalization must be LayerNorm or RMSNorm"),
+    (tiny_config(parallel={"sequence_parallel": True}), 1,
+     "--sequence-parallel needs --tensor-model-parallel-size > 1"),
+    (tiny_config(tp=4, model={"seq_length": 30}, parallel={"sequence_parallel": True}), 4,
+     "with --sequence-parallel, seq-length 30 must be divisible by tensor-model-parallel-size 4"),
+    (tiny_config(model={"recompute_granularity": "full"}), 1,
+     "--recompute-granularity full needs --recompute-method uniform|block"),
+    (tiny_config(model={"recompute_granularity": "selective", "recompute_method": "block"}), 1,
+     "--recompute-method applies to --recompute-granularity full only"),
+    (tiny_config(pp=2, model={"recompute_granularity": "full", "recompute_method": "block",
+                              "recompute_num_layers": 2}), 2,
+     "--recompute-num-layers must be between 1 and the 1 layers of a model chunk, got 2"),
+    (tiny_config(model={"recompute_granularity": "some"}), 1, "--recompute-granularity must be full or selective"),
 ])
 def test_bad_values_name_the_numbers(cfg, world, message):
     with pytest.raises(ConfigError) as error:
@@ -81,3 +106,14 @@ def test_data_options():
     assert data.blend() == (["a", "b"], [0.3, 0.7]) and data.split_fractions() == [0.99, 0.01, 0.0]
     assert tiny_config(data={"data_path": "a  b"}).data.blend() == (["a", "b"], None)
     assert tiny_config(data={"split": "8/1/1"}).data.split_fractions() == [0.8, 0.1, 0.1]
+
+
+def test_architecture_and_memory_options_combine_with_parallel_layouts():
+    llama = {"position_embedding_type": "rope", "normalization": "RMSNorm", "swiglu": True,
+             "group_query_attention": True, "num_query_groups": 2, "disable_bias_linear": True}
+    for tp, groups in [(1, 2), (2, 2), (4, 2), (4, 1), (2, 4)]:   # G % TP == 0 and TP % G == 0 both work
+        validate(tiny_config(tp=tp, model={**llama, "num_query_groups": groups},
+                             parallel={"sequence_parallel": tp > 1}), tp * 2)
+    validate(tiny_config(tp=2, pp=2, model={"num_layers": 4, "recompute_granularity": "full",
+                                            "recompute_method": "uniform", "recompute_num_layers": 2}), 4)
+    validate(tiny_config(model={"recompute_granularity": "selective"}), 1)

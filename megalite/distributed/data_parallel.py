@@ -20,6 +20,8 @@ the module runs).
 
 Tied word embeddings split across pipeline stages are "deferred": their bucket waits until the end, where their
 gradient is first summed with the other stage's copy over the embedding group, then reduced over DP like the rest.
+Parameters flagged ``sequence_parallel`` (replicated over TP, applied to a sequence shard) get a last reduction,
+over TP, once the DP reductions are done.
 """
 
 from __future__ import annotations
@@ -44,9 +46,11 @@ class DataParallel:
     def __init__(self, modules: list[torch.nn.Module], *, data_group: GroupInfo,
                  embedding_group: Optional[GroupInfo] = None, tied_params: list[torch.nn.Parameter] = (),
                  bucket_size: Optional[int] = None, distributed_optimizer: bool = False, zero_stage: int = 1,
-                 overlap_grad_reduce: bool = False, overlap_param_gather: bool = False):
+                 overlap_grad_reduce: bool = False, overlap_param_gather: bool = False,
+                 tensor_group: Optional[GroupInfo] = None):
         self.group = data_group
         self.embedding_group = embedding_group
+        self.tensor_group = tensor_group
         self.dp, self.dp_rank = data_group.size, data_group.rank
         self.distributed = distributed_optimizer
         self.zero2 = distributed_optimizer and zero_stage == 2
@@ -56,6 +60,7 @@ class DataParallel:
         if len(dtypes) != 1:
             raise ValueError(f"all parameters must share one dtype, got {sorted(map(str, dtypes))}")
         self.param_dtype = dtypes.pop()
+        self.sequence_parallel_params = [p for p in self.params if getattr(p, "sequence_parallel", False)]
         device = self.params[0].device
         size = bucket_size or max(DEFAULT_BUCKET_SIZE, 1_000_000 * self.dp)
         self.layout = build_layout(self.params, size, self.dp, tied_params)
@@ -161,7 +166,8 @@ class DataParallel:
             self._pending_reductions.append((work, lambda: target.copy_(shard_sum) if self.dp > 1 else None))
 
     def finish_grad_sync(self) -> None:
-        """Sum tied-embedding gradients across stages, reduce every bucket not yet reduced, wait for all."""
+        """Sum tied-embedding gradients across stages, reduce every bucket not yet reduced, wait for all, then sum
+        the sequence-parallel parameters' gradients over TP."""
         self._sum_tied_gradients()
         for bucket in self.buckets:
             if self.zero2:
@@ -174,6 +180,35 @@ class DataParallel:
                 work.wait()
             complete()
         self._pending_reductions.clear()
+        self._sum_sequence_parallel_gradients()
+
+    def _sum_sequence_parallel_gradients(self) -> None:
+        """A parameter replicated over TP but applied to this rank's sequence shard (sequence parallelism: norms,
+        row-parallel biases, positions) got only its shard's part of the gradient: sum the parts over TP.
+
+        Sums commute, so this runs after the DP reduction (Megatron's order too), where every mode has its reduced
+        gradient in one place: whole in the gradient buffer, or this rank's DP shard of it with the distributed
+        optimizer (ZeRO-2 included, whose per-micro-batch gradients no longer exist). The TP ranks of one DP rank
+        have identical bucket layouts, so they hold the same pieces and one all-reduce of the pieces packed
+        together sums them."""
+        group = self.tensor_group
+        if group is None or group.size == 1 or not self.sequence_parallel_params:
+            return
+        pieces = []
+        for p in self.sequence_parallel_params:
+            bucket = self.bucket_of(p)
+            start, end = self.range(p)
+            if self.distributed:
+                shard_start, shard_end = self.shard(bucket)
+                start, end = max(start, shard_start), min(end, shard_end)
+                if start >= end:
+                    continue
+            pieces.append(self.reduced_grad(bucket, start, end))
+        if not pieces:
+            return
+        packed = torch.cat(pieces)
+        dist.all_reduce(packed, group=group.group)
+        torch._foreach_copy_(pieces, list(packed.split([piece.numel() for piece in pieces])))
 
     def _sum_tied_gradients(self) -> None:
         group = self.embedding_group

@@ -1,5 +1,10 @@
-"""Fused ops written in C++ (sources in ``csrc/``), built on first use; every one has a plain-torch fallback."""
+"""Fused ops written in C++ and CUDA (sources in ``csrc/``), built on first use; every one has a plain-torch fallback.
 
-from megalite.kernels.build import load_extension
+``build`` compiles and caches extensions; ``policy`` decides per op and tensor whether the fused CUDA kernels run
+(``--use-fused-kernels``); ``fused`` holds their autograd functions; ``torch_ops`` the kernels' functions in torch ops.
+"""
 
-__all__ = ["load_extension"]
+from megalite.kernels.build import ExtensionUnavailable, load_extension
+from megalite.kernels.policy import DEFAULT_POLICY, KernelPolicy, fused_extension
+
+__all__ = ["load_extension", "ExtensionUnavailable", "KernelPolicy", "DEFAULT_POLICY", "fused_extension"]

@@ -1,8 +1,22 @@
-"""Causal self-attention with heads split over tensor-parallel ranks.
+"""Causal self-attention with heads split over tensor-parallel ranks; multi-head or grouped-query.
 
-One column-parallel projection makes q, k and v together (its weight is the stack [Wq; Wk; Wv], each block split by
-heads, so a rank gets the q, k and v of the same heads); attention runs on this rank's heads only, through torch's
-scaled_dot_product_attention; a row-parallel projection sums the heads' contributions back into the residual stream.
+One column-parallel projection makes q, k and v together. Its weight is the stack [Wq; Wk; Wv] (Hugging Face's
+q_proj, k_proj, v_proj one above the other), each block split over TP separately, so a rank gets the q of its query
+heads and the k and v of the key/value heads they use. With grouped-query attention (G key/value heads, G < heads)
+the blocks are unequal: [hidden; G x head_dim; G x head_dim].
+
+- G >= TP (G divisible by TP): each rank holds G/TP whole key/value heads, those of its query heads.
+- G < TP (TP divisible by G): a key/value head serves the query heads of TP/G ranks. Each of them computes 1/(TP/G)
+  of that head's channels (the weights stay split evenly, nothing is replicated) and they all-gather the pieces; the
+  gather's backward reduce-scatters, which sums the gradient each rank's query heads send to the shared head.
+
+Rotary embeddings, when configured, rotate q and k; attention runs on this rank's heads through torch's
+scaled_dot_product_attention (the "core", which selective recompute reruns in backward instead of keeping its
+seq x seq intermediates); a row-parallel projection sums the heads' contributions back into the residual stream.
+
+With ``--use-fused-kernels on`` (and not ``--no-masked-softmax-fusion``) the core on CUDA is instead Megatron's
+unfused attention with the fused causal softmax: q k^T, the scaled upper-triangular masked softmax kernel, dropout,
+times v. It materializes the seq x seq probabilities, so ``auto`` keeps SDPA (see megalite.kernels.policy).
 """
 
 from __future__ import annotations
@@ -16,28 +30,86 @@ from torch import nn
 
 from megalite import parallel_state
 from megalite.config import ModelConfig
-from megalite.tensor_parallel import ColumnParallelLinear, RowParallelLinear, TensorParallelRNG
+from megalite.kernels import DEFAULT_POLICY, KernelPolicy
+from megalite.kernels.fused import scaled_masked_softmax
+from megalite.kernels.policy import MASKED_SOFTMAX
+from megalite.model.rotary import RotaryEmbedding
+from megalite.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, TensorParallelRNG,
+                                      all_gather_tensor_parallel, recompute)
 
 
 class SelfAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, rng: TensorParallelRNG | None):
+    def __init__(self, cfg: ModelConfig, rng: TensorParallelRNG | None, sequence_parallel: bool = False,
+                 kernels: KernelPolicy = DEFAULT_POLICY):
         super().__init__()
+        self.kernels = kernels
         tp = parallel_state.get_tensor_model_parallel_world_size()
-        self.heads = cfg.num_attention_heads // tp
-        self.head_dim = cfg.hidden_size // cfg.num_attention_heads
+        tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        heads, groups, head_dim = cfg.num_attention_heads, cfg.query_groups, cfg.head_dim
+        self.heads, self.head_dim = heads // tp, head_dim
+        self.kv_heads = max(groups // tp, 1)              # key/value heads used on this rank
+        self.kv_channels = groups * head_dim // tp         # k (and v) channels this rank computes
+        self.sharing_ranks = max(tp // groups, 1)          # ranks computing pieces of one key/value head
+        self.first_sharing_rank = tp_rank // self.sharing_ranks * self.sharing_ranks
         self.dropout = cfg.attention_dropout
         self.rng = rng
+        self.recompute_core = cfg.recompute_granularity == "selective"
+        self.rotary = (RotaryEmbedding(head_dim, cfg.rotary_base, kernels) if cfg.position_embedding_type == "rope"
+                       else None)
+        bias = not cfg.disable_bias_linear
+        kv_size = groups * head_dim
+        fused = 3 if groups == heads else (cfg.hidden_size, kv_size, kv_size)
         output_std = cfg.init_method_std / math.sqrt(2.0 * cfg.num_layers)   # Megatron's scaled init of outputs
-        self.linear_qkv = ColumnParallelLinear(cfg.hidden_size, 3 * cfg.hidden_size, fused=3,
-                                               init_std=cfg.init_method_std)
-        self.linear_proj = RowParallelLinear(cfg.hidden_size, cfg.hidden_size, init_std=output_std)
+        self.linear_qkv = ColumnParallelLinear(cfg.hidden_size, cfg.hidden_size + 2 * kv_size, fused=fused,
+                                               bias=bias, init_std=cfg.init_method_std,
+                                               sequence_parallel=sequence_parallel)
+        self.linear_proj = RowParallelLinear(cfg.hidden_size, cfg.hidden_size, bias=bias, init_std=output_std,
+                                             sequence_parallel=sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, seq, _ = x.shape
-        q, k, v = self.linear_qkv(x).chunk(3, dim=-1)
-        q, k, v = (t.view(batch, seq, self.heads, self.head_dim).transpose(1, 2) for t in (q, k, v))
+        qkv = self.linear_qkv(x)                 # the whole sequence, also under sequence parallelism
+        batch, seq, _ = qkv.shape
+        q, k, v = qkv.split([self.heads * self.head_dim, self.kv_channels, self.kv_channels], dim=-1)
+        if self.sharing_ranks > 1:
+            k, v = self._gather_shared_head(k, v)
+        q = q.view(batch, seq, self.heads, self.head_dim).transpose(1, 2)
+        k, v = (t.view(batch, seq, self.kv_heads, self.head_dim).transpose(1, 2) for t in (k, v))
+        if self.rotary is not None:
+            q, k = self.rotary(q, k)
+        if self.recompute_core and self.training and torch.is_grad_enabled():
+            context = recompute(self._core, self.rng, q, k, v)
+        else:
+            context = self._core(q, k, v)
+        return self.linear_proj(context)
+
+    def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """softmax(q k^T / sqrt(d) + causal mask) with dropout, times v; heads merged back: [batch, seq, heads x d]."""
         dropout = self.dropout if self.training else 0.0
+        ops = self.kernels.ops(MASKED_SOFTMAX, q)
         # Attention probabilities belong to this rank's heads: their dropout draws from the per-TP-rank stream.
         with self.rng.fork() if dropout > 0 else contextlib.nullcontext():
-            context = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
-        return self.linear_proj(context.transpose(1, 2).reshape(batch, seq, self.heads * self.head_dim))
+            if ops is None:
+                context = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True,
+                                                         enable_gqa=self.kv_heads != self.heads)
+            else:
+                context = self._fused_softmax_core(q, k, v, dropout, ops)
+        batch, _, seq, _ = context.shape
+        return context.transpose(1, 2).reshape(batch, seq, self.heads * self.head_dim)
+
+    def _fused_softmax_core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: float,
+                            ops) -> torch.Tensor:
+        """softmax(q k^T / sqrt(d) + causal mask) v with the fused masked softmax: [batch, heads, seq, d]."""
+        if self.kv_heads != self.heads:   # query head i uses key/value head i // (heads / kv_heads), as SDPA's GQA
+            k, v = (t.repeat_interleave(self.heads // self.kv_heads, dim=1) for t in (k, v))
+        probs = scaled_masked_softmax(q @ k.transpose(-2, -1), 1.0 / math.sqrt(self.head_dim), ops)
+        return F.dropout(probs, dropout) @ v if dropout > 0 else probs @ v
+
+    def _gather_shared_head(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Assemble this rank's key/value head from the channel pieces of the ranks sharing it."""
+        batch, seq, channels = k.shape
+        pieces = all_gather_tensor_parallel(torch.cat([k, v], dim=-1), dim=-1)   # rank-major [k_0 v_0 k_1 v_1 ...]
+        tp = pieces.shape[-1] // (2 * channels)
+        first = self.first_sharing_rank
+        pieces = pieces.view(batch, seq, tp, 2, channels)[:, :, first:first + self.sharing_ranks]
+        k, v = pieces.transpose(2, 3).reshape(batch, seq, 2, self.sharing_ranks * channels).unbind(2)
+        return k, v

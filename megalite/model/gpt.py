@@ -1,4 +1,9 @@
-"""GPT: embeddings, a stack of transformer layers, final LayerNorm, and a vocab-parallel output layer and loss.
+"""GPT: embeddings, a stack of transformer layers, a final norm, and a vocab-parallel output layer and loss.
+
+The architecture follows the config: GPT-2 (learned positions, LayerNorm, GeLU, biases) or Llama-style (rotary
+positions, RMSNorm, SwiGLU, grouped-query attention, no biases), in any combination. Under sequence parallelism the
+hidden states between the embedding and the output layer are this rank's sequence shard [batch, seq / TP, hidden]
+(that is also what pipeline stages send each other); the output layer gathers the sequence back.
 
 A ``GPTModel`` may hold only part of the stack (a pipeline stage): ``layer_offset`` is the global index of its first
 layer, and ``pre_process``/``post_process`` say whether it holds the embeddings / the output layer. Parameter names
@@ -8,10 +13,14 @@ same name and the same initial value whatever the layout.
 With the output layer tied to the word embedding and the two on different pipeline stages, the last stage holds a
 copy of the embedding weight: named ``embedding.word.weight`` canonically, so it starts with the same values, and
 flagged ``is_embedding_copy`` so its gradient is summed with the original's and the norm counts it once.
+
+``kernels`` (a :class:`~megalite.kernels.KernelPolicy`, from ``--use-fused-kernels`` and the per-op switches) says
+which ops run as fused CUDA kernels on GPU tensors; on CPU tensors every op is the plain torch one whatever it says.
 """
 
 from __future__ import annotations
 
+import contextlib
 import re
 from typing import Iterator
 
@@ -20,49 +29,69 @@ from torch import nn
 
 from megalite import parallel_state
 from megalite.config import ModelConfig
-from megalite.model.norms import layer_norm, position_embedding
-from megalite.model.transformer import TransformerLayer
+from megalite.kernels import DEFAULT_POLICY, KernelPolicy
+from megalite.model.norms import norm, position_embedding
+from megalite.model.transformer import TransformerLayer, run_layers
 from megalite.tensor_parallel import (ColumnParallelLinear, TensorParallelRNG, VocabParallelEmbedding,
-                                      gather_from_tensor_parallel, initialize_parameters,
+                                      gather_from_tensor_parallel, initialize_parameters, mark_sequence_parallel,
                                       vocab_parallel_cross_entropy)
 
 
 class GPTEmbedding(nn.Module):
-    """Word embeddings (split over TP by vocabulary) plus learned absolute positions, then dropout."""
+    """Word embeddings (split over TP by vocabulary), plus learned absolute positions unless the model uses rotary
+    ones, then dropout. Under sequence parallelism each rank gets, and adds positions to, its sequence shard only."""
 
-    def __init__(self, cfg: ModelConfig, padded_vocab_size: int):
+    def __init__(self, cfg: ModelConfig, padded_vocab_size: int, rng: TensorParallelRNG | None = None,
+                 sequence_parallel: bool = False):
         super().__init__()
         self.word = VocabParallelEmbedding(cfg.vocab_size, padded_vocab_size, cfg.hidden_size,
-                                           init_std=cfg.init_method_std)
-        self.position = position_embedding(cfg.max_positions, cfg.hidden_size, cfg.init_method_std)
+                                           init_std=cfg.init_method_std, sequence_parallel=sequence_parallel)
+        self.position = None
+        if cfg.position_embedding_type == "learned_absolute":
+            self.position = position_embedding(cfg.max_positions, cfg.hidden_size, cfg.init_method_std)
+            if sequence_parallel:
+                mark_sequence_parallel(self.position.weight)
         self.dropout = nn.Dropout(cfg.hidden_dropout)
+        self.rng, self.sequence_parallel = rng, sequence_parallel
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(tokens.shape[1], device=tokens.device)
-        return self.dropout(self.word(tokens) + self.position(positions))
+        embeddings = self.word(tokens)
+        split = self.sequence_parallel and parallel_state.get_tensor_model_parallel_world_size() > 1
+        if self.position is not None:
+            local = embeddings.shape[1]
+            first = parallel_state.get_tensor_model_parallel_rank() * local if split else 0
+            embeddings = embeddings + self.position(torch.arange(first, first + local, device=tokens.device))
+        # Split along the sequence, each TP rank holds different tokens: their dropout draws from the per-rank stream.
+        with self.rng.fork() if split and self.training and self.dropout.p > 0 else contextlib.nullcontext():
+            return self.dropout(embeddings)
 
 
 class GPTModel(nn.Module):
     def __init__(self, cfg: ModelConfig, rng: TensorParallelRNG | None = None, *, pre_process: bool = True,
-                 post_process: bool = True, layer_offset: int = 0, num_layers: int | None = None):
+                 post_process: bool = True, layer_offset: int = 0, num_layers: int | None = None,
+                 sequence_parallel: bool = False, kernels: KernelPolicy = DEFAULT_POLICY):
         super().__init__()
+        kernels.check()   # with --use-fused-kernels on, a kernel build that fails stops the run here
+        self.kernels = kernels
         tp = parallel_state.get_tensor_model_parallel_world_size()
-        self.cfg = cfg
+        self.cfg, self.rng = cfg, rng
         self.padded_vocab_size = cfg.padded_vocab_size(tp)
         self.pre_process, self.post_process = pre_process, post_process
         self.layer_offset = layer_offset
         self.tie_output_to_embedding = not cfg.untie_embeddings_and_output_weights
-        self.embedding = GPTEmbedding(cfg, self.padded_vocab_size) if pre_process else None
+        self.embedding = (GPTEmbedding(cfg, self.padded_vocab_size, rng, sequence_parallel) if pre_process
+                          else None)
         count = cfg.num_layers if num_layers is None else num_layers
-        self.layers = nn.ModuleList(TransformerLayer(cfg, rng) for _ in range(count))
+        self.layers = nn.ModuleList(TransformerLayer(cfg, rng, sequence_parallel, kernels) for _ in range(count))
         # Tied and on the same stage as the embedding: reuse its weight. Tied on another stage: hold a copy.
         self.holds_embedding_copy = post_process and self.tie_output_to_embedding and not pre_process
         if post_process:
-            self.final_norm = layer_norm(cfg.hidden_size, cfg.layernorm_epsilon)
+            self.final_norm = norm(cfg, sequence_parallel, kernels)
             self.output_layer = ColumnParallelLinear(
                 cfg.hidden_size, cfg.vocab_size, bias=False, init_std=cfg.init_method_std,
                 padded_output_size=self.padded_vocab_size,
-                weight_from_caller=self.tie_output_to_embedding and pre_process)
+                weight_from_caller=self.tie_output_to_embedding and pre_process,
+                sequence_parallel=sequence_parallel)
             if self.holds_embedding_copy:
                 self.output_layer.weight.is_embedding_copy = True
 
@@ -98,14 +127,13 @@ class GPTModel(nn.Module):
         A chunk without the embedding takes the previous stage's hidden states as ``tokens``; one without the
         output layer returns its hidden states."""
         hidden = self.embedding(tokens) if self.pre_process else tokens
-        for layer in self.layers:
-            hidden = layer(hidden)
+        hidden = run_layers(self.layers, hidden, self.cfg, self.rng)
         if not self.post_process:
             return hidden
         logits = self.output_layer(self.final_norm(hidden), self.output_weight())
         if labels is None:
             return logits
-        return vocab_parallel_cross_entropy(logits, labels, self.cfg.vocab_size)
+        return vocab_parallel_cross_entropy(logits, labels, self.cfg.vocab_size, self.kernels)
 
     def full_logits(self, tokens: torch.Tensor) -> torch.Tensor:
         """Logits over the whole, unpadded vocabulary (gathered over TP): for evaluation and tests."""

@@ -1,4 +1,12 @@
-"""The transformer MLP: h -> ffn column-parallel, GeLU on this rank's slice, ffn -> h row-parallel."""
+"""The transformer MLP: h -> ffn column-parallel, activation on this rank's slice, ffn -> h row-parallel.
+
+The activation is GeLU, or SwiGLU (Shazeer 2020): silu(x W_gate) * (x W_up). SwiGLU's first weight is the stack
+[W_gate; W_up] (Hugging Face's gate_proj above up_proj), each block split over TP separately so a rank holds the
+gate and up rows of the same ffn channels and the product needs no communication.
+
+With GeLU and biases, on CUDA tensors the first linear skips its bias add and a fused kernel computes gelu(y + bias)
+when the kernel policy says so (``--no-bias-gelu-fusion`` turns it off): one pass over the ffn activations, not two.
+"""
 
 from __future__ import annotations
 
@@ -9,15 +17,31 @@ import torch.nn.functional as F
 from torch import nn
 
 from megalite.config import ModelConfig
+from megalite.kernels import DEFAULT_POLICY, KernelPolicy, fused
+from megalite.kernels.policy import BIAS_GELU
 from megalite.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, sequence_parallel: bool = False, kernels: KernelPolicy = DEFAULT_POLICY):
         super().__init__()
+        self.kernels = kernels
         output_std = cfg.init_method_std / math.sqrt(2.0 * cfg.num_layers)
-        self.linear_fc1 = ColumnParallelLinear(cfg.hidden_size, cfg.ffn_size, init_std=cfg.init_method_std)
-        self.linear_fc2 = RowParallelLinear(cfg.ffn_size, cfg.hidden_size, init_std=output_std)
+        bias = not cfg.disable_bias_linear
+        self.swiglu = cfg.swiglu
+        fc1_size = 2 * cfg.ffn_size if cfg.swiglu else cfg.ffn_size
+        self.linear_fc1 = ColumnParallelLinear(cfg.hidden_size, fc1_size, fused=2 if cfg.swiglu else 1, bias=bias,
+                                               init_std=cfg.init_method_std, sequence_parallel=sequence_parallel)
+        self.linear_fc2 = RowParallelLinear(cfg.ffn_size, cfg.hidden_size, bias=bias, init_std=output_std,
+                                            sequence_parallel=sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear_fc2(F.gelu(self.linear_fc1(x)))
+        bias = self.linear_fc1.bias
+        ops = None if self.swiglu or bias is None else self.kernels.ops(BIAS_GELU, x)
+        if ops is not None:
+            return self.linear_fc2(fused.bias_gelu(self.linear_fc1(x, skip_bias_add=True), bias, ops))
+        y = self.linear_fc1(x)
+        if self.swiglu:
+            gate, up = y.chunk(2, dim=-1)
+            return self.linear_fc2(F.silu(gate) * up)
+        return self.linear_fc2(F.gelu(y))

@@ -1,18 +1,71 @@
-"""Replicated modules (norms, learned position embeddings) marked for layout-independent initialization."""
+"""Replicated modules (norms, learned position embeddings) marked for layout-independent initialization.
+
+A norm is LayerNorm or RMSNorm (Zhang & Sennrich 2019: x / rms(x) * g, no bias, no centering; Llama's). Both keep
+only their input and per-token statistics for backward, like the fused kernels of Megatron/apex. Under sequence
+parallelism a norm sees only this rank's sequence shard, so its parameters are flagged ``sequence_parallel``: the
+data-parallel engine sums their gradients over TP.
+
+On CUDA tensors both run as fused kernels when the kernel policy says so (``--use-fused-kernels``,
+``--no-layernorm-fusion``); elsewhere LayerNorm is torch's and RMSNorm the torch ops of ``megalite.kernels.torch_ops``.
+"""
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
+from megalite.config import ModelConfig
+from megalite.kernels import DEFAULT_POLICY, KernelPolicy, fused, torch_ops
+from megalite.kernels.policy import LAYERNORM
+from megalite.tensor_parallel import mark_sequence_parallel
 from megalite.tensor_parallel.partition import REPLICATED, mark, normal_init, ones_init, zeros_init
 
 
-def layer_norm(hidden_size: int, eps: float) -> nn.LayerNorm:
+class RMSNorm(nn.Module):
+    """y = x * rsqrt(mean(x^2) + eps) * weight, in fp32 whatever the input dtype; saves x and the per-token rstd."""
+
+    def __init__(self, hidden_size: int, eps: float, kernels: KernelPolicy = DEFAULT_POLICY):
+        super().__init__()
+        self.eps, self.kernels = eps, kernels
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return fused.rms_norm(x, self.weight, self.eps, self.kernels.ops(LAYERNORM, x) or torch_ops)
+
+
+class LayerNorm(nn.LayerNorm):
+    """torch's LayerNorm (same parameters and state dict), run by the fused kernel where the policy picks it."""
+
+    def __init__(self, hidden_size: int, eps: float, kernels: KernelPolicy = DEFAULT_POLICY):
+        super().__init__(hidden_size, eps=eps)
+        self.kernels = kernels
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ops = self.kernels.ops(LAYERNORM, x)
+        if ops is None:
+            return super().forward(x)
+        return fused.layer_norm(x, self.weight, self.bias, self.eps, ops)
+
+
+def layer_norm(hidden_size: int, eps: float, kernels: KernelPolicy = DEFAULT_POLICY) -> LayerNorm:
     """A LayerNorm every TP rank holds whole; its gradients agree across TP because its inputs do."""
-    norm = nn.LayerNorm(hidden_size, eps=eps)
+    norm = LayerNorm(hidden_size, eps, kernels)
     mark(norm.weight, norm.weight.shape, REPLICATED, ones_init)
     mark(norm.bias, norm.bias.shape, REPLICATED, zeros_init)
     return norm
+
+
+def norm(cfg: ModelConfig, sequence_parallel: bool = False, kernels: KernelPolicy = DEFAULT_POLICY) -> nn.Module:
+    """The configured norm (LayerNorm or RMSNorm) over the hidden size, replicated over TP."""
+    if cfg.normalization == "RMSNorm":
+        module = RMSNorm(cfg.hidden_size, cfg.layernorm_epsilon, kernels)
+        mark(module.weight, module.weight.shape, REPLICATED, ones_init)
+    else:
+        module = layer_norm(cfg.hidden_size, cfg.layernorm_epsilon, kernels)
+    if sequence_parallel:
+        for param in module.parameters():
+            mark_sequence_parallel(param)
+    return module
 
 
 def position_embedding(max_positions: int, hidden_size: int, init_std: float) -> nn.Embedding:

@@ -1,7 +1,8 @@
 """The global gradient norm over every shard of the model, and clipping by it.
 
 Each rank sums the squares of the gradient pieces it owns: tensor-parallel shards on every TP rank, replicated
-parameters (norms, row-parallel biases, position embeddings) on TP rank 0 only, and the last stage's copy of a tied
+parameters (norms, row-parallel biases, position embeddings; under sequence parallelism too, since the data-parallel
+engine has summed their gradients over TP by then) on TP rank 0 only, and the last stage's copy of a tied
 embedding not at all. With the distributed optimizer a rank holds only its DP shard of each gradient, so the pieces
 of different DP ranks are disjoint and the sum also runs over DP; without it, DP replicas hold equal gradients and are
 not summed. One all-reduce per group gives the squared norm of exactly one whole model.

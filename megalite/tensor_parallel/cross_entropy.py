@@ -4,6 +4,12 @@ Each TP rank holds logits for a contiguous slice of the (padded) vocabulary. The
 TP: the max (for stability), the target's logit (only its owner has it), and the sum of exponentials; each is a
 scalar per token, so traffic is tokens x 3 numbers instead of tokens x vocabulary. Padded vocabulary columns are set to
 -inf, so they get zero probability, no gradient, and the loss does not depend on how much padding the TP size implies.
+
+Fused (on CUDA, when the kernel policy says so; ``--no-cross-entropy-loss-fusion`` turns it off): a kernel computes
+this rank's max, sum of exponentials (relative to that max) and target logit in one pass over the logits; the maxima
+are all-reduced, each rank rescales its sum to the global max, and the sums and target logits are all-reduced
+together (two all-reduces instead of three). Backward recomputes the softmax from the saved logits (in their own
+dtype) instead of keeping an fp32 softmax: with bf16 logits, half that memory.
 """
 
 from __future__ import annotations
@@ -12,6 +18,8 @@ import torch
 import torch.distributed as dist
 
 from megalite import parallel_state
+from megalite.kernels import DEFAULT_POLICY, KernelPolicy
+from megalite.kernels.policy import CROSS_ENTROPY
 
 
 def _all_reduce(x: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
@@ -58,6 +66,43 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return grad.to(ctx.input_dtype), None, None
 
 
-def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Per-token loss (fp32) from this rank's vocabulary slice of ``logits``; ``vocab_size`` is the unpadded size."""
+class _FusedVocabParallelCrossEntropy(torch.autograd.Function):
+    """The same loss from per-shard statistics (``ops``: the CUDA extension, or megalite.kernels.torch_ops)."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, target: torch.Tensor, vocab_size: int, ops):
+        per_rank = logits.shape[-1]
+        start = parallel_state.get_tensor_model_parallel_rank() * per_rank
+        valid_cols = max(0, min(per_rank, vocab_size - start))   # the rest of this slice is padding
+        local_target = (target - start).long()                    # outside [0, per_rank): another rank's token
+        local_max, local_sum, target_logit = ops.cross_entropy_stats(logits, local_target, valid_cols)
+        logits_max = _all_reduce(local_max.clone(), dist.ReduceOp.MAX)
+        # exp(-inf) = 0 rescales the empty sum of an all-padding slice; the global max is finite (vocab_size >= 1).
+        sums = _all_reduce(torch.stack([local_sum * torch.exp(local_max - logits_max), target_logit]))
+        sum_exp, target_logit = sums[0], sums[1]
+        ctx.save_for_backward(logits, local_target, logits_max, sum_exp)
+        ctx.valid_cols, ctx.ops = valid_cols, ops
+        return sum_exp.log() + logits_max - target_logit
+
+    @staticmethod
+    def backward(ctx, grad_loss: torch.Tensor):
+        logits, local_target, logits_max, sum_exp = ctx.saved_tensors
+        grad = ctx.ops.cross_entropy_grad(logits, local_target, logits_max, sum_exp, grad_loss.float().contiguous(),
+                                          ctx.valid_cols)
+        return grad, None, None, None
+
+
+def fused_vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, vocab_size: int,
+                                       ops) -> torch.Tensor:
+    """The fused path with the given ``ops`` (the CUDA extension, or megalite.kernels.torch_ops): for checks."""
+    return _FusedVocabParallelCrossEntropy.apply(logits, target, vocab_size, ops)
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, vocab_size: int,
+                                 kernels: KernelPolicy = DEFAULT_POLICY) -> torch.Tensor:
+    """Per-token loss (fp32) from this rank's vocabulary slice of ``logits``; ``vocab_size`` is the unpadded size.
+    ``kernels`` picks the fused path for CUDA logits (see the module docstring)."""
+    ops = kernels.ops(CROSS_ENTROPY, logits)
+    if ops is not None:
+        return fused_vocab_parallel_cross_entropy(logits, target, vocab_size, ops)
     return _VocabParallelCrossEntropy.apply(logits, target, vocab_size)

@@ -3,6 +3,11 @@
 A column-parallel linear keeps a block of output rows of the weight (Y_i = X A_i); a row-parallel linear keeps a block
 of input columns (Y = sum_i X_i B_i, summed by an all-reduce). An MLP or attention block is column-parallel then
 row-parallel, so the activation between them never leaves its rank.
+
+With ``sequence_parallel`` the activations outside that pair are split along the sequence: a column-parallel linear
+all-gathers its input (and reduce-scatters the input's gradient), a row-parallel linear and the embedding
+reduce-scatter their output instead of all-reducing it. Replicated parameters applied to a sequence shard (the
+row-parallel bias) are flagged ``sequence_parallel`` so their partial gradients are summed over TP.
 """
 
 from __future__ import annotations
@@ -12,8 +17,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from megalite import parallel_state
-from megalite.tensor_parallel.mappings import (copy_to_tensor_parallel, gather_from_tensor_parallel,
-                                               reduce_from_tensor_parallel, scatter_to_tensor_parallel)
+from megalite.tensor_parallel.mappings import (SEQUENCE_DIM, all_gather, copy_to_tensor_parallel,
+                                               gather_from_tensor_parallel, reduce_from_tensor_parallel,
+                                               reduce_scatter, reduce_scatter_to_sequence_parallel,
+                                               scatter_to_tensor_parallel)
 from megalite.tensor_parallel.partition import REPLICATED, Partition, local_shape, mark, normal_init, zeros_init
 
 
@@ -23,55 +30,103 @@ def _parameter(full_shape: tuple[int, ...], partition: Partition, init_fn) -> nn
     return mark(param, full_shape, partition, init_fn)
 
 
+class _SequenceGatheredLinear(torch.autograd.Function):
+    """y = all-gather(x along the sequence) A^T + b, saving only this rank's sequence shard of x: backward gathers it
+    again (Megatron's trade: one more all-gather instead of keeping TP times the input for the weight gradient)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return F.linear(all_gather(x, SEQUENCE_DIM), weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        grad_input = reduce_scatter(grad.matmul(weight), SEQUENCE_DIM) if ctx.needs_input_grad[0] else None
+        grad_weight = grad_bias = None
+        if ctx.needs_input_grad[1]:
+            total = all_gather(x, SEQUENCE_DIM)
+            grad_weight = grad.reshape(-1, grad.shape[-1]).t().matmul(total.reshape(-1, total.shape[-1]))
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_bias = grad.reshape(-1, grad.shape[-1]).sum(dim=0)
+        return grad_input, grad_weight, grad_bias
+
+
+def mark_sequence_parallel(param: nn.Parameter | None) -> None:
+    """Flag a TP-replicated parameter that acts on this rank's sequence shard (its gradient is summed over TP)."""
+    if param is not None:
+        param.sequence_parallel = True
+
+
 class ColumnParallelLinear(nn.Module):
-    """y = x A^T + b with A's output rows split over TP. ``fused`` > 1 splits each of that many stacked blocks
-    separately (a fused QKV weight [q; k; v] gives each rank its heads' q, k and v). ``padded_output_size`` zero-pads
-    the rows first (the vocabulary of an output layer). With ``weight_from_caller`` the layer owns no weight and
-    ``forward`` takes one (an output layer tied to the word embedding)."""
+    """y = x A^T + b with A's output rows split over TP. ``fused`` (a number of equal blocks, or the block sizes)
+    splits each stacked block separately (a fused QKV weight [q; k; v] gives each rank its heads' q, k and v; with
+    grouped-query attention the blocks are unequal). ``padded_output_size`` zero-pads the rows first (the vocabulary
+    of an output layer). With ``weight_from_caller`` the layer owns no weight and ``forward`` takes one (an output
+    layer tied to the word embedding). With ``sequence_parallel`` the input is this rank's sequence shard, gathered
+    here."""
 
     def __init__(self, input_size: int, output_size: int, *, init_std: float, bias: bool = True,
-                 gather_output: bool = False, fused: int = 1, padded_output_size: int | None = None,
-                 weight_from_caller: bool = False):
+                 gather_output: bool = False, fused: int | tuple[int, ...] = 1,
+                 padded_output_size: int | None = None, weight_from_caller: bool = False,
+                 sequence_parallel: bool = False):
         super().__init__()
-        if gather_output and fused > 1:
+        if gather_output and fused != 1:
             raise ValueError("a gathered output of a fused weight would interleave the blocks rank by rank")
         self.gather_output = gather_output
+        self.sequence_parallel = sequence_parallel
         partition = Partition(dim=0, fused=fused, padded_size=padded_output_size)
         self.weight = (None if weight_from_caller
                        else _parameter((output_size, input_size), partition, normal_init(init_std)))
         self.bias = _parameter((output_size,), partition, zeros_init) if bias else None
 
-    def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None,
+                skip_bias_add: bool = False) -> torch.Tensor:
+        """``skip_bias_add``: leave the bias out, for a caller that adds it fused with what follows (bias + GeLU)."""
         weight = self.weight if weight is None else weight
-        y = F.linear(copy_to_tensor_parallel(x), weight, self.bias)
+        bias = None if skip_bias_add else self.bias
+        if self.sequence_parallel:
+            y = _SequenceGatheredLinear.apply(x, weight, bias)
+        else:
+            y = F.linear(copy_to_tensor_parallel(x), weight, bias)
         return gather_from_tensor_parallel(y) if self.gather_output else y
 
 
 class RowParallelLinear(nn.Module):
-    """y = x B^T + b with B's input columns split over TP; partial products are summed by one all-reduce.
-    The bias is replicated and added once, after the sum."""
+    """y = x B^T + b with B's input columns split over TP; partial products are summed by one all-reduce
+    (a reduce-scatter along the sequence with ``sequence_parallel``). The bias is replicated and added once, after
+    the sum."""
 
     def __init__(self, input_size: int, output_size: int, *, init_std: float, bias: bool = True,
-                 input_is_parallel: bool = True):
+                 input_is_parallel: bool = True, sequence_parallel: bool = False):
         super().__init__()
         self.input_is_parallel = input_is_parallel
+        self.sequence_parallel = sequence_parallel
         self.weight = _parameter((output_size, input_size), Partition(dim=1), normal_init(init_std))
         self.bias = _parameter((output_size,), REPLICATED, zeros_init) if bias else None
+        if sequence_parallel:
+            mark_sequence_parallel(self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_tensor_parallel(x)
-        y = reduce_from_tensor_parallel(F.linear(x, self.weight))
+        partial = F.linear(x, self.weight)
+        y = (reduce_scatter_to_sequence_parallel(partial) if self.sequence_parallel
+             else reduce_from_tensor_parallel(partial))
         return y + self.bias if self.bias is not None else y
 
 
 class VocabParallelEmbedding(nn.Module):
     """Embedding table split by vocabulary rows. Each rank looks up the ids in its range, writes zeros for the others,
     and an all-reduce assembles the full embeddings. Rows past ``num_embeddings`` (vocabulary padding) start at zero
-    and, never looked up, stay there."""
+    and, never looked up, stay there. With ``sequence_parallel`` a reduce-scatter leaves each rank its sequence
+    shard instead."""
 
-    def __init__(self, num_embeddings: int, padded_num_embeddings: int, embedding_dim: int, *, init_std: float):
+    def __init__(self, num_embeddings: int, padded_num_embeddings: int, embedding_dim: int, *, init_std: float,
+                 sequence_parallel: bool = False):
         super().__init__()
+        self.sequence_parallel = sequence_parallel
         tp = parallel_state.get_tensor_model_parallel_world_size()
         rank = parallel_state.get_tensor_model_parallel_rank()
         partition = Partition(dim=0, padded_size=padded_num_embeddings)
@@ -85,4 +140,6 @@ class VocabParallelEmbedding(nn.Module):
         outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
         local_ids = (ids - self.vocab_start).masked_fill(outside, 0)
         embeddings = F.embedding(local_ids, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        if self.sequence_parallel:
+            return reduce_scatter_to_sequence_parallel(embeddings)
         return reduce_from_tensor_parallel(embeddings)

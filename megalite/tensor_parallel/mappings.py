@@ -11,6 +11,19 @@ Each op is a pair of conjugate collectives: what the forward does, the backward 
 
 A column-parallel linear starts with ``copy`` and a row-parallel one ends with ``reduce``: one all-reduce forward
 and one backward per pair, two pairs per transformer layer.
+
+Sequence parallelism (Korthikanti et al. 2022) keeps the activations between those pairs (norms, dropout, residual)
+split along the sequence (dim 1 of [batch, seq, hidden]) and turns each all-reduce into its two halves:
+
+| op                                  | forward                  | backward                 |
+|-------------------------------------|--------------------------|--------------------------|
+| scatter_to_sequence_parallel        | keep my slice (seq)      | all-gather (seq)         |
+| gather_from_sequence_parallel       | all-gather (seq)         | reduce-scatter (seq)     |
+| reduce_scatter_to_sequence_parallel | reduce-scatter (seq)     | all-gather (seq)         |
+
+``gather_from_sequence_parallel`` is the sequence case of ``all_gather_tensor_parallel(x, dim)``, the gather whose
+consumers differ per rank (so their gradients must be summed over TP before each rank keeps its slice); grouped-query
+attention uses it on the last dim when there are fewer key/value heads than TP ranks.
 """
 
 from __future__ import annotations
@@ -30,21 +43,54 @@ def _all_reduce(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def _split_last_dim(x: torch.Tensor) -> torch.Tensor:
+SEQUENCE_DIM = 1   # activations are [batch, sequence, hidden]
+
+# torch 2.13 renamed the flat-tensor collective (the old name warns); older torch has only the old one.
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def split(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """This rank's slice of ``x`` along ``dim`` (no communication)."""
     info = parallel_state.get_tensor_model_parallel_group()
     if info.size == 1:
         return x
-    return x.chunk(info.size, dim=-1)[info.rank].contiguous()
+    size = x.shape[dim]
+    if size % info.size:
+        raise ValueError(f"dimension {dim} of size {size} cannot be split over {info.size} tensor-parallel ranks")
+    return x.chunk(info.size, dim=dim)[info.rank].contiguous()
 
 
-def _gather_last_dim(x: torch.Tensor) -> torch.Tensor:
+def all_gather(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """Every rank's ``x`` concatenated along ``dim`` in rank order."""
     info = parallel_state.get_tensor_model_parallel_group()
     if info.size == 1:
         return x
     x = x.contiguous()
     parts = [torch.empty_like(x) for _ in range(info.size)]
     dist.all_gather(parts, x, group=info.group)
-    return torch.cat(parts, dim=-1)
+    return torch.cat(parts, dim=dim)
+
+
+def reduce_scatter(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """The sum of every rank's ``x``, keeping this rank's slice along ``dim``."""
+    info = parallel_state.get_tensor_model_parallel_group()
+    if info.size == 1:
+        return x
+    if x.shape[dim] % info.size:
+        raise ValueError(f"dimension {dim} of size {x.shape[dim]} cannot be split over {info.size} "
+                         f"tensor-parallel ranks")
+    front = x.movedim(dim, 0).contiguous()   # the collective splits the leading dimension
+    out = front.new_empty((front.shape[0] // info.size, *front.shape[1:]))
+    _reduce_scatter_flat(out, front, group=info.group)
+    return out.movedim(0, dim).contiguous()
+
+
+def _split_last_dim(x: torch.Tensor) -> torch.Tensor:
+    return split(x, -1)
+
+
+def _gather_last_dim(x: torch.Tensor) -> torch.Tensor:
+    return all_gather(x, -1)
 
 
 class _CopyToTensorParallel(torch.autograd.Function):
@@ -87,6 +133,39 @@ class _GatherFromTensorParallel(torch.autograd.Function):
         return _split_last_dim(grad)
 
 
+class _ScatterAlong(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim):
+        ctx.dim = dim
+        return split(x, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_gather(grad, ctx.dim), None
+
+
+class _AllGatherAlong(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim):
+        ctx.dim = dim
+        return all_gather(x, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return reduce_scatter(grad, ctx.dim), None
+
+
+class _ReduceScatterAlong(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim):
+        ctx.dim = dim
+        return reduce_scatter(x, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_gather(grad, ctx.dim), None
+
+
 def copy_to_tensor_parallel(x: torch.Tensor) -> torch.Tensor:
     return _CopyToTensorParallel.apply(x)
 
@@ -101,3 +180,20 @@ def scatter_to_tensor_parallel(x: torch.Tensor) -> torch.Tensor:
 
 def gather_from_tensor_parallel(x: torch.Tensor) -> torch.Tensor:
     return _GatherFromTensorParallel.apply(x)
+
+
+def all_gather_tensor_parallel(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """All-gather along ``dim``; backward reduce-scatters (each rank may consume a different part of the result)."""
+    return _AllGatherAlong.apply(x, dim)
+
+
+def scatter_to_sequence_parallel(x: torch.Tensor) -> torch.Tensor:
+    return _ScatterAlong.apply(x, SEQUENCE_DIM)
+
+
+def gather_from_sequence_parallel(x: torch.Tensor) -> torch.Tensor:
+    return _AllGatherAlong.apply(x, SEQUENCE_DIM)
+
+
+def reduce_scatter_to_sequence_parallel(x: torch.Tensor) -> torch.Tensor:
+    return _ReduceScatterAlong.apply(x, SEQUENCE_DIM)

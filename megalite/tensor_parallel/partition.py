@@ -4,7 +4,11 @@ Every parameter carries three attributes set by the layer that owns it:
 
 - ``full_shape``: the shape of the canonical, unpadded tensor a single-process model would hold;
 - ``partition``: a :class:`Partition` saying how this rank's tensor is cut from it;
-- ``init_fn``: fills a full tensor in place, given a ``torch.Generator``.
+- ``init_fn``: fills a full tensor in place, given a ``torch.Generator``;
+
+and, optionally, ``sequence_parallel = True``: a parameter replicated over TP but applied to this rank's sequence
+shard only (norms, biases and position embeddings under sequence parallelism), whose gradient is therefore a partial
+sum that the data-parallel engine adds up over TP.
 
 :func:`initialize_parameters` draws each full tensor on the CPU from a generator seeded by (seed, canonical name)
 and keeps this rank's slice. The full weights are thus the same bits whatever TP/PP/DP is, which is what lets every
@@ -25,14 +29,28 @@ import torch
 
 @dataclass(frozen=True)
 class Partition:
-    """Where a local tensor sits in the full one. ``dim=None`` means replicated on every tensor-parallel rank."""
+    """Where a local tensor sits in the full one. ``dim=None`` means replicated on every tensor-parallel rank.
+
+    ``fused`` says the full tensor stacks blocks along ``dim``, each split over TP separately so a rank gets its
+    slice of every block: an int is that many equal blocks (QKV: 3, SwiGLU's [gate; up]: 2), a tuple gives the
+    block sizes (grouped-query attention's [q; k; v] is (hidden, groups x head dim, groups x head dim))."""
     dim: Optional[int] = None
-    fused: int = 1                      # the full tensor stacks `fused` blocks along dim (QKV: 3), each split apart
+    fused: int | tuple[int, ...] = 1
     padded_size: Optional[int] = None   # zero-pad the full tensor along dim to this size first (vocab padding)
 
     @property
     def is_sharded(self) -> bool:
         return self.dim is not None
+
+    def block_sizes(self, size: int) -> list[int]:
+        """Sizes along ``dim`` of the blocks of a (padded) full tensor of that size."""
+        if isinstance(self.fused, tuple):
+            if sum(self.fused) != size:
+                raise ValueError(f"fused blocks {self.fused} do not add up to dimension {size}")
+            return list(self.fused)
+        if size % self.fused:
+            raise ValueError(f"dimension {size} cannot be split into {self.fused} equal blocks")
+        return [size // self.fused] * self.fused
 
 
 REPLICATED = Partition()
@@ -43,7 +61,7 @@ def local_shape(full_shape: tuple[int, ...], partition: Partition, world: int) -
         return tuple(full_shape)
     shape = list(full_shape)
     size = partition.padded_size or shape[partition.dim]
-    if size % (world * partition.fused):
+    if any(block % world for block in partition.block_sizes(size)):
         raise ValueError(f"dimension {size} cannot be split into {world} x {partition.fused} parts")
     shape[partition.dim] = size // world
     return tuple(shape)
@@ -58,7 +76,7 @@ def shard(full: torch.Tensor, partition: Partition, rank: int, world: int) -> to
         pad_shape = list(full.shape)
         pad_shape[dim] = partition.padded_size - full.shape[dim]
         full = torch.cat([full, full.new_zeros(pad_shape)], dim=dim)
-    blocks = full.chunk(partition.fused, dim=dim)
+    blocks = full.split(partition.block_sizes(full.shape[dim]), dim=dim)
     return torch.cat([block.chunk(world, dim=dim)[rank] for block in blocks], dim=dim)
 
 
@@ -67,9 +85,11 @@ def unshard(parts: list[torch.Tensor], partition: Partition, full_size: Optional
     if not partition.is_sharded:
         return parts[0]
     dim = partition.dim
-    per_rank_blocks = [p.chunk(partition.fused, dim=dim) for p in parts]
+    world = len(parts)
+    local_blocks = [size // world for size in partition.block_sizes(parts[0].shape[dim] * world)]
+    per_rank_blocks = [p.split(local_blocks, dim=dim) for p in parts]
     full = torch.cat([torch.cat([blocks[i] for blocks in per_rank_blocks], dim=dim)
-                      for i in range(partition.fused)], dim=dim)
+                      for i in range(len(local_blocks))], dim=dim)
     if full_size is not None:
         full = full.narrow(dim, 0, full_size)
     return full

@@ -5,6 +5,9 @@ every TP rank, or the replicas drift apart. Dropout on tensors split over TP (at
 heads) must draw *different* masks, or the heads of different ranks would share one pattern. So there are two
 streams: the device's default generator, seeded identically on the TP ranks of a stage, and a tracked
 "tensor-parallel" stream seeded per TP rank, entered with ``with tracker.fork():`` around split-region dropout.
+Under sequence parallelism the residual stream is split too, so its dropout also draws from the tensor-parallel
+stream. Recompute saves both states before a forward and replays them (``get_states``/``set_states``), so the
+recomputed forward draws the same masks.
 """
 
 from __future__ import annotations
@@ -47,6 +50,15 @@ class TensorParallelRNG:
         state = self._get_state()
         self._set_state(saved)
         return state
+
+    def get_states(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(default stream, tensor-parallel stream): everything dropout draws from, for recompute to replay."""
+        return self._get_state(), self._tp_state
+
+    def set_states(self, states: tuple[torch.Tensor, torch.Tensor]) -> None:
+        default, tensor_parallel = states
+        self._set_state(default)
+        self._tp_state = tensor_parallel   # never mutated in place: fork() replaces it with a fresh state tensor
 
     @contextlib.contextmanager
     def fork(self):

@@ -21,18 +21,27 @@ def world_size_from_env() -> int:
 
 
 def initialize_distributed(parallel: ParallelConfig, timeout_s: float = 600.0) -> torch.device:
-    """Join the world (when launched by torchrun), build the layout's groups, and return this rank's device."""
+    """Join the world (when launched by torchrun), build the layout's groups, and return this rank's device.
+
+    ``timeout_s`` bounds every collective: a rank that died or stalls makes the others raise instead of hanging."""
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
         backend = "nccl"
     else:
         device, backend = torch.device("cpu"), "gloo"
+    timeout = datetime.timedelta(seconds=timeout_s)
     if "WORLD_SIZE" in os.environ and not dist.is_initialized():
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s),
+        # torchrun --max-restarts keeps its key-value store across restarts; sub-groups (TP, DP, ...) publish their
+        # addresses there under names that repeat from one attempt to the next, so a restarted rank would dial a dead
+        # peer. A per-attempt prefix keeps every attempt's keys apart.
+        store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        store = dist.PrefixStore(f"megalite/attempt{attempt}", store)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout,
                                 device_id=device if backend == "nccl" else None)
     parallel_state.initialize_model_parallel(parallel.tensor_model_parallel_size,
-                                             parallel.pipeline_model_parallel_size)
+                                             parallel.pipeline_model_parallel_size, timeout=timeout)
     return device
 
 

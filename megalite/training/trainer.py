@@ -11,22 +11,25 @@ whatever the DP size or micro-batch size, which is what the equivalence tests ch
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from megalite import parallel_state
+from megalite import checkpoint, parallel_state
 from megalite.config import MegaliteConfig
 from megalite.data import build_datasets, micro_batch_indices
 from megalite.distributed import DataParallel
+from megalite.kernels import KernelPolicy
 from megalite.model import GPTModel
 from megalite.optimizer import MegaliteOptimizer, learning_rate
 from megalite.optimizer.clip_grads import counts_toward_norm
 from megalite.pipeline import PipelineLinks, build_schedule, chunks_of_rank, run_schedule
 from megalite.tensor_parallel import TensorParallelRNG
 from megalite.training.metrics import MetricsLogger
+from megalite.training.stopping import StopRequests, check_finite
 
 
 def _sum_over_data_parallel(value: torch.Tensor) -> torch.Tensor:
@@ -65,10 +68,13 @@ class Trainer:
         self.pp = parallel_state.get_pipeline_model_parallel_world_size()
         self.pp_rank = parallel_state.get_pipeline_model_parallel_rank()
         self.virtual_stages = cfg.parallel.virtual_stages(m.num_layers)
-        rng = TensorParallelRNG(seed, parallel_state.get_tensor_model_parallel_rank(), self.pp_rank, device)
+        self.rng = rng = TensorParallelRNG(seed, parallel_state.get_tensor_model_parallel_rank(), self.pp_rank,
+                                           device)
+        kernels = KernelPolicy.from_config(cfg.kernels)   # fused CUDA kernels or torch ops, per op
         self.model = torch.nn.ModuleList(
             GPTModel(m, rng, pre_process=c.is_first, post_process=c.is_last, layer_offset=c.first_layer,
-                     num_layers=c.num_layers)
+                     num_layers=c.num_layers, sequence_parallel=cfg.parallel.sequence_parallel,
+                     kernels=kernels)
             for c in chunks_of_rank(m.num_layers, self.pp, self.virtual_stages, self.pp_rank)).to(device)
         for chunk in self.model:
             chunk.initialize(seed)   # in fp32, then cast: the same initial weights for every dtype and layout
@@ -82,17 +88,24 @@ class Trainer:
             embedding_group=parallel_state.get_embedding_group(), tied_params=self.tied_embedding_weights,
             bucket_size=o.ddp_bucket_size, distributed_optimizer=o.use_distributed_optimizer,
             zero_stage=o.zero_stage, overlap_grad_reduce=o.overlap_grad_reduce,
-            overlap_param_gather=o.overlap_param_gather)
+            overlap_param_gather=o.overlap_param_gather,
+            tensor_group=parallel_state.get_tensor_model_parallel_group())
         self.optimizer = MegaliteOptimizer(self.ddp, o, cfg.training)
         self.state = TrainState()
         dp = parallel_state.get_data_parallel_world_size()
         self.num_micro_batches = cfg.training.global_batch_size // (cfg.training.micro_batch_size * dp)
         self.schedule = build_schedule(self.pp, self.pp_rank, self.num_micro_batches, self.virtual_stages)
         self.links = (PipelineLinks(parallel_state.get_pipeline_model_parallel_group(),
-                                    (cfg.training.micro_batch_size, m.seq_length, m.hidden_size), self.dtype,
+                                    (cfg.training.micro_batch_size,   # sequence parallel: this rank's shard
+                                     m.seq_length // (parallel_state.get_tensor_model_parallel_world_size()
+                                                      if cfg.parallel.sequence_parallel else 1), m.hidden_size),
+                                    self.dtype,
                                     device) if self.pp > 1 else None)
         is_logging_rank = not dist.is_initialized() or dist.get_rank() == 0
         self.logger = MetricsLogger(cfg.logging, is_logging_rank, cfg.training.train_iters)
+        # The iteration the latest saved (or loaded) checkpoint holds, so the end of training does not save it again.
+        self._checkpointed_iteration = self.load_checkpoint() if cfg.checkpoint.load else None
+        self.stop_requests = StopRequests(cfg.training, device)
 
     def describe(self) -> str:
         """One line for the start of a run: layout, schedule, model size, data."""
@@ -158,6 +171,10 @@ class Trainer:
         iteration = self.state.iteration + 1
         lr = learning_rate(iteration, self.cfg.optimizer, self.cfg.training.train_iters)
         step = self.optimizer.step(lr)
+        # Which ranks saw a NaN/Inf (only looked for when the global norm, equal on every rank, is not finite).
+        norm_bad = step["grad_norm"] is not None and not math.isfinite(step["grad_norm"])
+        local_bad = not bool(torch.isfinite(loss_sum)) or (
+            norm_bad and any(not bool(torch.isfinite(f.grad).all()) for f in self.optimizer.fragments))
         self.ddp.zero_grad()
 
         # Only the last stage has the loss: sum it over DP, then share it (and each stage's schedule statistics)
@@ -173,6 +190,9 @@ class Trainer:
             record["skipped"] = True
         if "loss_scale" in step:
             record["loss_scale"] = step["loss_scale"]
+        t = self.cfg.training
+        if not t.fp16 and not t.no_check_for_nan_in_loss_and_grad:   # fp16 skips such steps instead
+            check_finite(iteration, record["loss"], step["grad_norm"], local_bad, self.device)
         if self.pp > 1:
             bubble = [float(stage[1]) for stage in per_stage]
             record["pipeline_bubble"] = sum(bubble) / len(bubble)   # idle / compute time, mean over stages
@@ -194,6 +214,31 @@ class Trainer:
         self.model.train()
         total = _sum_over_data_parallel(total)
         return float(_gather_over_pipeline(total / tokens)[-1])
+
+    def save_checkpoint(self, directory: str):
+        """Save model, optimizer, data position and RNG states into ``directory`` (collective; megalite.checkpoint)."""
+        self.ddp.finish_param_sync()   # the distributed optimizer's parameter gathers must have landed
+        path = checkpoint.save_checkpoint(
+            directory, cfg=self.cfg, iteration=self.state.iteration, consumed_samples=self.state.consumed_samples,
+            parameters=list(self.canonical_named_parameters()), optimizer=self.optimizer, rng=self.rng,
+            tokenizer=self.data.tokenizer, device=self.device)
+        self._checkpointed_iteration = self.state.iteration
+        self.logger.print(f"saved checkpoint at iteration {self.state.iteration} to {path}")
+        return path
+
+    def load_checkpoint(self) -> int | None:
+        """Resume from ``--load`` at any layout (see megalite.checkpoint.load); the iteration loaded, or None when
+        there is nothing to load yet (--load equal to --save, first run)."""
+        c = self.cfg.checkpoint
+        result = checkpoint.load_checkpoint(self.cfg, parameters=list(self.canonical_named_parameters()),
+                                            optimizer=self.optimizer, rng=self.rng, device=self.device)
+        if result is None:
+            self.logger.print(f"no checkpoint in {c.load} yet: starting from scratch")
+            return None
+        self.state = TrainState(result.iteration, result.consumed_samples)
+        for note in [f"loaded checkpoint {result.path}"] + result.notes:
+            self.logger.print(note)
+        return result.iteration
 
     def _should_evaluate(self, iteration: int) -> bool:
         d = self.cfg.data
@@ -221,6 +266,16 @@ class Trainer:
                 self.logger.log(evaluation)
                 records.append(evaluation)
                 window_start = time.perf_counter()   # evaluation time is not training time
+            c = self.cfg.checkpoint
+            if c.save and c.save_interval and record["iteration"] % c.save_interval == 0:
+                self.save_checkpoint(c.save)
+                window_start = time.perf_counter()   # nor is saving
+            reason = self.stop_requests.reason_to_stop(record["iteration"])
+            if reason is not None:   # every rank agreed: save below (with --save) and stop
+                self.logger.print(f"megalite: stopping after iteration {record['iteration']}: {reason}")
+                break
+        if self.cfg.checkpoint.save and self._checkpointed_iteration != self.state.iteration:
+            self.save_checkpoint(self.cfg.checkpoint.save)
         self.ddp.finish_param_sync()
         self.logger.close()
         return records

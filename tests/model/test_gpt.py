@@ -1,4 +1,6 @@
-"""The GPT model in one process: loss at initialization, padding never learns, names are canonical."""
+"""The GPT model in one process: loss at initialization, padding never learns, names are canonical; Llama-style
+options give Hugging Face-shaped canonical tensors, grouped-query attention is attention with repeated key/value heads,
+recompute changes nothing (dropout on), and the model configs have the sizes their names say."""
 
 from __future__ import annotations
 
@@ -66,3 +68,75 @@ def test_dropout_needs_no_rng_when_off_and_changes_outputs_when_on():
     assert not torch.equal(model(tokens), model(tokens))
     model.eval()
     assert torch.equal(model(tokens), model(tokens))
+
+
+LLAMA_LIKE = {"position_embedding_type": "rope", "normalization": "RMSNorm", "swiglu": True,
+              "group_query_attention": True, "num_query_groups": 2, "disable_bias_linear": True,
+              "untie_embeddings_and_output_weights": True}
+
+
+def test_llama_like_model_has_the_canonical_hugging_face_shaped_tensors():
+    model = _model(**LLAMA_LIKE, ffn_hidden_size=176)
+    params = dict(model.named_parameters())
+    assert not any(name.endswith(".bias") for name in params)
+    assert "embedding.position.weight" not in params
+    qkv = params["layers.0.self_attention.linear_qkv.weight"]
+    # [q_proj; k_proj; v_proj]: 4 query heads and 2 key/value heads of dimension 16.
+    assert qkv.full_shape == (64 + 2 * 32, 64) and qkv.partition.fused == (64, 32, 32)
+    fc1 = params["layers.0.mlp.linear_fc1.weight"]
+    assert fc1.full_shape == (2 * 176, 64) and fc1.partition.fused == 2      # [gate_proj; up_proj]
+    assert params["layers.0.input_norm.weight"].shape == (64,)
+    tokens = torch.randint(301, (2, 33))
+    loss = model(tokens[:, :-1], tokens[:, 1:]).mean()
+    assert abs(loss.item() - math.log(301)) < 0.1
+
+
+def test_grouped_query_attention_equals_repeated_key_value_heads():
+    """GQA with G key/value heads is multi-head attention whose k and v heads are each repeated heads/G times."""
+    gqa = _model(group_query_attention=True, num_query_groups=2)
+    mha = _model()
+    with torch.no_grad():
+        for (name, p_gqa), (_, p_mha) in zip(gqa.named_parameters(), mha.named_parameters()):
+            if "linear_qkv.weight" in name or "linear_qkv.bias" in name:
+                q, k, v = p_gqa.split([64, 32, 32])
+                repeat = [t.unflatten(0, (2, 16)).repeat_interleave(2, dim=0).flatten(0, 1) for t in (k, v)]
+                p_mha.copy_(torch.cat([q, *repeat]))
+            else:
+                p_mha.copy_(p_gqa)
+    tokens = torch.randint(301, (2, 32))
+    torch.testing.assert_close(gqa(tokens), mha(tokens), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("recompute", [
+    {"recompute_granularity": "selective"},
+    {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 2},
+    {"recompute_granularity": "full", "recompute_method": "block", "recompute_num_layers": 1},
+])
+def test_recompute_with_dropout_gives_identical_losses_and_gradients(recompute):
+    def run(options):
+        cfg = tiny_config(model={"num_layers": 3, "hidden_dropout": 0.2, "attention_dropout": 0.2, **options}).model
+        model = GPTModel(cfg, TensorParallelRNG(0, 0, 0, torch.device("cpu")))
+        model.initialize(seed=3)
+        tokens = torch.randint(301, (2, 33), generator=torch.Generator().manual_seed(0))
+        losses = [model(tokens[:, :-1], tokens[:, 1:]).mean() for _ in range(2)]   # two micro-batches
+        sum(losses).backward()
+        return [loss.item() for loss in losses], {n: p.grad for n, p in model.named_parameters()}
+
+    (plain_losses, plain_grads), (losses, grads) = run({}), run(recompute)
+    assert losses == plain_losses and plain_losses[0] != plain_losses[1]   # dropout on: the masks differ per pass
+    for name, grad in plain_grads.items():
+        assert torch.equal(grads[name], grad), name
+
+
+@pytest.mark.parametrize("config, billions", [
+    ("gpt2_small", 0.124), ("gpt2_medium", 0.355), ("gpt2_large", 0.774), ("gpt2_xl", 1.56), ("gpt_1_3b", 1.32),
+    ("llama3_1b", 1.24), ("llama2_7b", 6.74), ("llama2_13b", 13.0),
+])
+def test_model_configs_have_their_sizes(config, billions):
+    from megalite.cli import parse_args
+    cfg = parse_args([f"model={config}", "data=mock"]).model
+    with torch.device("meta"):   # shapes only: no memory, no initialization
+        model = GPTModel(cfg)
+    count = sum(p.numel() for p in model.parameters())
+    padding = (cfg.padded_vocab_size(1) - cfg.vocab_size) * cfg.hidden_size
+    assert abs((count - padding) / 1e9 - billions) / billions < 0.01, count

@@ -1,0 +1,217 @@
+"""Loading, at any layout: every rank reads the pieces of its own parameters and reshards them itself.
+
+For each parameter of this rank (one at a time, to bound memory): read every stored TP slice, merge them into the
+canonical tensor, cut this rank's slice for the current TP size. Optimizer states the same way, after gluing each
+stored slice back together from the ranges the saving DP ranks owned; the current rank then keeps the ranges of its
+own fragments. Reads are per rank (no collective), so any TP/PP/V/DP/distributed-optimizer combination loads from
+any other. RNG states are restored only at the identical layout (elsewhere there is no rank they would belong to).
+
+:func:`check_checkpoint` is the pre-flight ``pretrain_gpt.py`` runs on every rank before any process group exists;
+:func:`load_checkpoint` repeats it (cheap), checks that the checkpoint fits the model, and loads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections import defaultdict
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from megalite import parallel_state
+from megalite.checkpoint.contents import Checkpoint, open_checkpoint
+from megalite.checkpoint.errors import CheckpointError
+from megalite.checkpoint.keys import OPTIMIZER_STATES, model_key, optimizer_key, optimizer_pieces, rng_key
+from megalite.checkpoint.manifest import Manifest, SavedLayout
+from megalite.checkpoint.model_specs import check_fits
+from megalite.checkpoint.reshard import assemble, merge, split
+from megalite.config import MegaliteConfig
+from megalite.optimizer import MegaliteOptimizer
+from megalite.tensor_parallel import TensorParallelRNG
+
+
+@dataclasses.dataclass
+class LoadResult:
+    path: Path
+    iteration: int                 # where training resumes (0 with --finetune)
+    consumed_samples: int
+    notes: list[str]               # what was and was not restored, for rank 0 to print
+
+
+def check_checkpoint(cfg: MegaliteConfig, world_size: int) -> None:
+    """Raise a one-line CheckpointError if ``--load`` names no usable checkpoint, or one that misses anything this
+    run would read. Reads only the manifest and DCP's index; no process group needed."""
+    c = cfg.checkpoint
+    if c.load is None:
+        return
+    checkpoint = open_checkpoint(c.load, allow_none=_same_directory(c.load, c.save))
+    if checkpoint is None:
+        return
+    tp, pp = cfg.parallel.tensor_model_parallel_size, cfg.parallel.pipeline_model_parallel_size
+    layout = _layout_now(cfg, world_size // (tp * pp))
+    checkpoint.verify(optimizer=_loads_optimizer(cfg, checkpoint.manifest),
+                      rng=_loads_rng(cfg, checkpoint.manifest, layout, torch.cuda.is_available()))
+
+
+def load_checkpoint(cfg: MegaliteConfig, *, parameters: list[tuple[str, torch.nn.Parameter]],
+                    optimizer: Optional[MegaliteOptimizer], rng: Optional[TensorParallelRNG],
+                    device: torch.device) -> Optional[LoadResult]:
+    """Load ``cfg.checkpoint.load`` into this rank's parameters, optimizer and RNG (collective only at the end, to
+    agree that every rank succeeded). None when there is nothing to load yet (--load equal to --save, first run)."""
+    c = cfg.checkpoint
+    checkpoint = open_checkpoint(c.load, allow_none=_same_directory(c.load, c.save))
+    if checkpoint is None:
+        return None
+    manifest = checkpoint.manifest
+    dp = parallel_state.get_data_parallel_world_size()
+    layout = _layout_now(cfg, dp)
+    with_optimizer = optimizer is not None and _loads_optimizer(cfg, manifest)
+    with_rng = rng is not None and _loads_rng(cfg, manifest, layout, device.type == "cuda")
+    checkpoint.verify(optimizer=with_optimizer, rng=with_rng)
+    check_fits(manifest, cfg.model, checkpoint.path)
+    error: Optional[Exception] = None
+    try:
+        _load_parameters(checkpoint, parameters, optimizer, with_optimizer)
+        if with_rng:
+            _restore_rng(checkpoint, rng, device)
+    except Exception as caught:   # e.g. corrupt tensor bytes, found by this rank alone: tell the others first
+        error = caught
+    if not _every_rank_succeeded(error is None, device):
+        raise error or CheckpointError(f"{checkpoint.path}: loading failed on another rank (see its error)")
+    notes = _notes(cfg, manifest, layout, with_optimizer, with_rng, rng is not None)
+    if c.finetune:
+        return LoadResult(checkpoint.path, 0, 0, notes)
+    return LoadResult(checkpoint.path, manifest.iteration, manifest.consumed_samples, notes)
+
+
+def load_weights(checkpoint: Checkpoint, parameters: list[tuple[str, torch.nn.Parameter]]) -> None:
+    """Model weights only, into parameters of the registered layout (``load_pretrained`` uses this)."""
+    _load_parameters(checkpoint, parameters, None, False)
+
+
+# ---- what to load -------------------------------------------------------------------------------------------------
+def _same_directory(load: Optional[str], save: Optional[str]) -> bool:
+    return load is not None and save is not None and os.path.abspath(load) == os.path.abspath(save)
+
+
+def _layout_now(cfg: MegaliteConfig, dp: int) -> SavedLayout:
+    p, o = cfg.parallel, cfg.optimizer
+    return SavedLayout(p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
+                       p.virtual_stages(cfg.model.num_layers), dp, o.use_distributed_optimizer, o.zero_stage)
+
+
+def _loads_optimizer(cfg: MegaliteConfig, manifest: Manifest) -> bool:
+    c = cfg.checkpoint
+    return manifest.has_optimizer and not c.finetune and not c.no_load_optim
+
+
+def _same_ranks(a: SavedLayout, b: SavedLayout) -> bool:
+    """RNG states belong to (pp, tp, dp) ranks running the same chunks: the optimizer's sharding does not matter."""
+    return (a.tp, a.pp, a.virtual_stages, a.dp) == (b.tp, b.pp, b.virtual_stages, b.dp)
+
+
+def _loads_rng(cfg: MegaliteConfig, manifest: Manifest, layout: SavedLayout, cuda: bool) -> bool:
+    c = cfg.checkpoint
+    return (bool(manifest.rng_streams) and not c.finetune and not c.no_load_rng and _same_ranks(manifest.layout, layout)
+            and ("cuda" in manifest.rng_streams) == cuda)
+
+
+def _notes(cfg: MegaliteConfig, manifest: Manifest, layout: SavedLayout, with_optimizer: bool, with_rng: bool,
+           has_rng: bool) -> list[str]:
+    c = cfg.checkpoint
+    notes = [f"saved at iteration {manifest.iteration} at {manifest.layout.describe()}, loaded at {layout.describe()}"]
+    if c.finetune:
+        notes.append("--finetune: model weights only, starting at iteration 0")
+        return notes
+    if not with_optimizer:
+        why = "--no-load-optim" if c.no_load_optim else "the checkpoint has none"
+        notes.append(f"optimizer state not loaded ({why}): Adam starts afresh")
+    if has_rng and not with_rng and not c.no_load_rng:
+        why = ("the checkpoint has none" if not manifest.rng_streams else
+               "the layout differs" if not _same_ranks(manifest.layout, layout) else "the device type differs")
+        notes.append(f"RNG states not restored ({why}): dropout draws continue from --seed")
+    return notes
+
+
+# ---- parameters and optimizer state -------------------------------------------------------------------------------
+def _load_parameters(checkpoint: Checkpoint, parameters: list[tuple[str, torch.nn.Parameter]],
+                     optimizer: Optional[MegaliteOptimizer], with_optimizer: bool) -> None:
+    manifest = checkpoint.manifest
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    fragments = defaultdict(list)
+    for fragment in (optimizer.fragments if optimizer is not None else []):
+        fragments[id(fragment.param)].append(fragment)
+    pieces = optimizer_pieces(checkpoint.metadata.state_dict_metadata) if with_optimizer else {}
+    moments: dict[int, dict[str, torch.Tensor]] = {}
+    for name, param in parameters:
+        spec = manifest.params[name]
+        model_keys = [model_key(name, spec.slices, r) for r in range(spec.slices)]
+        wants_state = with_optimizer and bool(fragments[id(param)])   # this rank updates some of it
+        state_keys = {(state, r): [(lo, hi, optimizer_key(name, spec.slices, r, lo, hi, state))
+                                   for lo, hi in pieces[(name, spec.slices, r, state)]]
+                      for state in OPTIMIZER_STATES for r in range(spec.slices)} if wants_state else {}
+        data = checkpoint.read(model_keys + [key for ranges in state_keys.values() for _, _, key in ranges])
+        with torch.no_grad():
+            full = merge([data[key] for key in model_keys], spec)
+            param.copy_(split(full, param.partition, tp_rank, tp))
+            for fragment in fragments[id(param)]:
+                if not with_optimizer and not fragment.aliased:
+                    fragment.main.copy_(fragment.model_view)   # fresh fp32 main copies of the loaded weights
+            if not wants_state:
+                continue
+            shapes = spec.slice_shapes()
+            param_start = optimizer.ddp.range(param)[0]
+            for state in OPTIMIZER_STATES:
+                slices = [assemble({(lo, hi): data[key] for lo, hi, key in state_keys[(state, r)]},
+                                   data[model_keys[r]].numel()).view(shapes[r]) for r in range(spec.slices)]
+                local = split(merge(slices, spec), param.partition, tp_rank, tp).view(-1)
+                for fragment in fragments[id(param)]:
+                    value = local[fragment.start - param_start: fragment.end - param_start]
+                    if state == "main":
+                        fragment.main.copy_(value)
+                        if not fragment.aliased:
+                            fragment.model_view.copy_(fragment.main)
+                    else:
+                        moments.setdefault(id(fragment.main), {})[state] = value.clone()
+    if with_optimizer:
+        _install_moments(optimizer, moments, manifest)
+
+
+def _install_moments(optimizer: MegaliteOptimizer, moments: dict[int, dict[str, torch.Tensor]],
+                     manifest: Manifest) -> None:
+    """Adam's state through the optimizer's own load_state_dict, which puts each tensor on its parameter's device
+    and dtype; the step count is shared by every parameter."""
+    inner = optimizer.inner
+    state_dict = inner.state_dict()
+    ordered = [p for group in inner.param_groups for p in group["params"]]
+    for index, main in enumerate(ordered):
+        state_dict["state"][index] = {"step": torch.tensor(float(manifest.adam_step)), **moments[id(main)]}
+    inner.load_state_dict(state_dict)
+    scaler, saved = optimizer.scaler, manifest.loss_scaler
+    # A constant --loss-scale stays the user's; a dynamic scaler continues from the saved one.
+    if scaler is not None and saved is not None and set(saved) == set(scaler.state_dict()) and len(saved) > 1:
+        scaler.load_state_dict(saved)
+
+
+def _restore_rng(checkpoint: Checkpoint, rng: TensorParallelRNG, device: torch.device) -> None:
+    at = (parallel_state.get_pipeline_model_parallel_rank(), parallel_state.get_tensor_model_parallel_rank(),
+          parallel_state.get_data_parallel_rank())
+    states = checkpoint.read([rng_key(*at, stream) for stream in checkpoint.manifest.rng_streams])
+    states = {key.rsplit("/", 1)[1]: value for key, value in states.items()}
+    torch.set_rng_state(states["cpu"])
+    if "cuda" in states:
+        torch.cuda.set_rng_state(states["cuda"], device)
+    rng.set_states((rng.get_states()[0], states["tensor_parallel"]))   # the default stream was just restored
+
+
+def _every_rank_succeeded(ok: bool, device: torch.device) -> bool:
+    """Agree over the layout (its model-parallel groups, then its data-parallel groups) whether all ranks loaded."""
+    flag = torch.tensor([0.0 if ok else 1.0], device=device)
+    for info in (parallel_state.get_model_parallel_group(), parallel_state.get_data_parallel_group()):
+        if info.size > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=info.group)
+    return flag.item() == 0.0

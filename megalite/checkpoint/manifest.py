@@ -1,0 +1,160 @@
+"""The manifest: a checkpoint's table of contents, in JSON (``manifest.json`` beside DCP's files).
+
+It holds everything that is not a tensor: the iteration and consumed samples, the layout the checkpoint was saved at,
+the full config it was trained with, the loss-scaler state and Adam's step count, and for every parameter (by
+canonical name) its full shape, how it was partitioned over tensor-parallel ranks, and its dtype. The tensors
+themselves are in DCP's files under the keys of :mod:`megalite.checkpoint.keys`; the manifest is what lets a loader
+at another layout find and merge them. JSON, not pickle, so reading a manifest cannot run code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from megalite.checkpoint.errors import CheckpointError
+from megalite.config import MegaliteConfig, sections
+from megalite.tensor_parallel import Partition, shard
+
+MANIFEST_NAME = "manifest.json"
+FORMAT = "megalite-checkpoint"
+VERSION = 1
+
+
+@dataclass(frozen=True)
+class SavedLayout:
+    tp: int = 1
+    pp: int = 1
+    virtual_stages: int = 1
+    dp: int = 1
+    distributed_optimizer: bool = False
+    zero_stage: int = 1
+
+    def describe(self) -> str:
+        text = f"TP={self.tp} x PP={self.pp}"
+        if self.virtual_stages > 1:
+            text += f" (V={self.virtual_stages})"
+        text += f" x DP={self.dp}"
+        if self.distributed_optimizer:
+            text += f", distributed optimizer (ZeRO-{self.zero_stage})"
+        return text
+
+    def ranks(self) -> list[tuple[int, int, int]]:
+        """Every rank of the layout as (pp rank, tp rank, dp rank)."""
+        return [(p, t, d) for p in range(self.pp) for d in range(self.dp) for t in range(self.tp)]
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """How one parameter was stored: ``slices`` pieces (1 when replicated over TP) cut from the full tensor."""
+    full_shape: tuple[int, ...]
+    partition: Partition
+    slices: int
+    dtype: str
+
+    def slice_shapes(self) -> list[tuple[int, ...]]:
+        """Shape of each stored slice (computed on the meta device, so it follows ``shard`` exactly)."""
+        full = torch.empty(self.full_shape, device="meta")
+        return [tuple(shard(full, self.partition, rank, self.slices).shape) for rank in range(self.slices)]
+
+    def slice_numels(self) -> list[int]:
+        return [math.prod(shape) for shape in self.slice_shapes()]
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
+
+    def to_json(self) -> dict:
+        return {"full_shape": list(self.full_shape), "partition": dataclasses.asdict(self.partition),
+                "slices": self.slices, "dtype": self.dtype}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "TensorSpec":
+        # JSON has no tuples: a tuple of fused block sizes comes back as a list.
+        partition = {k: tuple(v) if isinstance(v, list) else v for k, v in data["partition"].items()}
+        dtype = data["dtype"]
+        if not isinstance(getattr(torch, dtype, None), torch.dtype):
+            raise ValueError(f"unknown dtype {dtype!r}")
+        return cls(tuple(int(x) for x in data["full_shape"]), Partition(**partition), int(data["slices"]), dtype)
+
+
+@dataclass
+class Manifest:
+    iteration: int
+    consumed_samples: int
+    layout: SavedLayout
+    config: dict                              # MegaliteConfig as nested dicts (section -> field -> value)
+    params: dict[str, TensorSpec]             # canonical name -> how it is stored
+    adam_step: Optional[int] = None           # None: no optimizer state in the checkpoint
+    loss_scaler: Optional[dict] = None        # fp16 loss-scaler state
+    rng_streams: list[str] = dataclasses.field(default_factory=list)   # stored per rank; empty: no RNG state
+    tokenizer: Optional[dict] = None          # {"type", "file" (in the checkpoint dir) or "vocab_size", "eod"}
+
+    @property
+    def has_optimizer(self) -> bool:
+        return self.adam_step is not None
+
+    def to_json(self) -> str:
+        data = {"format": FORMAT, "version": VERSION, "iteration": self.iteration,
+                "consumed_samples": self.consumed_samples, "layout": dataclasses.asdict(self.layout),
+                "adam_step": self.adam_step, "loss_scaler": self.loss_scaler, "rng_streams": self.rng_streams,
+                "tokenizer": self.tokenizer, "config": self.config,
+                "params": {name: spec.to_json() for name, spec in self.params.items()}}
+        return json.dumps(data, indent=1)
+
+    @classmethod
+    def read(cls, directory: Path) -> "Manifest":
+        """The manifest of a checkpoint directory; any problem is a one-line CheckpointError naming the file."""
+        path = directory / MANIFEST_NAME
+        if not path.is_file():
+            raise CheckpointError(f"{directory}: not a complete checkpoint: {MANIFEST_NAME} is missing")
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+            raise CheckpointError(f"{path}: unreadable ({error})") from None
+        if not isinstance(data, dict) or data.get("format") != FORMAT:
+            raise CheckpointError(f"{path}: not a megalite checkpoint manifest")
+        if data.get("version") != VERSION:
+            raise CheckpointError(f"{path}: format version {data.get('version')} (this megalite reads {VERSION})")
+        try:
+            return cls(iteration=int(data["iteration"]), consumed_samples=int(data["consumed_samples"]),
+                       layout=SavedLayout(**data["layout"]), config=dict(data["config"]),
+                       params={name: TensorSpec.from_json(spec) for name, spec in data["params"].items()},
+                       adam_step=None if data["adam_step"] is None else int(data["adam_step"]),
+                       loss_scaler=data["loss_scaler"], rng_streams=list(data["rng_streams"]),
+                       tokenizer=data["tokenizer"])
+        except (KeyError, TypeError, ValueError) as error:
+            raise CheckpointError(f"{path}: malformed manifest ({type(error).__name__}: {error})") from None
+
+    def megalite_config(self) -> MegaliteConfig:
+        """The config the checkpoint was trained with, as this version of megalite reads it (options it does not
+        know are dropped with a warning; options the checkpoint predates get their defaults)."""
+        return config_from_dict(self.config)
+
+
+def config_from_dict(data: dict[str, Any]) -> MegaliteConfig:
+    values, unknown = {}, []
+    for section, cls in sections():
+        given = dict(data.get(section) or {})
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown += [f"{section}.{key}" for key in given if key not in names]
+        values[section] = cls(**{key: value for key, value in given.items() if key in names})
+    unknown += [key for key in data if key not in values]
+    if unknown:
+        warnings.warn(f"checkpoint config options unknown to this megalite are ignored: {', '.join(unknown)}",
+                      stacklevel=2)
+    return MegaliteConfig(**values)
+
+
+def config_to_dict(cfg: MegaliteConfig) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)
+
+
+__all__ = ["MANIFEST_NAME", "Manifest", "SavedLayout", "TensorSpec", "config_from_dict", "config_to_dict"]

@@ -1,0 +1,64 @@
+"""Every parameter of the whole model, by canonical name, without building it: read off a model on the meta device.
+
+A rank holds only its pipeline stage, but a checkpoint describes (when saving) and must fit (when loading) the
+whole model. Building the full GPT on the meta device costs no memory and no communication, so every rank gets the
+same answer on its own and a checkpoint that does not fit stops every rank alike, before any collective.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import torch
+
+from megalite.checkpoint.errors import CheckpointError
+from megalite.checkpoint.manifest import Manifest
+from megalite.config import ModelConfig
+from megalite.model import GPTModel
+from megalite.tensor_parallel import Partition
+
+
+@dataclasses.dataclass(frozen=True)
+class ParameterSpec:
+    full_shape: tuple[int, ...]
+    partition: Partition      # at the registered tensor-parallel size
+
+
+def model_parameters(model: ModelConfig) -> dict[str, ParameterSpec]:
+    """Canonical name -> spec of every parameter of the full model at the registered layout's TP size."""
+    with torch.random.fork_rng(devices=[]), torch.device("meta"):   # nothing drawn, nothing allocated
+        gpt = GPTModel(model)
+    return {name: ParameterSpec(tuple(p.full_shape), p.partition) for name, p in gpt.canonical_named_parameters()}
+
+
+def check_fits(manifest: Manifest, model: ModelConfig, where: Path) -> None:
+    """Raise CheckpointError unless the checkpoint holds exactly the model's parameters, with the same full shapes."""
+    expected = model_parameters(model)
+    problem = None
+    missing = [name for name in expected if name not in manifest.params]
+    unexpected = [name for name in manifest.params if name not in expected]
+    if missing:
+        problem = f"it has no {missing[0]}" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
+    elif unexpected:
+        problem = f"this model has no {unexpected[0]}" + (
+            f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else "")
+    else:
+        for name, spec in expected.items():
+            saved = manifest.params[name].full_shape
+            if saved != spec.full_shape:
+                problem = f"{name} is {list(saved)} there, {list(spec.full_shape)} here"
+                break
+    if problem is None:
+        return
+    saved_model = manifest.config.get("model", {})
+    differences = [f"{key} {saved_model[key]} (checkpoint) vs {value}"
+                   for key, value in dataclasses.asdict(model).items()
+                   if key in saved_model and saved_model[key] != value and key not in _HARMLESS]
+    hint = f"; model options differ: {', '.join(differences)}" if differences else ""
+    raise CheckpointError(f"{where}: does not fit this model: {problem}{hint}")
+
+
+# Options that change no parameter: never the reason a checkpoint does not fit.
+_HARMLESS = {"hidden_dropout", "attention_dropout", "init_method_std", "layernorm_epsilon", "seq_length",
+             "recompute_granularity", "recompute_method", "recompute_num_layers"}

@@ -1,0 +1,191 @@
+"""Saving: each rank writes only its own pieces, through one collective DCP save, into a directory made visible
+atomically (see :mod:`megalite.checkpoint.directory`).
+
+Who writes what, so that every piece is stored exactly once:
+
+- model weights: data-parallel rank 0 (DP replicas are equal), each TP rank its slice (TP rank 0 alone for
+  replicated tensors); the last stage's copy of a tied word embedding is the first stage's tensor, and is skipped;
+- optimizer state (fp32 main parameter, Adam moments) per fragment of :class:`MegaliteOptimizer`: with the
+  distributed optimizer every DP rank writes the ranges it owns, without it DP rank 0 writes whole parameters;
+- RNG states: every rank, under its (pp, tp, dp) coordinates;
+- the manifest (and a copy of the tokenizer model, which tools/generate.py uses): rank 0, last.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from megalite import parallel_state
+from megalite.checkpoint import directory as ckpt_dir
+from megalite.checkpoint.errors import CheckpointError
+from megalite.checkpoint.keys import model_key, optimizer_key, rng_key, slice_of, stores_slice
+from megalite.checkpoint.manifest import MANIFEST_NAME, Manifest, SavedLayout, TensorSpec, config_to_dict
+from megalite.checkpoint.model_specs import model_parameters
+from megalite.checkpoint.storage import world_size, write_tensors
+from megalite.config import MegaliteConfig
+from megalite.data.tokenizer import NullTokenizer, SentencePieceTokenizer, Tokenizer
+from megalite.optimizer import MegaliteOptimizer
+from megalite.tensor_parallel import TensorParallelRNG
+
+TOKENIZER_FILE = "tokenizer.model"
+
+
+@dataclasses.dataclass
+class _Coordinates:
+    tp: int
+    tp_rank: int
+    pp: int
+    pp_rank: int
+    dp: int
+    dp_rank: int
+
+    @classmethod
+    def registered(cls) -> "_Coordinates":
+        ps = parallel_state
+        return cls(ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank(),
+                   ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank(),
+                   ps.get_data_parallel_world_size(), ps.get_data_parallel_rank())
+
+
+def save_checkpoint(root: str | Path, *, cfg: MegaliteConfig, iteration: int, consumed_samples: int,
+                    parameters: list[tuple[str, torch.nn.Parameter]], optimizer: Optional[MegaliteOptimizer] = None,
+                    rng: Optional[TensorParallelRNG] = None, tokenizer: Optional[Tokenizer] = None,
+                    device: torch.device = torch.device("cpu")) -> Path:
+    """Save this rank's part of the model (``parameters``: canonical name, parameter of this rank's chunks) and
+    optimizer into ``root/iter_NNNNNNN``; collective over every rank of the registered layout, which must be the
+    whole world or a single process. Returns the checkpoint directory once it is complete and the pointer is set."""
+    at = _Coordinates.registered()
+    layout_size = at.tp * at.pp * at.dp
+    if layout_size not in (1, world_size()):
+        raise CheckpointError(f"saving needs a layout over the whole world or one process, not {layout_size} of "
+                              f"{world_size()} ranks")
+    collective = layout_size > 1
+    is_writer = not collective or dist.get_rank() == 0
+    final = ckpt_dir.iteration_dir(Path(root), iteration)
+    temporary = ckpt_dir.temporary_dir(final)
+
+    tensors = _model_tensors(parameters, at)
+    adam_step = _adam_step(optimizer)
+    if adam_step is not None:
+        tensors.update(_optimizer_tensors(optimizer, at, {id(param): name for name, param in parameters}))
+    streams = _rng_states(rng, device)
+    tensors.update({rng_key(at.pp_rank, at.tp_rank, at.dp_rank, s): state for s, state in streams.items()})
+
+    _on_rank0(lambda: ckpt_dir.prepare(final), is_writer, collective)
+    write_tensors(temporary, tensors, collective)   # returns once DCP's index of every rank's pieces is written
+
+    def finish() -> None:
+        manifest = Manifest(
+            iteration=iteration, consumed_samples=consumed_samples, layout=_layout(cfg, at), config=config_to_dict(cfg),
+            params=_specs(cfg, parameters), adam_step=adam_step,
+            loss_scaler=optimizer.scaler.state_dict() if optimizer is not None and optimizer.scaler else None,
+            rng_streams=sorted(streams), tokenizer=_save_tokenizer(tokenizer, temporary))
+        ckpt_dir.write_file(temporary / MANIFEST_NAME, manifest.to_json().encode())
+        ckpt_dir.commit(temporary, final, iteration)
+
+    _on_rank0(finish, is_writer, collective)   # nobody goes on (or loads) before the checkpoint is in place
+    return final
+
+
+def _on_rank0(step: Callable[[], object], is_writer: bool, collective: bool) -> None:
+    """Run ``step`` on rank 0, then a barrier that carries its failure: if rank 0 cannot write (a full or read-only
+    disk), every rank raises, instead of the others waiting for it until the collective timeout."""
+    failure: Optional[Exception] = None
+    if is_writer:
+        try:
+            step()
+        except Exception as error:
+            failure = error
+    if collective:
+        outcome = [None if failure is None else f"{type(failure).__name__}: {failure}"]
+        dist.broadcast_object_list(outcome, src=0)
+        if outcome[0] is not None and failure is None:
+            raise RuntimeError(f"saving the checkpoint failed on rank 0 ({outcome[0]})")
+    if failure is not None:
+        raise failure
+
+
+def _model_tensors(parameters, at: _Coordinates) -> dict[str, torch.Tensor]:
+    if at.dp_rank != 0:
+        return {}
+    tensors = {}
+    for name, param in parameters:
+        if getattr(param, "is_embedding_copy", False) or not stores_slice(param.partition, at.tp_rank):
+            continue
+        world, rank = slice_of(param.partition, at.tp_rank, at.tp)
+        tensors[model_key(name, world, rank)] = param.detach()
+    return tensors
+
+
+def _adam_step(optimizer: Optional[MegaliteOptimizer]) -> Optional[int]:
+    """Adam's step count (all fragments step together), or None before the first step (nothing to save)."""
+    if optimizer is None:
+        return None
+    for fragment in optimizer.fragments:
+        state = optimizer.inner.state.get(fragment.main)
+        if state:
+            return int(state["step"])
+    return None
+
+
+def _optimizer_tensors(optimizer: MegaliteOptimizer, at: _Coordinates,
+                       names: dict[int, str]) -> dict[str, torch.Tensor]:
+    ddp = optimizer.ddp
+    if not ddp.distributed and at.dp_rank != 0:
+        return {}   # plain data parallel: every DP rank holds the same whole states
+    tensors = {}
+    for fragment in optimizer.fragments:
+        param = fragment.param
+        if getattr(param, "is_embedding_copy", False) or not stores_slice(param.partition, at.tp_rank):
+            continue
+        world, rank = slice_of(param.partition, at.tp_rank, at.tp)
+        param_start = ddp.range(param)[0]
+        lo, hi = fragment.start - param_start, fragment.end - param_start
+        state = optimizer.inner.state[fragment.main]
+        for kind, tensor in (("main", fragment.main), ("exp_avg", state["exp_avg"]),
+                             ("exp_avg_sq", state["exp_avg_sq"])):
+            tensors[optimizer_key(names[id(param)], world, rank, lo, hi, kind)] = tensor.detach()
+    return tensors
+
+
+def _rng_states(rng: Optional[TensorParallelRNG], device: torch.device) -> dict[str, torch.Tensor]:
+    if rng is None:
+        return {}
+    states = {"cpu": torch.get_rng_state()}
+    if device.type == "cuda":
+        states["cuda"] = torch.cuda.get_rng_state(device)
+    states["tensor_parallel"] = rng.get_states()[1].clone()   # the per-TP-rank dropout stream
+    return states
+
+
+def _layout(cfg: MegaliteConfig, at: _Coordinates) -> SavedLayout:
+    o = cfg.optimizer
+    return SavedLayout(at.tp, at.pp, cfg.parallel.virtual_stages(cfg.model.num_layers), at.dp,
+                       o.use_distributed_optimizer, o.zero_stage)
+
+
+def _specs(cfg: MegaliteConfig, parameters) -> dict[str, TensorSpec]:
+    """Every parameter of the whole model (rank 0 holds only its stage: the rest comes from the meta model)."""
+    dtype = str(next(p for _, p in parameters).dtype).removeprefix("torch.")
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    specs = model_parameters(cfg.model)
+    for name, param in parameters:   # the meta model must describe the real one
+        if name not in specs or specs[name].full_shape != tuple(param.full_shape):
+            raise RuntimeError(f"parameter {name} {list(param.full_shape)} is not in the model's description")
+    return {name: TensorSpec(spec.full_shape, spec.partition, slice_of(spec.partition, 0, tp)[0], dtype)
+            for name, spec in specs.items()}
+
+
+def _save_tokenizer(tokenizer: Optional[Tokenizer], directory: Path) -> Optional[dict]:
+    if isinstance(tokenizer, SentencePieceTokenizer):
+        ckpt_dir.write_file(directory / TOKENIZER_FILE, tokenizer.model_path.read_bytes())
+        return {"type": "SentencePieceTokenizer", "file": TOKENIZER_FILE, "eod": tokenizer.eod}
+    if isinstance(tokenizer, NullTokenizer):
+        return {"type": "NullTokenizer", "vocab_size": tokenizer.vocab_size, "eod": tokenizer.eod}
+    return None

@@ -1,0 +1,81 @@
+"""``pretrain_gpt.py --dry-run``: the planner's per-GPU memory estimate for the layout on the command line.
+
+Runs after the options and data files are checked and before any process group exists, so it needs no GPU and no
+other rank. The vocabulary is the tokenizer's, as the trainer will use it (--vocab-size only sizes mock data).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from megalite.config import MegaliteConfig
+from megalite.data.default_corpus import ensure_default_corpus
+from megalite.data.tokenizer import build_tokenizer
+from megalite.planner.hardware import GiB
+from megalite.planner.layout import Layout
+from megalite.planner.memory import Numerics, StageMemory, memory_per_stage
+from megalite.planner.parameters import count_parameters
+
+
+def run_vocab_size(cfg: MegaliteConfig) -> int:
+    """The vocabulary the trainer will use: the tokenizer's, or --vocab-size with mock data."""
+    d = cfg.data
+    if d.mock_data:
+        return cfg.model.vocab_size
+    if d.data_path is None:
+        return build_tokenizer("SentencePieceTokenizer", ensure_default_corpus().tokenizer_model,
+                               cfg.model.vocab_size).vocab_size
+    return build_tokenizer(d.tokenizer_type, d.tokenizer_model, cfg.model.vocab_size).vocab_size
+
+
+def dtype_bytes(cfg: MegaliteConfig) -> int:
+    return 2 if cfg.training.bf16 or cfg.training.fp16 else 4
+
+
+def numerics_for(cfg: MegaliteConfig, cuda: bool) -> Numerics:
+    """GPU numerics (byte dropout masks, flash attention unless the fused masked softmax replaces it) on CUDA, the
+    CPU's otherwise."""
+    if not cuda:
+        return Numerics.cpu(dtype_bytes(cfg))
+    k = cfg.kernels
+    masked_softmax = k.use_fused_kernels == "on" and not k.no_masked_softmax_fusion
+    return dataclasses.replace(Numerics.gpu(dtype_bytes(cfg)), flash_attention=not masked_softmax)
+
+
+def run_memory(cfg: MegaliteConfig, world_size: int, cuda: bool | None = None) -> tuple[Layout, list[StageMemory]]:
+    """The layout of ``cfg`` at ``world_size`` and the memory of one GPU of each pipeline stage."""
+    cuda = torch.cuda.is_available() if cuda is None else cuda
+    layout = Layout.from_config(cfg, world_size)
+    model = dataclasses.replace(cfg.model, vocab_size=run_vocab_size(cfg))
+    stages = memory_per_stage(model, layout, cfg.training.global_batch_size, dtype_bytes=dtype_bytes(cfg),
+                              numerics=numerics_for(cfg, cuda), bucket_size=cfg.optimizer.ddp_bucket_size)
+    return layout, stages
+
+
+def format_dry_run(cfg: MegaliteConfig, world_size: int, cuda: bool | None = None) -> str:
+    """What --dry-run prints: the layout, the parameters, and each stage's memory split, most loaded marked."""
+    cuda = torch.cuda.is_available() if cuda is None else cuda
+    layout, stages = run_memory(cfg, world_size, cuda)
+    model = dataclasses.replace(cfg.model, vocab_size=run_vocab_size(cfg))
+    params = count_parameters(model, layout.tp, layout.pp, layout.virtual_stages)
+    m = layout.num_micro_batches(cfg.training.global_batch_size)
+    lines = [f"megalite: dry run: {layout.describe()}, {m} micro-batches per step; {params.total / 1e6:,.2f}M "
+             f"parameters; {'bf16' if cfg.training.bf16 else 'fp16' if cfg.training.fp16 else 'fp32'}; "
+             f"activations as {'CUDA' if cuda else 'the CPU'} keeps them",
+             "memory per GPU (GiB), DP rank 0:",
+             f"  {'stage':>5}  {'params':>12}  {'weights':>8}  {'grads':>8}  {'optimizer':>9}  {'activations':>11}  "
+             f"{'total':>8}"]
+    peak = max(stages, key=lambda s: s.total)
+    for stage, held in zip(stages, params.per_stage):
+        lines.append(f"  {stage.pp_rank:>5}  {held:>12,}  {stage.weights / GiB:>8.3f}  {stage.gradients / GiB:>8.3f}  "
+                     f"{stage.optimizer / GiB:>9.3f}  {stage.activations / GiB:>11.3f}  {stage.total / GiB:>8.3f}"
+                     + ("  <- most loaded" if stage is peak and len(stages) > 1 else ""))
+    if peak.host_optimizer:
+        lines.append(f"  plus {peak.host_optimizer / GiB:.3f} GiB of optimizer states on the host (CPU offload)")
+    if cuda:
+        total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+        verdict = "fits" if peak.total <= 0.9 * total else "does NOT fit"
+        lines.append(f"this GPU has {total / GiB:.1f} GiB: the most loaded stage {verdict} with 10% headroom")
+    return "\n".join(lines)

@@ -1,0 +1,356 @@
+"""Per-GPU memory of a layout: model states (weights, gradients, optimizer states) and activations.
+
+Model states, as megalite holds them (tests: within 1% of the tensors a real DataParallel + MegaliteOptimizer
+allocate; in fact exact, bucket padding included):
+
+- weights: this rank's parameters, in the model dtype, living in one flat buffer per rank, padded per bucket to a
+  multiple of DP x 16 elements (megalite.distributed.buckets) - the padding is real memory;
+- gradients: always fp32 (``main_grad`` buckets), whatever the model dtype: the whole padded buffer, or with ZeRO-2
+  only this rank's 1/DP shard of each bucket (plus, transiently, the bf16 ``param.grad`` of a bucket not yet
+  reduced: not counted);
+- optimizer: Adam's exp_avg and exp_avg_sq in fp32 (8 bytes), plus a separate fp32 main copy (4 bytes) when the
+  model is bf16/fp16 (an fp32 model steps its own storage: no copy), for this rank's parameters, or with the
+  distributed optimizer for the real (not padding) elements of this rank's shard of each bucket;
+  ``--optimizer-cpu-offload`` moves all of it to the host.
+
+Bytes per parameter that follow (``bytes_per_parameter``), next to the published numbers they differ from:
+
+| | unsharded | distributed optimizer (ZeRO-1) | ZeRO-2 |
+|---|---|---|---|
+| megalite bf16/fp16 | 18 | 6 + 12/DP | 2 + 16/DP |
+| megalite fp32 | 16 | 8 + 8/DP | 4 + 12/DP |
+| Megatron docs, bf16 params + fp32 grads | 18 | 6 + 12/d | - |
+| Megatron docs, fp16 params + fp16 grads | 20 | 4 + 16/d | - |
+| ZeRO paper (Rajbhandari et al. 2020, fp16 grads, K=12) | 16 | 4 + 12/N | 2 + 14/N (stage 3: 16/N) |
+
+megalite's gradients are fp32 (4 bytes, where ZeRO's are fp16), hence 2 more bytes per parameter than the paper.
+
+Activations, per transformer layer and micro-batch (s sequence, b micro-batch, h hidden, a heads, t TP; p bytes per
+activation element, m per dropout-mask element): Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
+Transformer Models", Table 2: sbh(34 + 5as/h) bytes for p = 2, m = 1; sbh(10 + 24/t + 5as/(ht)) with TP;
+sbh/t (34 + 5as/h) with sequence parallelism; 34 sbh/t adding selective recompute; 2sbh with full recompute. Written
+out for this implementation (what autograd keeps, read off saved-tensor hooks; tests: within 15% of the measured
+bytes on the CPU, exactly equal in fact):
+
+    replicated over TP (split by t under sequence parallelism):
+        4p sbh   the two norm inputs, the QKV and fc1 inputs          (paper: 8 sbh)
+        2m sbh   the two residual dropout masks, if hidden dropout > 0  (paper: 2 sbh)
+        per-token norm statistics in fp32 (LayerNorm: mean and 1/std; RMSNorm: 1/std; the paper leaves them out)
+    split over TP:
+        p sbh (h + 2 G d)/h / t    the fused QKV output (q, k, v are views of it; G = h/d without grouping: 3p);
+                                   with G < t each rank gathers its key/value head into a copy (2 d per token),
+                                   which replaces the fused output when rotary embeddings make q a copy too
+        p sbh (h + G d)/h / t      rotary embeddings: the rotated q and k are new tensors (plus cos and sin)
+        p sbh / t                  the output projection's input (the attention output: same storage)
+        p sbh f/h x 2 / t          GeLU: its input and output (f = 4h: the paper's 16 sbh / t)
+        p sbh f/h x 4 / t          SwiGLU: the fc1 output [gate; up], silu(gate), and the product
+    the attention core (what selective recompute does not keep):
+        fused kernel (flash attention):   the log-sum-exp, 4 bytes x b a s / t; nothing s^2-sized
+        math path (CPU with dropout):     the paper's as^2 b (2p + m) / t: softmax, dropout mask, dropout output
+        unfused core (--use-fused-kernels on, the masked softmax): the same, as^2 b p / t without dropout
+    full recompute: p sbh (/ t under sequence parallelism), the layer's input only.
+
+On the GPU the planner assumes bf16 (p = 2), CUDA dropout's byte masks (m = 1) and torch's flash attention, which
+regenerates its dropout mask in backward, so there is no 5as/h term at all (the paper's formula is for unfused
+attention); ``Numerics.cpu`` describes the CPU (p = 4, float dropout noise m = 4, the math path when attention
+dropout is on), which is what the tests measure.
+
+Per micro-batch and stage, besides the layers: the first stage keeps the token ids and the embedding dropout mask;
+every stage but the last keeps its output until the backward (megalite's pipeline engine does not free sent outputs
+yet); the last stage keeps the final norm's and output layer's inputs and the fp32 softmax of vocab-parallel cross
+entropy, 4 x b s V / t bytes, plus transiently the logits and two fp32 working copies of them.
+
+Micro-batches in flight: counted by running megalite's own schedules (megalite.pipeline.schedules). The first stage
+of 1F1B holds PP micro-batches of its L/PP layers, L layers' worth; interleaved 1F1B holds L (1 + (PP - 1)/(PP V))
+layers' worth, Megatron's factor (Korthikanti et al. 2022, for Narayanan et al. 2021's schedule). The most loaded
+stage is the one with the largest total.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from dataclasses import dataclass
+from typing import Optional
+
+from megalite.config import ModelConfig
+from megalite.distributed.buckets import build_layout
+from megalite.distributed.data_parallel import DEFAULT_BUCKET_SIZE
+from megalite.pipeline.partition import chunks_of_rank
+from megalite.pipeline.schedules import build_schedule
+from megalite.planner.layout import Layout
+from megalite.planner.parameters import rank_tensors
+
+
+def bytes_per_parameter(zero: int, dp: int, dtype_bytes: int = 2) -> float:
+    """Model-state bytes per parameter in megalite (see the table above): weights + fp32 gradients + fp32 Adam
+    states (+ fp32 main copy unless the model is fp32), with ``zero`` 0 (unsharded), 1 or 2 sharding over ``dp``."""
+    main = 0 if dtype_bytes == 4 else 4
+    optimizer = main + 8
+    if zero == 0:
+        return dtype_bytes + 4 + optimizer
+    if zero == 1:
+        return dtype_bytes + 4 + optimizer / dp
+    return dtype_bytes + (4 + optimizer) / dp
+
+
+def zero_paper_bytes_per_parameter(stage: int, n: int) -> float:
+    """The ZeRO paper's mixed-precision Adam (Rajbhandari et al. 2020, K = 12): 16, 4 + 12/N, 2 + 14/N, 16/N."""
+    return {0: 16.0, 1: 4 + 12 / n, 2: 2 + 14 / n, 3: 16 / n}[stage]
+
+
+# ---- model states ---------------------------------------------------------------------------------------------------
+
+class _Sized:
+    """A stand-in for a parameter in megalite.distributed.buckets.build_layout, which needs only numel()."""
+    __slots__ = ("n",)
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def numel(self) -> int:
+        return self.n
+
+
+@dataclass(frozen=True)
+class ModelStates:
+    weights: float           # bytes on the device
+    gradients: float
+    optimizer: float
+    host_optimizer: float = 0.0   # bytes on the host (CPU offload)
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.gradients + self.optimizer
+
+
+def default_bucket_size(dp: int) -> int:
+    """megalite.distributed.DataParallel's default bucket size."""
+    return max(DEFAULT_BUCKET_SIZE, 1_000_000 * dp)
+
+
+def model_state_bytes(model: ModelConfig, layout: Layout, pp_rank: int = 0, *, dtype_bytes: int = 2,
+                      dp_rank: int = 0, bucket_size: Optional[int] = None) -> ModelStates:
+    """Exact model-state bytes of one rank, from megalite's own bucket layout (DP rank 0 holds the most: bucket
+    padding sits at the end of each bucket, in the last rank's shard)."""
+    key = (dataclasses.astuple(model), layout.tp, layout.pp, layout.virtual_stages, layout.dp, layout.zero,
+           layout.optimizer_cpu_offload, pp_rank, dtype_bytes, dp_rank, bucket_size or default_bucket_size(layout.dp))
+    if key not in _STATES_CACHE:   # the search asks again for every micro-batch size and recompute option
+        _STATES_CACHE[key] = _model_state_bytes(model, *key[1:])
+    return _STATES_CACHE[key]
+
+
+_STATES_CACHE: dict[tuple, ModelStates] = {}
+
+
+def _model_state_bytes(model: ModelConfig, tp: int, pp: int, v: int, dp: int, zero: int, offload: bool, pp_rank: int,
+                       dtype_bytes: int, dp_rank: int, bucket_size: int) -> ModelStates:
+    tensors = [t for chunk in rank_tensors(model, tp, pp, v, pp_rank) for t in chunk]
+    params = [_Sized(t.numel) for t in tensors]
+    layout = build_layout(params, bucket_size, dp, [p for p, t in zip(params, tensors) if t.deferred])
+    weights = layout.total * dtype_bytes
+    if zero == 2:
+        gradients = sum((b.end - b.start) // dp for b in layout.buckets) * 4
+    else:
+        gradients = layout.total * 4
+    if zero:   # the real elements of this rank's shard of each bucket
+        owned = 0
+        for bucket in layout.buckets:
+            first, last = bucket.shard(dp_rank, dp)
+            for p in bucket.params:
+                start, end = layout.ranges[id(p)]
+                owned += max(0, min(end, last) - max(start, first))
+    else:
+        owned = sum(t.numel for t in tensors)
+    main_copy = 0 if dtype_bytes == 4 and not offload else 4
+    optimizer = owned * (8 + main_copy)
+    if offload:
+        return ModelStates(weights, gradients, 0.0, optimizer)
+    return ModelStates(weights, gradients, optimizer)
+
+
+# ---- activations ----------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Numerics:
+    """Bytes of what autograd keeps: activation elements, dropout masks, and whether attention is a fused kernel."""
+    activation_bytes: int = 2          # bf16
+    mask_bytes: int = 1                # CUDA dropout keeps a bool mask
+    fused_attention_dropout: bool = True   # flash attention regenerates its dropout mask (the CPU uses the math path)
+    flash_attention: bool = True       # False: an unfused core (--use-fused-kernels on) keeps the s x s softmax
+
+    @classmethod
+    def gpu(cls, dtype_bytes: int = 2) -> "Numerics":
+        return cls(dtype_bytes, 1, True)
+
+    @classmethod
+    def cpu(cls, dtype_bytes: int = 4) -> "Numerics":
+        """torch on the CPU: dropout keeps its float noise; attention with dropout runs the unfused math path."""
+        return cls(dtype_bytes, dtype_bytes, False)
+
+
+def _norm_statistics(model: ModelConfig) -> int:
+    """fp32 bytes per token one norm keeps besides its input: LayerNorm mean and 1/std, RMSNorm 1/std."""
+    return 4 if model.normalization == "RMSNorm" else 8
+
+
+def layer_activation_bytes(model: ModelConfig, tp: int, sequence_parallel: bool, micro_batch_size: int,
+                           numerics: Numerics, recomputed: bool = False) -> float:
+    """Bytes one transformer layer keeps for backward per micro-batch (see the module docstring). ``recomputed``:
+    the layer is inside a full-recompute group (only its input is kept; its group's caller counts it)."""
+    s, b, h, a = model.seq_length, micro_batch_size, model.hidden_size, model.num_attention_heads
+    g, d, f = model.query_groups, model.head_dim, model.ffn_size
+    p, m = numerics.activation_bytes, numerics.mask_bytes
+    sbh = s * b * h
+    replicated_share = 1 / tp if sequence_parallel else 1.0
+    if recomputed:
+        return p * sbh * replicated_share
+    replicated = 4 * p * sbh + 2 * _norm_statistics(model) * s * b
+    if model.hidden_dropout > 0:
+        replicated += 2 * m * sbh
+    kv_heads = max(g // tp, 1)                       # key/value heads a rank uses (one, shared, when G < TP)
+    rope = model.position_embedding_type == "rope"
+    split = 0.0
+    if tp > g:   # a key/value head split over TP/G ranks is gathered into a new [k; v] tensor, which v views
+        split += p * s * b * 2 * kv_heads * d
+    if tp <= g or not rope:                          # q or v still views the fused QKV output, keeping it whole
+        split += p * s * b * (h + 2 * g * d) / tp
+    if rope:
+        split += p * s * b * (h / tp + kv_heads * d) + 2 * p * s * d   # rotated q and k; this pass's cos and sin
+    split += p * sbh / tp                            # the attention output = the output projection's input
+    split += p * s * b * f / tp * (4 if model.swiglu else 2)
+    core = 0.0
+    if model.recompute_granularity != "selective":
+        heads = a / tp
+        dropout = model.attention_dropout > 0
+        if not numerics.flash_attention or (dropout and not numerics.fused_attention_dropout):
+            # the softmax output, and with dropout its mask and output (the paper's 5as/h; the math path)
+            core = a * s * s * b / tp * (2 * p + m if dropout else p)
+        else:
+            core = 4 * b * heads * s                  # flash attention's log-sum-exp
+    return replicated * replicated_share + split + core
+
+
+def embedding_activation_bytes(model: ModelConfig, tp: int, sequence_parallel: bool, micro_batch_size: int,
+                               numerics: Numerics) -> float:
+    """The first virtual stage, per micro-batch: token (and position) ids, and the embedding dropout mask."""
+    s, b, h = model.seq_length, micro_batch_size, model.hidden_size
+    ids = 8 * s * b + (s * b if tp > 1 else 0)      # int64 ids; under TP also the out-of-range mask (bool)
+    if model.position_embedding_type == "learned_absolute":
+        ids += 8 * s // (tp if sequence_parallel else 1)
+    mask = numerics.mask_bytes * s * b * h / (tp if sequence_parallel else 1) if model.hidden_dropout > 0 else 0
+    return ids + mask
+
+
+def output_activation_bytes(model: ModelConfig, tp: int, sequence_parallel: bool, micro_batch_size: int,
+                            numerics: Numerics) -> float:
+    """The last virtual stage, per micro-batch: final norm input and statistics, output-layer input, the fp32
+    softmax over this rank's vocabulary slice, the targets and the loss mask."""
+    s, b, h = model.seq_length, micro_batch_size, model.hidden_size
+    share = 1 / tp if sequence_parallel else 1.0
+    norm = (numerics.activation_bytes * s * b * h + _norm_statistics(model) * s * b) * share
+    output_input = numerics.activation_bytes * s * b * h * share
+    softmax = 4 * s * b * model.padded_vocab_size(tp) / tp
+    targets = 8 * s * b + s * b + 4 * s * b           # int64 local targets, bool out-of-range mask, fp32 loss mask
+    return norm + output_input + softmax + targets
+
+
+def logits_working_bytes(model: ModelConfig, tp: int, micro_batch_size: int, numerics: Numerics) -> float:
+    """Transient on the last stage: the logits and two fp32 working copies inside the cross entropy."""
+    tokens_vocab = model.seq_length * micro_batch_size * model.padded_vocab_size(tp) / tp
+    return tokens_vocab * (numerics.activation_bytes + 8)
+
+
+def _chunk_activation_bytes(model: ModelConfig, layout: Layout, num_layers: int, is_first: bool, is_last: bool,
+                            numerics: Numerics) -> tuple[float, float]:
+    """(bytes a chunk keeps per micro-batch until its backward, transient bytes of its backward)."""
+    tp, sp, b = layout.tp, layout.sequence_parallel, layout.micro_batch_size
+    full = layer_activation_bytes(model, tp, sp, b, numerics)
+    kept, transient = 0.0, 0.0
+    if model.recompute_granularity == "full":
+        n = model.recompute_num_layers
+        inputs = layer_activation_bytes(model, tp, sp, b, numerics, recomputed=True)
+        if model.recompute_method == "block":    # the first n layers recomputed one by one, the others kept whole
+            recomputed = min(n, num_layers)
+            kept = recomputed * inputs + (num_layers - recomputed) * full
+            transient = full if recomputed else 0.0
+        else:                                    # uniform: groups of n layers, each keeping its input
+            kept = -(-num_layers // n) * inputs
+            transient = min(n, num_layers) * full
+    else:
+        kept = num_layers * full
+    if is_first:
+        kept += embedding_activation_bytes(model, tp, sp, b, numerics)
+    if is_last:
+        kept += output_activation_bytes(model, tp, sp, b, numerics)
+        transient = max(transient, logits_working_bytes(model, tp, b, numerics))
+    else:   # the pipeline engine keeps each sent output until the backward
+        kept += numerics.activation_bytes * model.seq_length * b * model.hidden_size / (tp if sp else 1)
+    return kept, transient
+
+
+def _simulated_micro_batches(pp: int, v: int, num_micro_batches: int) -> int:
+    """Enough micro-batches for the schedule to reach its steady state (its peak does not grow beyond it)."""
+    if pp == 1:
+        return 1
+    cap = pp * (v + 2)
+    return min(num_micro_batches, cap)
+
+
+@functools.lru_cache(maxsize=4096)
+def peak_in_flight_bytes(pp: int, rank: int, num_micro_batches: int, virtual_stages: int,
+                         chunk_bytes: tuple[float, ...]) -> float:
+    """Most bytes held at once by micro-batches between their forward and backward on pipeline rank ``rank``,
+    chunk c holding ``chunk_bytes[c]`` per micro-batch, in megalite's schedule for the layout."""
+    m = _simulated_micro_batches(pp, virtual_stages, num_micro_batches)
+    live = peak = 0.0
+    for step in build_schedule(pp, rank, m, virtual_stages):
+        live += chunk_bytes[step.chunk] if step.kind == "F" else -chunk_bytes[step.chunk]
+        peak = max(peak, live)
+    return peak
+
+
+def activation_bytes(model: ModelConfig, layout: Layout, pp_rank: int, num_micro_batches: int,
+                     numerics: Numerics) -> float:
+    """Peak activation bytes of one rank of pipeline stage ``pp_rank``: the in-flight micro-batches' kept bytes
+    plus the largest transient (a recomputed group's backward, or the logits on the last stage)."""
+    chunks = chunks_of_rank(model.num_layers, layout.pp, layout.virtual_stages, pp_rank)
+    kept, transient = zip(*(_chunk_activation_bytes(model, layout, c.num_layers, c.is_first, c.is_last, numerics)
+                            for c in chunks))
+    return peak_in_flight_bytes(layout.pp, pp_rank, num_micro_batches, layout.virtual_stages, tuple(kept)) + \
+        max(transient)
+
+
+# ---- a whole stage --------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class StageMemory:
+    pp_rank: int
+    weights: float
+    gradients: float
+    optimizer: float
+    activations: float
+    host_optimizer: float = 0.0
+
+    @property
+    def states(self) -> float:
+        return self.weights + self.gradients + self.optimizer
+
+    @property
+    def total(self) -> float:
+        return self.states + self.activations
+
+
+def stage_memory(model: ModelConfig, layout: Layout, pp_rank: int, global_batch_size: int, *,
+                 dtype_bytes: int = 2, numerics: Optional[Numerics] = None,
+                 bucket_size: Optional[int] = None) -> StageMemory:
+    """Everything one GPU of pipeline stage ``pp_rank`` holds (DP rank 0, the most loaded)."""
+    numerics = numerics or Numerics.gpu(dtype_bytes)
+    model = layout.model_config(model) if layout.recompute != model.recompute_granularity else model
+    states = model_state_bytes(model, layout, pp_rank, dtype_bytes=dtype_bytes, bucket_size=bucket_size)
+    acts = activation_bytes(model, layout, pp_rank, layout.num_micro_batches(global_batch_size), numerics)
+    return StageMemory(pp_rank, states.weights, states.gradients, states.optimizer, acts, states.host_optimizer)
+
+
+def memory_per_stage(model: ModelConfig, layout: Layout, global_batch_size: int, **kwargs) -> list[StageMemory]:
+    return [stage_memory(model, layout, r, global_batch_size, **kwargs) for r in range(layout.pp)]

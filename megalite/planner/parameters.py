@@ -1,0 +1,124 @@
+"""Parameter counts from the exact architecture: every tensor a rank holds, in the order the model defines it.
+
+Not 12 L h^2: the count follows the config the way ``megalite.model`` builds it (tests compare it with the real model
+built on the ``meta`` device, for every config in ``configs/model``, at several TP/PP sizes, rank by rank):
+
+- word embedding: padded vocabulary x h, rows split over TP, where the vocabulary is padded to a multiple of
+  ``make_vocab_size_divisible_by`` x TP (Megatron's rule; the padding rows are real memory);
+- learned positions (``learned_absolute`` only): max positions x h, replicated;
+- per layer: two norms (LayerNorm: weight and bias, 2h; RMSNorm: h), the fused QKV projection h x (h + 2 G d)
+  (G key/value heads of dimension d; G = heads without grouped-query attention) with its bias, the output projection
+  h x h with a replicated bias, the MLP's h x f (SwiGLU: h x 2f, gate and up) and f x h with biases, unless
+  ``disable_bias_linear``; every matrix split over TP, the row-parallel biases replicated;
+- final norm, and the output layer (padded vocabulary x h over TP) unless it is tied to the word embedding; tied and
+  on another pipeline stage, the last stage holds a copy of the embedding (real memory, not a new parameter).
+
+For GPT-2/3 shapes (f = 4h, no grouping) the layers sum to 12 L h^2 + 13 L h, the familiar approximation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megalite.config import ModelConfig
+from megalite.pipeline.partition import chunks_of_rank
+
+
+@dataclass(frozen=True)
+class Tensor:
+    """One parameter as a rank holds it."""
+    name: str            # canonical name (layers numbered globally; a tied copy is named after the embedding)
+    numel: int           # elements on this rank (vocabulary padding included)
+    full_numel: int      # elements of the canonical, unpadded tensor
+    tp_split: bool       # split over TP (else replicated on every TP rank)
+    deferred: bool = False   # a tied word embedding: its own gradient bucket (megalite.distributed.buckets)
+    copy: bool = False       # the last stage's copy of a tied embedding: memory, not a new parameter
+
+
+def _norm(cfg: ModelConfig, prefix: str) -> list[Tensor]:
+    h = cfg.hidden_size
+    names = ["weight"] if cfg.normalization == "RMSNorm" else ["weight", "bias"]
+    return [Tensor(f"{prefix}.{n}", h, h, False) for n in names]
+
+
+def _split(name: str, rows: int, cols: int, tp: int) -> Tensor:
+    """A matrix (or bias, cols = 1) split over TP along its rows (column-parallel) or columns (row-parallel)."""
+    return Tensor(name, rows * cols // tp, rows * cols, True)
+
+
+def layer_tensors(cfg: ModelConfig, tp: int, index: int) -> list[Tensor]:
+    """One transformer layer's parameters at TP ``tp`` (megalite.model.transformer, attention, mlp)."""
+    h, f, d = cfg.hidden_size, cfg.ffn_size, cfg.head_dim
+    qkv = h + 2 * cfg.query_groups * d
+    fc1 = 2 * f if cfg.swiglu else f
+    bias = not cfg.disable_bias_linear
+    p = f"layers.{index}"
+    tensors = _norm(cfg, f"{p}.input_norm")
+    tensors.append(_split(f"{p}.self_attention.linear_qkv.weight", qkv, h, tp))
+    if bias:
+        tensors.append(_split(f"{p}.self_attention.linear_qkv.bias", qkv, 1, tp))
+    tensors.append(_split(f"{p}.self_attention.linear_proj.weight", h, h, tp))
+    if bias:
+        tensors.append(Tensor(f"{p}.self_attention.linear_proj.bias", h, h, False))
+    tensors += _norm(cfg, f"{p}.pre_mlp_norm")
+    tensors.append(_split(f"{p}.mlp.linear_fc1.weight", fc1, h, tp))
+    if bias:
+        tensors.append(_split(f"{p}.mlp.linear_fc1.bias", fc1, 1, tp))
+    tensors.append(_split(f"{p}.mlp.linear_fc2.weight", h, f, tp))
+    if bias:
+        tensors.append(Tensor(f"{p}.mlp.linear_fc2.bias", h, h, False))
+    return tensors
+
+
+def chunk_tensors(cfg: ModelConfig, tp: int, first_layer: int, num_layers: int, pre_process: bool,
+                  post_process: bool) -> list[Tensor]:
+    """A model chunk's parameters in definition order (megalite.model.gpt.GPTModel)."""
+    h = cfg.hidden_size
+    vocab = cfg.padded_vocab_size(tp)
+    tied = not cfg.untie_embeddings_and_output_weights
+    tensors: list[Tensor] = []
+    if pre_process:
+        # A tied embedding is "deferred" whether or not the output layer sits on the same stage (the trainer passes
+        # every chunk's tied_embedding_weights() to the data-parallel engine).
+        tensors.append(Tensor("embedding.word.weight", vocab * h // tp, cfg.vocab_size * h, True, deferred=tied))
+        if cfg.position_embedding_type == "learned_absolute":
+            tensors.append(Tensor("embedding.position.weight", cfg.max_positions * h, cfg.max_positions * h, False))
+    for i in range(first_layer, first_layer + num_layers):
+        tensors += layer_tensors(cfg, tp, i)
+    if post_process:
+        tensors += _norm(cfg, "final_norm")
+        if not tied:
+            tensors.append(Tensor("output_layer.weight", vocab * h // tp, cfg.vocab_size * h, True))
+        elif not pre_process:
+            tensors.append(Tensor("embedding.word.weight", vocab * h // tp, cfg.vocab_size * h, True,
+                                  deferred=True, copy=True))
+    return tensors
+
+
+def rank_tensors(cfg: ModelConfig, tp: int, pp: int, virtual_stages: int, pp_rank: int) -> list[list[Tensor]]:
+    """Every model chunk of pipeline rank ``pp_rank`` (megalite.pipeline.partition), each a list of tensors."""
+    return [chunk_tensors(cfg, tp, c.first_layer, c.num_layers, c.is_first, c.is_last)
+            for c in chunks_of_rank(cfg.num_layers, pp, virtual_stages, pp_rank)]
+
+
+@dataclass(frozen=True)
+class ParameterCount:
+    total: int                 # the model's parameters: canonical, unpadded, each counted once
+    per_stage: list[int]       # elements held by one rank of each pipeline stage (padding and tied copy included)
+    embedding: int             # word (+ position) embedding, canonical
+    per_layer: int             # one transformer layer, canonical
+
+    @property
+    def max_per_rank(self) -> int:
+        return max(self.per_stage)
+
+
+def count_parameters(cfg: ModelConfig, tp: int = 1, pp: int = 1, virtual_stages: int = 1) -> ParameterCount:
+    """The model's size and what each rank holds at this layout."""
+    per_stage = [sum(t.numel for chunk in rank_tensors(cfg, tp, pp, virtual_stages, r) for t in chunk)
+                 for r in range(pp)]
+    canonical = {t.name: t.full_numel for r in range(pp)
+                 for chunk in rank_tensors(cfg, tp, pp, virtual_stages, r) for t in chunk}
+    per_layer = sum(t.full_numel for t in layer_tensors(cfg, 1, 0))
+    embedding = canonical["embedding.word.weight"] + canonical.get("embedding.position.weight", 0)
+    return ParameterCount(sum(canonical.values()), per_stage, embedding, per_layer)

@@ -1,0 +1,185 @@
+"""Step time of a layout: compute, the pipeline bubble, and the communication that does not hide behind compute.
+
+FLOPs. Model FLOPs per iteration (Korthikanti et al. 2022, appendix; Narayanan et al. 2021 eq. 3):
+72 B L s h^2 (1 + s/(6h) + V/(12 h L)) for GPT shapes (f = 4h, no grouping). Written here for the exact
+architecture: 6 B s (L (dense multiply-adds per token per layer) + 2 L s h + V h) - forward 2 FLOPs per
+multiply-add, backward twice the forward, the attention scores over the full s x s square as in the paper - which is
+the formula above when a layer's matrices are 12 h^2. Recompute adds work that MFU does not count: full recompute
+reruns every layer's forward (x 4/3 on the layers), selective only the attention core (4 L s^2 h B).
+
+Time per micro-batch on a GPU of the slowest pipeline stage: its FLOPs / (TP x peak x efficiency), plus the
+tensor-parallel and pipeline transfers, which megalite does not overlap with compute. A step is M of those plus the
+pipeline bubble, (PP - 1)/V more of them (Narayanan et al. 2021: bubble fraction (PP - 1) / (V M)), plus the part of
+the data-parallel reduction that does not hide behind backward.
+
+Communication (ring collectives over n ranks: all-reduce 2(n-1)/n x bytes / bandwidth, reduce-scatter and
+all-gather (n-1)/n x bytes / bandwidth; a group uses the slowest link it spans: inside a node when its ranks fit in
+one, else the network):
+
+- TP, per layer and micro-batch: 2 all-reduces forward and 2 backward of b s h activations (Shoeybi et al. 2019),
+  8 b s h (t-1)/t elements (Narayanan et al. 2021). Sequence parallelism turns each into an all-gather and a
+  reduce-scatter (the same volume) but megalite's column-parallel linears all-gather their input again in backward
+  for the weight gradient (not keeping it saves activation memory): 10 b s h (t-1)/t. Full recompute repeats the
+  forward's 4 b s h (t-1)/t. The embedding adds one all-reduce forward and the output layer one backward.
+- PP, per micro-batch and model chunk: the activation forward and its gradient backward, b s h (/ t with sequence
+  parallelism) each, to the neighbouring stage.
+- DP, per step: megalite reduces fp32 gradients: an all-reduce of 4 bytes per parameter (plain DP), or a
+  reduce-scatter of them and an all-gather of the updated bf16 parameters (distributed optimizer); ZeRO-2
+  reduce-scatters in every micro-batch (M times the traffic). With --overlap-grad-reduce (always proposed) the
+  reduction runs during the last micro-batch's backward and only the last bucket, or what exceeds that backward,
+  shows; ZeRO-2's per-micro-batch reductions hide behind the whole backward; with --overlap-param-gather the
+  gather hides behind the next forward. A tied embedding split across stages adds one unhidden all-reduce of its
+  gradient between the first and last stage.
+
+Not modelled: kernel efficiency changing with matrix sizes (one efficiency for all), the optimizer step itself
+(memory-bound, small next to a step), stragglers and network contention between groups.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megalite.config import ModelConfig
+from megalite.pipeline.partition import chunks_of_rank
+from megalite.planner.hardware import Hardware
+from megalite.planner.layout import Layout
+from megalite.planner.memory import default_bucket_size, model_state_bytes
+
+
+def dense_macs_per_token_per_layer(model: ModelConfig) -> int:
+    """Multiply-adds of one layer's matrices per token: QKV, output projection, MLP."""
+    h, f = model.hidden_size, model.ffn_size
+    qkv = h * (h + 2 * model.query_groups * model.head_dim)
+    return qkv + h * h + h * f * (3 if model.swiglu else 2)
+
+
+def model_flops_per_iteration(model: ModelConfig, global_batch_size: int) -> float:
+    """Model FLOPs of one training iteration (forward + backward, no recompute): see the module docstring."""
+    s, L, h = model.seq_length, model.num_layers, model.hidden_size
+    per_token = L * dense_macs_per_token_per_layer(model) + 2 * L * s * h + model.vocab_size * h
+    return 6.0 * global_batch_size * s * per_token
+
+
+def korthikanti_model_flops(global_batch_size: int, num_layers: int, seq_length: int, hidden_size: int,
+                            vocab_size: int) -> float:
+    """72 B L s h^2 (1 + s/(6h) + V/(12 h L)), Korthikanti et al. 2022 (GPT shapes)."""
+    B, L, s, h, V = global_batch_size, num_layers, seq_length, hidden_size, vocab_size
+    return 72.0 * B * L * s * h * h * (1 + s / (6 * h) + V / (12 * h * L))
+
+
+def ring_all_reduce_time(num_bytes: float, n: int, bandwidth: float) -> float:
+    return 2 * (n - 1) / n * num_bytes / bandwidth if n > 1 else 0.0
+
+
+def ring_gather_time(num_bytes: float, n: int, bandwidth: float) -> float:
+    """All-gather or reduce-scatter of a buffer of ``num_bytes`` (the whole, not one shard)."""
+    return (n - 1) / n * num_bytes / bandwidth if n > 1 else 0.0
+
+
+@dataclass(frozen=True)
+class StepTime:
+    compute: float           # seconds of compute per step on the slowest stage, bubble excluded
+    tp: float                # tensor-parallel communication per step (not hidden)
+    pp: float                # pipeline transfers per step (not hidden)
+    dp: float                # data-parallel communication per step, total
+    dp_exposed: float        # ... the part that does not hide behind compute
+    bubble: float            # (PP - 1) / (V M)
+    bubble_time: float       # seconds the slowest stage idles in the bubble
+    recompute: float         # seconds of recomputed forward per step (included in compute)
+    imbalance: float         # seconds per step the slowest stage computes beyond the stages' mean
+    step: float              # seconds per iteration
+    model_flops: float       # per iteration
+
+    def tokens_per_second(self, global_batch_size: int, seq_length: int) -> float:
+        return global_batch_size * seq_length / self.step
+
+    def mfu(self, hardware: Hardware) -> float:
+        return self.model_flops / (self.step * hardware.num_gpus * hardware.peak_flops)
+
+
+def step_time(model: ModelConfig, layout: Layout, hardware: Hardware, global_batch_size: int,
+              dtype_bytes: int = 2) -> StepTime:
+    """Estimated seconds per iteration of ``layout`` (see the module docstring)."""
+    model = layout.model_config(model) if layout.recompute != model.recompute_granularity else model
+    tp, pp, v, b = layout.tp, layout.pp, layout.virtual_stages, layout.micro_batch_size
+    s, h = model.seq_length, model.hidden_size
+    m = layout.num_micro_batches(global_batch_size)
+    p = dtype_bytes
+    sp_share = 1 / tp if layout.sequence_parallel else 1.0
+    rate = tp * hardware.peak_flops * hardware.efficiency   # FLOP/s of one TP group
+
+    # Compute per micro-batch of one layer and of the output layer, on one TP group.
+    layer_flops = 6.0 * b * s * (dense_macs_per_token_per_layer(model) + 2 * s * h)
+    recompute_flops = 0.0
+    if model.recompute_granularity == "full":
+        recompute_flops = layer_flops / 3
+    elif model.recompute_granularity == "selective":
+        recompute_flops = 4.0 * b * s * s * h
+    layer_flops += recompute_flops
+    output_flops = 6.0 * b * s * model.padded_vocab_size(tp) * h
+
+    # Tensor-parallel bytes per layer per micro-batch (in units of b s h elements x (t-1)/t).
+    tp_bw, act = hardware.bandwidth(tp), b * s * h * p
+    units = 10 if layout.sequence_parallel else 8
+    if model.recompute_granularity == "full":
+        units += 4
+    tp_layer = units * (tp - 1) / tp * act / tp_bw if tp > 1 else 0.0
+    tp_end = 2 * (tp - 1) / tp * act / tp_bw if tp > 1 else 0.0   # embedding forward / output layer backward
+
+    pp_message = act * sp_share / hardware.bandwidth(hardware.num_gpus) if pp > 1 else 0.0
+
+    slowest_compute = slowest_slot = slowest_tp = slowest_recompute = total_compute = 0.0
+    for rank in range(pp):
+        compute = tp_time = recompute = 0.0
+        for chunk in chunks_of_rank(model.num_layers, pp, v, rank):
+            compute += chunk.num_layers * layer_flops / rate
+            recompute += chunk.num_layers * recompute_flops / rate
+            tp_time += chunk.num_layers * tp_layer + (tp_end if chunk.is_first else 0.0) + \
+                (tp_end if chunk.is_last else 0.0)
+            if chunk.is_last:
+                compute += output_flops / rate
+        total_compute += compute
+        slot = compute + tp_time + 2 * v * pp_message
+        if slot > slowest_slot:
+            slowest_compute, slowest_slot, slowest_tp, slowest_recompute = compute, slot, tp_time, recompute
+    bubble = (pp - 1) / (v * m)
+    pipeline = slowest_slot * (m + (pp - 1) / v)
+
+    dp_total, dp_exposed = _data_parallel_time(model, layout, hardware, m, slowest_compute, dtype_bytes)
+    step = pipeline + dp_exposed
+    return StepTime(compute=slowest_compute * m, tp=slowest_tp * m, pp=2 * v * pp_message * m, dp=dp_total,
+                    dp_exposed=dp_exposed, bubble=bubble, bubble_time=slowest_slot * (pp - 1) / v,
+                    recompute=slowest_recompute * m, imbalance=(slowest_compute - total_compute / pp) * m, step=step,
+                    model_flops=model_flops_per_iteration(model, global_batch_size))
+
+
+def _data_parallel_time(model: ModelConfig, layout: Layout, hardware: Hardware, num_micro_batches: int,
+                        compute_per_micro_batch: float, dtype_bytes: int) -> tuple[float, float]:
+    """(total, exposed) seconds of the data-parallel gradient reduction and parameter gather per step."""
+    tp, dp = layout.tp, layout.dp
+    states = model_state_bytes(model, layout, 0, dtype_bytes=dtype_bytes)
+    elements = states.weights / dtype_bytes                 # the padded flat buffer
+    grad_bytes = elements * 4
+    embedding_sum = 0.0
+    if layout.pp > 1 and not model.untie_embeddings_and_output_weights:
+        tied = model.padded_vocab_size(tp) * model.hidden_size // tp * 4
+        embedding_sum = ring_all_reduce_time(tied, 2, hardware.bandwidth(hardware.num_gpus))
+    if dp == 1:
+        return embedding_sum, embedding_sum
+    bw = hardware.bandwidth(tp * dp)
+    bucket_bytes = min(default_bucket_size(dp), elements) * 4
+    backward = compute_per_micro_batch * 2 / 3                # the last micro-batch's backward
+    forward = compute_per_micro_batch / 3                     # the next step's first forward
+    if layout.zero == 0:
+        reduce = ring_all_reduce_time(grad_bytes, dp, bw)
+        last = ring_all_reduce_time(bucket_bytes, dp, bw)
+        return reduce + embedding_sum, max(last, reduce - backward) + embedding_sum
+    gather = ring_gather_time(elements * dtype_bytes, dp, bw)
+    gather_exposed = max(ring_gather_time(bucket_bytes / 4 * dtype_bytes, dp, bw), gather - forward)
+    scatter = ring_gather_time(grad_bytes, dp, bw)
+    last = ring_gather_time(bucket_bytes, dp, bw)
+    if layout.zero == 1:
+        return scatter + gather + embedding_sum, max(last, scatter - backward) + gather_exposed + embedding_sum
+    scatters = num_micro_batches * scatter                    # ZeRO-2: every micro-batch
+    exposed = max(last, scatters - backward * num_micro_batches)
+    return scatters + gather + embedding_sum, exposed + gather_exposed + embedding_sum

@@ -1,0 +1,281 @@
+"""The layout search: every layout megalite can run on the GPUs, estimated, the ones that fit ranked by step time.
+
+Search space (each candidate is also passed through megalite.config.validate, so only runnable layouts come out):
+
+- TP in powers of two up to the GPUs of one node; larger TP is rejected, its all-reduces would cross the network;
+- PP dividing the number of layers, DP = GPUs / (TP x PP) dividing the global batch;
+- V in {1, 2} (interleaved 1F1B) when the layers split into PP x V chunks and the micro-batches into groups of PP;
+- micro-batch in {1, 2, 4, 8} dividing the per-DP batch;
+- plain DP, distributed optimizer (ZeRO-1) or ZeRO-2 (with DP > 1); ZeRO-3 is not offered: megalite's
+  ``--zero-stage`` accepts 1 and 2 only;
+- sequence parallelism whenever TP > 1 (it only saves memory; its extra all-gather is counted);
+- recompute none, selective or full (uniform, one layer per group).
+
+A layout fits when its most loaded GPU's estimate stays under the device memory minus the headroom. Ranking: step
+time; layouts within 0.5% of each other count as tied and the simpler wins (no recompute, then smaller TP, PP and V,
+then the larger micro-batch, less communication, less memory). The table keeps the best variant of each (TP, PP, V).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+from megalite.config import (ConfigError, MegaliteConfig, ModelConfig, OptimizerConfig, ParallelConfig, TrainingConfig,
+                             validate)
+from megalite.planner.hardware import GiB, Hardware
+from megalite.planner.layout import Layout
+from megalite.planner.memory import Numerics, StageMemory, bytes_per_parameter, memory_per_stage, model_state_bytes
+from megalite.planner.parameters import ParameterCount, count_parameters
+from megalite.planner.performance import StepTime, step_time
+
+MICRO_BATCH_SIZES = (1, 2, 4, 8)
+RECOMPUTE = (None, "selective", "full")
+_TIE = 1.005   # step times within 0.5% are a tie
+
+
+@dataclass(frozen=True)
+class Estimate:
+    layout: Layout
+    memory: tuple[StageMemory, ...]   # one GPU of each pipeline stage
+    time: StepTime
+    usable_bytes: float
+    global_batch_size: int
+    seq_length: int
+
+    @property
+    def peak(self) -> StageMemory:
+        """The most loaded pipeline stage."""
+        return max(self.memory, key=lambda stage: stage.total)
+
+    @property
+    def fits(self) -> bool:
+        return self.peak.total <= self.usable_bytes
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.time.tokens_per_second(self.global_batch_size, self.seq_length)
+
+    def mfu(self, hardware: Hardware) -> float:
+        return self.time.mfu(hardware)
+
+    def sort_key(self) -> tuple:
+        """Step time (0.5% buckets), then the simpler layout (see the module docstring)."""
+        lay = self.layout
+        communication = self.time.tp + self.time.pp + self.time.dp
+        return (math.floor(math.log(self.time.step) / math.log(_TIE)), RECOMPUTE.index(lay.recompute), lay.tp,
+                lay.pp, lay.virtual_stages, -lay.micro_batch_size, communication, self.peak.total)
+
+
+@dataclass(frozen=True)
+class Rejection:
+    """A shape (TP, PP, V) none of whose variants can run or fit, and why."""
+    tp: int
+    pp: int                  # 0: every PP
+    virtual_stages: int
+    reason: str
+
+    @property
+    def shape(self) -> str:
+        if self.pp == 0:
+            return f"TP={self.tp}"
+        return f"TP={self.tp} x PP={self.pp}" + (f" (V={self.virtual_stages})" if self.virtual_stages > 1 else "")
+
+
+@dataclass
+class Plan:
+    model: ModelConfig
+    hardware: Hardware
+    global_batch_size: int
+    parameters: ParameterCount
+    ranked: list[Estimate]                      # best variant of each (TP, PP, V) that fits, fastest first
+    rejected: list[Rejection]
+    fitting: int                                # layouts that fit, all variants
+    candidates: int                             # layouts estimated
+    model_name: Optional[str] = None
+    dtype_bytes: int = 2
+    explanation: list[str] = field(default_factory=list)
+
+    @property
+    def winner(self) -> Optional[Estimate]:
+        return self.ranked[0] if self.ranked else None
+
+
+def layout_config(model: ModelConfig, layout: Layout, global_batch_size: int, bf16: bool = True) -> MegaliteConfig:
+    """The megalite config that runs ``layout`` (what pretrain_gpt.py would build from the proposed flags)."""
+    return MegaliteConfig(
+        model=layout.model_config(model),
+        parallel=ParallelConfig(tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
+                                sequence_parallel=layout.sequence_parallel,
+                                num_virtual_stages_per_pipeline_rank=(layout.virtual_stages
+                                                                      if layout.virtual_stages > 1 else None)),
+        optimizer=OptimizerConfig(use_distributed_optimizer=layout.distributed_optimizer,
+                                  zero_stage=layout.zero_stage, overlap_grad_reduce=layout.dp > 1,
+                                  overlap_param_gather=layout.distributed_optimizer,
+                                  optimizer_cpu_offload=layout.optimizer_cpu_offload),
+        training=TrainingConfig(micro_batch_size=layout.micro_batch_size, global_batch_size=global_batch_size,
+                                bf16=bf16))
+
+
+def estimate(model: ModelConfig, layout: Layout, hardware: Hardware, global_batch_size: int,
+             dtype_bytes: int = 2, numerics: Optional[Numerics] = None) -> Estimate:
+    """Memory per stage and step time of one layout (activations as CUDA keeps them unless ``numerics`` says)."""
+    memory = memory_per_stage(model, layout, global_batch_size, dtype_bytes=dtype_bytes, numerics=numerics)
+    time = step_time(model, layout, hardware, global_batch_size, dtype_bytes)
+    return Estimate(layout, tuple(memory), time, hardware.usable_memory_bytes, global_batch_size, model.seq_length)
+
+
+def _powers_of_two(limit: int) -> list[int]:
+    return [1 << k for k in range(limit.bit_length()) if 1 << k <= limit]
+
+
+def _gib(value: float) -> str:
+    return f"{value / GiB:.1f} GiB"
+
+
+def _variants(tp: int, pp: int, v: int, dp: int, global_batch_size: int):
+    """Every micro-batch size, optimizer sharding and recompute option of one (TP, PP, V) shape."""
+    per_replica = global_batch_size // dp
+    for mbs in MICRO_BATCH_SIZES:
+        if per_replica % mbs or (v > 1 and (per_replica // mbs) % pp):
+            continue
+        for zero in ((0, 1, 2) if dp > 1 else (0,)):
+            for recompute in RECOMPUTE:
+                yield Layout(tp=tp, pp=pp, dp=dp, virtual_stages=v, micro_batch_size=mbs,
+                             distributed_optimizer=zero > 0, zero_stage=max(zero, 1), sequence_parallel=tp > 1,
+                             recompute=recompute)
+
+
+def search(model: ModelConfig, hardware: Hardware, global_batch_size: int, *, model_name: Optional[str] = None,
+           dtype_bytes: int = 2, numerics: Optional[Numerics] = None) -> Plan:
+    """Estimate every candidate layout and rank those that fit (see the module docstring)."""
+    n, layers = hardware.num_gpus, model.num_layers
+    best: dict[tuple[int, int, int], Estimate] = {}
+    rejected: list[Rejection] = []
+    fitting = candidates = 0
+    for tp in _powers_of_two(n):
+        if tp > hardware.gpus_per_node:
+            rejected.append(Rejection(tp, 0, 1, f"more than the {hardware.gpus_per_node} GPUs of a node: its "
+                                                f"all-reduces, 4 per layer and micro-batch, would cross the network"))
+            continue
+        for pp in (d for d in range(1, layers + 1) if layers % d == 0 and n % (tp * d) == 0):
+            dp = n // (tp * pp)
+            if global_batch_size % dp:
+                rejected.append(Rejection(tp, pp, 1, f"global batch {global_batch_size} does not split over "
+                                                     f"DP={dp}"))
+                continue
+            for v in ((1, 2) if pp > 1 and layers % (2 * pp) == 0 else (1,)):
+                error, smallest = None, None
+                for layout in _variants(tp, pp, v, dp, global_batch_size):
+                    try:
+                        validate(layout_config(model, layout, global_batch_size, dtype_bytes == 2), n)
+                    except ConfigError as e:
+                        error = error or str(e)
+                        continue
+                    candidates += 1
+                    result = estimate(model, layout, hardware, global_batch_size, dtype_bytes, numerics)
+                    if not result.fits:
+                        if smallest is None or result.peak.total < smallest.peak.total:
+                            smallest = result
+                        continue
+                    fitting += 1
+                    key = (tp, pp, v)
+                    if key not in best or result.sort_key() < best[key].sort_key():
+                        best[key] = result
+                if (tp, pp, v) in best:
+                    continue
+                if smallest is not None:
+                    rejected.append(Rejection(tp, pp, v, _memory_reason(smallest)))
+                elif error is not None:
+                    rejected.append(Rejection(tp, pp, v, error))
+                elif v == 1:
+                    rejected.append(Rejection(tp, pp, v, f"no micro-batch size in {MICRO_BATCH_SIZES} divides the "
+                                                         f"{global_batch_size // dp} samples per DP rank"))
+    ranked = sorted(best.values(), key=Estimate.sort_key)
+    plan = Plan(model, hardware, global_batch_size, count_parameters(model), ranked, rejected, fitting, candidates,
+                model_name, dtype_bytes)
+    plan.explanation = explain(plan)
+    return plan
+
+
+def _memory_reason(smallest: Estimate) -> str:
+    peak, usable = smallest.peak, smallest.usable_bytes
+    where = f"stage {peak.pp_rank}" if smallest.layout.pp > 1 else "each GPU"
+    if peak.states > usable:
+        return (f"model states alone need {_gib(peak.states)} on {where} (even with {smallest.layout.optimizer_name}),"
+                f" more than the {_gib(usable)} usable")
+    return (f"needs {_gib(peak.total)} on {where} ({_gib(peak.states)} model states + {_gib(peak.activations)} "
+            f"activations) at best ({smallest.layout.describe()}), more than the {_gib(usable)} usable")
+
+
+# ---- why the winner wins --------------------------------------------------------------------------------------------
+
+def _percent(a: float, b: float) -> str:
+    return f"{(a / b - 1) * 100:.0f}%"
+
+
+def _components(e: Estimate) -> dict[str, float]:
+    t = e.time
+    return {"the pipeline bubble": t.bubble_time, "tensor-parallel communication": t.tp, "pipeline transfers": t.pp,
+            "exposed data-parallel communication": t.dp_exposed, "recompute": t.recompute,
+            "the slowest stage's extra work (the output layer)": t.imbalance}
+
+
+def _why_not_pure_data_parallel(plan: Plan) -> str:
+    pure = [e for e in plan.ranked if e.layout.tp == 1 and e.layout.pp == 1]
+    if pure:
+        return f"Pure data parallelism fits but is {_percent(pure[0].time.step, plan.winner.time.step)} slower"
+    hw, n = plan.hardware, plan.hardware.num_gpus
+    zero2 = Layout(dp=n, distributed_optimizer=n > 1, zero_stage=2 if n > 1 else 1)
+    states = model_state_bytes(plan.model, zero2, dtype_bytes=plan.dtype_bytes)
+    if states.total > hw.usable_memory_bytes:
+        return (f"Data parallelism alone does not fit: the model states need {_gib(states.total)} per GPU even with "
+                f"{zero2.optimizer_name} ({_gib(hw.usable_memory_bytes)} usable)")
+    return (f"Data parallelism alone does not fit: the model states ({_gib(states.total)} per GPU with "
+            f"{zero2.optimizer_name}) leave too little room for the activations even with full recompute")
+
+
+def explain(plan: Plan) -> list[str]:
+    """Two or three plain sentences on why the first row wins."""
+    w = plan.winner
+    hw = plan.hardware
+    if w is None:
+        return [f"No layout fits {hw.num_gpus} GPUs of {hw.gpu_memory_gib:g} GiB: more GPUs, GPUs with more memory, "
+                f"a shorter sequence or --optimizer-cpu-offload (not searched) are needed."]
+    lay, peak = w.layout, w.peak
+    first = (f"{lay.describe()} is the fastest layout that fits: {_gib(peak.total)} of the {_gib(w.usable_bytes)} "
+             f"usable on its most loaded GPU, about {w.time.step:.3g} s per step ({w.tokens_per_second:,.0f} tokens/s, "
+             f"{w.mfu(hw):.0%} MFU).")
+    sentences = [first]
+    if lay.tp == 1 and lay.pp == 1:
+        bpp = bytes_per_parameter(lay.zero, lay.dp, plan.dtype_bytes)
+        sentences.append(
+            f"The model states fit on one GPU ({bpp:.3g} bytes per parameter x {plan.parameters.total / 1e9:.2f}B "
+            f"parameters = {_gib(peak.states)} with {lay.optimizer_name}), so pure data parallelism wins: no "
+            f"tensor-parallel all-reduces, no pipeline bubble, and the gradient reduction ({w.time.dp:.2g} s per step) "
+            f"hides behind backward but for {w.time.dp_exposed:.2g} s.")
+    else:
+        how = []
+        if lay.tp > 1:
+            how.append(f"TP={lay.tp} inside a node over {hw.intra_node_link} ({hw.intra_bandwidth / 1e9:g} GB/s) "
+                       f"costs {w.time.tp:.2g} s per step in all-reduces ({w.time.tp / w.time.step:.0%})")
+        if lay.pp > 1:
+            how.append(f"PP={lay.pp} adds a {w.time.bubble:.1%} bubble")
+        tp_rows = [e for e in plan.ranked if e.layout.tp > max(2, lay.tp)]
+        if hw.intra_node_link == "pcie" and tp_rows:
+            how.append(f"TP={tp_rows[0].layout.tp} would spend {tp_rows[0].time.tp:.2g} s per step in all-reduces over "
+                       f"PCIe ({hw.intra_bandwidth / 1e9:g} GB/s)")
+        sentences.append(f"{_why_not_pure_data_parallel(plan)}, so the model is split: {'; '.join(how)}.")
+    runner_up = next((e for e in plan.ranked[1:]), None)
+    if runner_up is not None:
+        mine, theirs = _components(w), _components(runner_up)
+        name = max(theirs, key=lambda k: theirs[k] - mine[k])
+        delta = theirs[name] - mine[name]
+        if delta > 0:
+            because = f"{name}, {theirs[name]:.2g} s per step there against {mine[name]:.2g} s"
+        else:
+            because = "it needs more of everything a little"
+        slower = _percent(runner_up.time.step, w.time.step)
+        sentences.append(f"The runner-up, {runner_up.layout.describe()}, is {slower} slower: {because}.")
+    return sentences

@@ -1,0 +1,66 @@
+"""kill -9 in the middle of a save leaves the previous checkpoint the one --load finds, intact.
+
+The child process trains with --save-interval 2 and is held, by a test-only patch, inside its second save: after
+every rank's tensors and the manifest are written into the temporary directory, just before the rename that
+publishes it. That is the latest a crash can strike and still have to leave the old checkpoint in charge.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from megalite import load_pretrained
+from megalite.checkpoint import open_checkpoint
+
+import pretrain_gpt
+
+ROOT = Path(__file__).resolve().parent.parent.parent
+TINY = ["model=gpt_tiny", "data=mock", "--eval-interval", "0", "--train-iters", "4", "--save-interval", "2"]
+
+CHILD = """
+import sys, time
+from pathlib import Path
+import megalite.checkpoint.directory as directory
+import pretrain_gpt
+
+commit, marker = directory.commit, Path(sys.argv[1])
+
+def held_commit(temporary, final, iteration):
+    if iteration == 4:
+        marker.write_text(str(temporary))
+        time.sleep(120)     # killed here
+    commit(temporary, final, iteration)
+
+directory.commit = held_commit
+sys.exit(pretrain_gpt.main(sys.argv[2:]))
+"""
+
+
+def test_kill_9_during_save_keeps_the_previous_checkpoint(tmp_path):
+    ckpt, marker = tmp_path / "ckpt", tmp_path / "held"
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
+    child = subprocess.Popen([sys.executable, "-c", CHILD, str(marker), *TINY, "--save", str(ckpt)], cwd=ROOT,
+                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not marker.exists():
+            assert child.poll() is None, child.stderr.read()[-2000:]
+            assert time.monotonic() < deadline, "the child never reached its second save"
+            time.sleep(0.1)
+        os.kill(child.pid, signal.SIGKILL)
+        child.wait(timeout=30)
+    finally:
+        if child.poll() is None:
+            child.kill()
+    half_written = Path(marker.read_text())
+    assert half_written.name == "iter_0000004.tmp" and (half_written / "manifest.json").is_file()
+    assert open_checkpoint(ckpt).manifest.iteration == 2          # the pointer still names the previous one
+    assert load_pretrained(ckpt).iteration == 2                   # and it loads
+    # Resuming finishes the run; the next save clears the leftover.
+    assert pretrain_gpt.main([*TINY, "--save", str(ckpt), "--load", str(ckpt)]) == 0
+    assert open_checkpoint(ckpt).manifest.iteration == 4 and not half_written.exists()

@@ -1,0 +1,139 @@
+"""Save and load in one process: exact resume, what --finetune / --no-load-optim restore, when saves happen, and
+the one-line errors of a partial or corrupt checkpoint (from pretrain_gpt.py, before anything is built)."""
+
+from __future__ import annotations
+
+import json
+import pickle
+
+import pytest
+import torch
+
+import pretrain_gpt
+from megalite import load_pretrained
+from megalite.checkpoint import CheckpointError, check_checkpoint, open_checkpoint
+from megalite.checkpoint.directory import POINTER_NAME
+from megalite.checkpoint.storage import read_metadata
+from megalite.training import Trainer
+
+from ..helpers import tiny_config
+from .conftest import CPU, losses, single_layout, train_and_save, with_checkpoint
+
+TINY = ["model=gpt_tiny", "data=mock", "--eval-interval", "0", "--train-iters", "4", "--lr", "1e-3"]
+
+
+@pytest.mark.parametrize("options", [
+    {"model": {"hidden_dropout": 0.1, "attention_dropout": 0.1}},          # RNG states come back
+    {"training": {"bf16": True}},                                          # fp32 main copies apart from bf16 weights
+])
+def test_exact_resume(tmp_path, options):
+    sections = {"data": {"eval_interval": 0}, **options}
+    sections["training"] = {"train_iters": 6, **options.get("training", {})}
+    cfg = tiny_config(**sections)
+    with single_layout():
+        straight = losses(Trainer(cfg, CPU).train())
+    first = train_and_save(cfg, tmp_path, 3)
+    with single_layout():
+        second = losses(Trainer(with_checkpoint(cfg, load=str(tmp_path)), CPU).train())
+    assert first + second == straight   # bit for bit
+
+
+def test_finetune_and_no_load_optim(cfg, saved):
+    with single_layout():
+        reference = Trainer(with_checkpoint(cfg, load=str(saved)), CPU)
+        assert reference.state.iteration == 3 and reference.state.consumed_samples == 24
+        assert len(reference.optimizer.inner.state) > 0
+        weights = [p.detach().clone() for _, p in reference.canonical_named_parameters()]
+    for options in ({"finetune": True}, {"no_load_optim": True}):
+        with single_layout():
+            trainer = Trainer(with_checkpoint(cfg, load=str(saved), **options), CPU)
+            assert trainer.state.iteration == (0 if "finetune" in options else 3)
+            assert len(trainer.optimizer.inner.state) == 0            # Adam starts afresh
+            assert all(torch.equal(a, p) for a, (_, p) in zip(weights, trainer.canonical_named_parameters()))
+
+
+def test_saves_at_interval_and_end_once(tmp_path):
+    cfg = with_checkpoint(tiny_config(data={"eval_interval": 0}, training={"train_iters": 5}), save=str(tmp_path),
+                          save_interval=2)
+    with single_layout():
+        Trainer(cfg, CPU).train()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["iter_0000002", "iter_0000004", "iter_0000005",
+                                                          POINTER_NAME]
+    with single_layout():   # resuming a finished run trains nothing and saves nothing new
+        trainer = Trainer(with_checkpoint(cfg, load=str(tmp_path)), CPU)
+        assert trainer.train() == [] and trainer.state.iteration == 5
+    assert (tmp_path / POINTER_NAME).read_text() == "5\n"
+
+
+def test_pretrain_gpt_save_then_resume_where_load_is_save(tmp_path, capsys):
+    metrics = tmp_path / "m.jsonl"
+    ckpt = str(tmp_path / "ckpt")
+    common = [*TINY, "--save", ckpt, "--load", ckpt, "--metrics-file", str(metrics)]
+    assert pretrain_gpt.main(common) == 0           # nothing saved yet: starts from scratch
+    assert "starting from scratch" in capsys.readouterr().out
+    assert pretrain_gpt.main([*common, "--train-iters", "6"]) == 0
+    iterations = [r["iteration"] for r in map(json.loads, metrics.read_text().splitlines())]
+    assert iterations == [1, 2, 3, 4, 5, 6]
+    assert open_checkpoint(ckpt).manifest.iteration == 6
+
+
+def test_checkpoint_that_does_not_fit_the_model(cfg, saved, capsys):
+    assert pretrain_gpt.main([*TINY, "--hidden-size", "128", "--vocab-size", "301", "--load", str(saved)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("megalite: error:") and "\n" not in err
+    assert "does not fit this model: embedding.word.weight is [301, 64] there, [301, 128] here" in err
+    assert "model options differ: hidden_size 64 (checkpoint) vs 128" in err
+
+
+def _remove_optimizer_piece(directory):
+    metadata = read_metadata(directory)
+    key = next(k for k in metadata.state_dict_metadata if k.startswith("optim/layers.1.mlp.linear_fc1.weight/")
+               and k.endswith("/exp_avg"))
+    del metadata.state_dict_metadata[key]
+    (directory / ".metadata").write_bytes(pickle.dumps(metadata))
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda d: (d / "manifest.json").unlink(), "not a complete checkpoint: manifest.json is missing"),
+    (lambda d: (d / ".metadata").unlink(), "not a complete checkpoint: .metadata (DCP's index) is missing"),
+    (lambda d: (d / "__0_0.distcp").write_bytes((d / "__0_0.distcp").read_bytes()[:5000]), "truncated (5000 of"),
+    (lambda d: (d / "__0_0.distcp").unlink(), "__0_0.distcp: missing (it holds"),
+    (lambda d: (d / "manifest.json").write_text((d / "manifest.json").read_text()[:300]), "unreadable"),
+    (_remove_optimizer_piece, "optimizer state exp_avg of layers.1.mlp.linear_fc1.weight (TP slice 0 of 1): "
+                              "no pieces at all (--no-load-optim skips optimizer state)"),
+    (lambda d: d.rename(d.with_name("moved")), "iter_0000003: missing (named by"),
+])
+def test_partial_or_corrupt_checkpoint_is_a_one_line_error(saved, capsys, damage, message):
+    damage(saved / "iter_0000003")
+    assert pretrain_gpt.main([*TINY, "--vocab-size", "301", "--load", str(saved)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("megalite: error:") and "\n" not in err and message in err, err
+
+
+def test_missing_optimizer_piece_is_fine_without_optimizer(cfg, saved):
+    _remove_optimizer_piece(saved / "iter_0000003")
+    check_checkpoint(with_checkpoint(cfg, load=str(saved), no_load_optim=True), 1)
+    with pytest.raises(CheckpointError, match="optimizer state exp_avg"):
+        check_checkpoint(with_checkpoint(cfg, load=str(saved)), 1)
+
+
+def test_corrupt_tensor_bytes_are_reported_by_name(saved):
+    data = saved / "iter_0000003" / "__0_0.distcp"
+    raw = bytearray(data.read_bytes())
+    raw[:4000] = bytes(4000)      # same length: only reading the tensors finds it
+    data.write_bytes(bytes(raw))
+    with pytest.raises(CheckpointError, match=r"reading model/.* failed") as error:
+        load_pretrained(saved)
+    assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--save-interval", "2"], "--save-interval needs --save"),
+    (["--save", "x", "--save-interval", "0"], "--save-interval must be >= 1, got 0"),
+    (["--finetune"], "--finetune needs --load"),
+    (["checkpoint.load=/no/such/dir"], "--load /no/such/dir: no such directory"),
+])
+def test_checkpoint_options_fail_with_one_line(argv, message, capsys):
+    assert pretrain_gpt.main([*TINY, *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"megalite: error: {message}"

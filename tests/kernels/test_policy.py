@@ -1,0 +1,145 @@
+"""Choosing between the fused kernels and torch ops: CPU tensors and ``off`` always get torch ops, a missing GPU,
+CUDA build of torch or compiler falls back with one warning under ``auto`` and is an error under ``on``, the flags
+reach the policy, and a stale build lock fails fast, naming the file to delete."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import types
+import warnings
+
+import pytest
+import torch
+
+from megalite.cli import parse_args
+from megalite.config import ConfigError, KernelConfig, validate
+from megalite.kernels import build, policy
+from megalite.kernels.policy import OPS, ExtensionUnavailable, KernelPolicy
+
+FAKE_CUDA = types.SimpleNamespace(is_cuda=True)   # what the policy looks at in a tensor
+
+
+@pytest.fixture(autouse=True)
+def fresh_extension_cache(monkeypatch, tmp_path):
+    """Each test builds (or fails to build) the fused extension afresh, in its own directory."""
+    monkeypatch.setenv(build.DIR_ENV, str(tmp_path / "extensions"))
+    monkeypatch.delenv(build.DISABLE_ENV, raising=False)
+    monkeypatch.setattr(build, "_modules", {})
+    monkeypatch.setattr(build, "_failures", {})
+
+
+@pytest.mark.parametrize("mode", ["auto", "on", "off"])
+def test_cpu_tensors_always_run_torch_ops_and_never_build(mode, monkeypatch):
+    monkeypatch.setattr(policy, "load_extension", lambda *a, **k: pytest.fail("no build for CPU tensors"))
+    for op in OPS:
+        assert KernelPolicy(mode).ops(op, torch.zeros(2)) is None
+
+
+def test_off_and_per_op_switches_give_torch_ops_on_cuda(monkeypatch):
+    monkeypatch.setattr(policy, "load_extension", lambda *a, **k: pytest.fail("nothing to build"))
+    assert all(KernelPolicy("off").ops(op, FAKE_CUDA) is None for op in OPS)
+    assert all(KernelPolicy("on", frozenset(OPS)).ops(op, FAKE_CUDA) is None for op in OPS)
+    KernelPolicy("on", frozenset(OPS)).check()   # nothing enabled: nothing to build
+
+
+def test_auto_fuses_all_but_the_attention_core_which_on_adds(monkeypatch):
+    extension = types.ModuleType("megalite_fused")
+    monkeypatch.setattr(policy, "load_extension", lambda *a, **k: extension)
+    assert {op for op in OPS if KernelPolicy("auto").ops(op, FAKE_CUDA) is extension} == set(OPS) - {
+        "masked_softmax"}
+    assert all(KernelPolicy("on").ops(op, FAKE_CUDA) is extension for op in OPS)
+    assert KernelPolicy("on", frozenset({"masked_softmax"})).ops("masked_softmax", FAKE_CUDA) is None
+
+
+def test_auto_falls_back_with_one_warning_and_on_raises_when_the_extension_cannot_be_built(monkeypatch):
+    # This machine's torch is a CPU build; pretend it is a CUDA one without a toolkit, as on a GPU box without nvcc.
+    monkeypatch.setattr(torch.version, "cuda", torch.version.cuda or "12.8")
+    from torch.utils import cpp_extension
+    monkeypatch.setattr(cpp_extension, "CUDA_HOME", None)
+    with pytest.warns(RuntimeWarning, match="cannot build C\\+\\+ extension 'megalite_fused'.*no CUDA toolkit"):
+        assert KernelPolicy("auto").ops("layernorm", FAKE_CUDA) is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")   # cached: no second warning, no second build
+        assert KernelPolicy("auto").ops("rope", FAKE_CUDA) is None
+    with pytest.raises(ExtensionUnavailable, match="no CUDA toolkit"):
+        KernelPolicy("on").ops("layernorm", FAKE_CUDA)
+    with pytest.raises(ExtensionUnavailable, match="no CUDA toolkit"):
+        KernelPolicy("on").check()
+
+
+@pytest.mark.skipif(torch.version.cuda is not None, reason="checks the message of a CPU build of torch")
+def test_a_cpu_build_of_torch_says_so():
+    with pytest.raises(ExtensionUnavailable, match="built without CUDA"):
+        policy.fused_extension(required=True)
+
+
+def test_disabled_extensions_mean_torch_ops(monkeypatch):
+    monkeypatch.setenv(build.DISABLE_ENV, "1")
+    assert KernelPolicy("auto").ops("layernorm", FAKE_CUDA) is None
+    with pytest.raises(ExtensionUnavailable, match=build.DISABLE_ENV):
+        KernelPolicy("on").check()
+
+
+def test_flags_and_hydra_keys_reach_the_policy():
+    cfg = parse_args(["--use-fused-kernels", "off", "--no-bias-gelu-fusion", "--no-rope-fusion",
+                      "kernels.no_cross_entropy_loss_fusion=true", "--mock-data"])
+    assert KernelPolicy.from_config(cfg.kernels) == KernelPolicy("off", frozenset({"bias_gelu", "rope",
+                                                                                   "cross_entropy"}))
+    assert KernelPolicy.from_config(KernelConfig()) == KernelPolicy()
+    switches = [f"--no-{name}" for name in ("masked-softmax-fusion", "bias-gelu-fusion", "layernorm-fusion",
+                                             "rope-fusion", "cross-entropy-loss-fusion")]
+    everything_off = KernelPolicy.from_config(parse_args(switches + ["--mock-data"]).kernels)
+    assert everything_off.disabled == frozenset(OPS)
+
+
+def test_on_without_a_gpu_is_refused_by_validation(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ConfigError, match="--use-fused-kernels on needs a CUDA device"):
+        validate(parse_args(["--use-fused-kernels", "on", "--mock-data"]), 1)
+    validate(parse_args(["--use-fused-kernels", "auto", "--mock-data"]), 1)
+    with pytest.raises(ConfigError, match="must be auto, on or off, got 'yes'"):
+        validate(parse_args(["--use-fused-kernels", "yes", "--mock-data"]), 1)
+
+
+def test_a_stale_build_lock_fails_fast_naming_the_file(tmp_path, monkeypatch):
+    lock = tmp_path / "lock"
+    lock.touch()
+    old = time.time() - 3600
+    os.utime(lock, (old, old))
+    with pytest.raises(ExtensionUnavailable, match=f"stale build lock: {lock} is 3600 s old.*delete"):
+        build._wait_for_build_lock(tmp_path)
+    # Through load_extension: the fallback, with the same message in its warning; no compiler is started.
+    build_dir = build.extensions_dir() / "stale_test"
+    build_dir.mkdir(parents=True)
+    (build_dir / "lock").touch()
+    os.utime(build_dir / "lock", (old, old))
+    with pytest.warns(RuntimeWarning, match="stale build lock"):
+        assert build.load_extension("stale_test", ["cpu_adam.cpp"]) is None
+
+
+def test_a_live_build_lock_is_waited_for(tmp_path, monkeypatch):
+    monkeypatch.setenv(build.LOCK_TIMEOUT_ENV, "30")
+    lock = tmp_path / "lock"
+    lock.touch()
+    threading.Timer(0.3, lock.unlink).start()   # the other process finishes its build
+    start = time.monotonic()
+    build._wait_for_build_lock(tmp_path)
+    assert 0.2 < time.monotonic() - start < 10
+
+
+def test_a_lock_older_than_the_timeout_is_stale(tmp_path, monkeypatch):
+    monkeypatch.setenv(build.LOCK_TIMEOUT_ENV, "0.5")
+    (tmp_path / "lock").touch()
+    start = time.monotonic()
+    with pytest.raises(ExtensionUnavailable, match="MEGALITE_BUILD_LOCK_TIMEOUT=0.5 s"):
+        build._wait_for_build_lock(tmp_path)
+    assert time.monotonic() - start < 5
+
+
+def test_bad_policies_are_refused():
+    with pytest.raises(ValueError, match="auto, on, off"):
+        KernelPolicy("sometimes")
+    with pytest.raises(ValueError, match="unknown fused ops"):
+        KernelPolicy("auto", frozenset({"flash"}))

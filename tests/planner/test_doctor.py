@@ -1,0 +1,107 @@
+"""The out-of-memory doctor, driven by simulated out-of-memory errors, and ``pretrain_gpt.py --dry-run``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import pretrain_gpt
+from megalite.cli import parse_args
+from megalite.planner import Layout, diagnose_out_of_memory, is_out_of_memory, stage_memory
+from megalite.planner.doctor import device_memory_bytes
+from megalite.planner.dry_run import numerics_for
+from megalite.training.trainer import Trainer
+
+MiB = 2**20
+ARGV = ["model=gpt_tiny", "data=mock", "--train-iters", "1", "--micro-batch-size", "8", "--global-batch-size", "8",
+        "--seq-length", "256"]
+
+
+def _memory(argv):
+    cfg = parse_args(argv)
+    return cfg, stage_memory(cfg.model, Layout.from_config(cfg, 1), 0, cfg.training.global_batch_size,
+                             dtype_bytes=4, numerics=numerics_for(cfg, cuda=False))
+
+
+def _cuda_error(capacity_bytes: float) -> torch.OutOfMemoryError:
+    return torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate 20.00 MiB. GPU 0 has a total capacity of "
+                                  f"{capacity_bytes / MiB:.2f} MiB of which 1.00 MiB is free.")
+
+
+def _causes(argv):
+    """Device sizes where the states alone, the activations, and nothing in the estimate run over."""
+    cfg, mem = _memory(argv)
+    return cfg, mem, {"states": mem.states * 0.8, "activations": (mem.states + mem.activations / 2) / 0.9,
+                      "fits": mem.total / 0.8}
+
+
+def test_recognizes_out_of_memory_errors():
+    assert is_out_of_memory(torch.OutOfMemoryError("CUDA out of memory."))
+    assert is_out_of_memory(RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried... out of memory"))
+    assert not is_out_of_memory(RuntimeError("a collective timed out"))
+    assert device_memory_bytes(_cuda_error(80 * 1024 * MiB)) == 80 * 2**30
+
+
+def test_names_the_cause_with_numbers():
+    cfg, mem, device = _causes(ARGV)
+    assert mem.activations > mem.states   # a long sequence and a big micro-batch: activations dominate
+    states = diagnose_out_of_memory(cfg, _cuda_error(device["states"]), world_size=1, cuda=False)
+    assert "the model states alone exceed the device" in states and "--optimizer-cpu-offload" in states
+    assert "tensor or pipeline parallelism" in states and "The planner finds no layout of 1 GPUs" in states
+    acts = diagnose_out_of_memory(cfg, _cuda_error(device["activations"]), world_size=1, cuda=False)
+    assert "the activations do not fit" in acts and "--micro-batch-size 4" in acts
+    assert "--recompute-granularity selective" in acts and "--recompute-granularity full" in acts
+    assert f"{mem.activations / 2**20:.1f} MiB of activations" in acts and "The planner suggests" in acts
+    fits = diagnose_out_of_memory(cfg, _cuda_error(device["fits"]), world_size=1, cuda=False)
+    assert "although the estimate fits" in fits and "expandable_segments" in fits
+
+
+def test_sequence_parallel_is_suggested_under_tensor_parallelism():
+    cfg = parse_args(ARGV + ["--tensor-model-parallel-size", "2"])
+    mem = stage_memory(cfg.model, Layout.from_config(cfg, 2), 0, 8, dtype_bytes=4,
+                       numerics=numerics_for(cfg, cuda=False))
+    message = diagnose_out_of_memory(cfg, _cuda_error((mem.states + mem.activations / 2) / 0.9), world_size=2,
+                                     cuda=False, suggest=False)
+    assert "--sequence-parallel" in message
+
+
+@pytest.mark.parametrize("cause, expected", [("states", "the model states alone exceed the device"),
+                                             ("activations", "the activations do not fit")])
+def test_training_that_runs_out_of_memory_prints_the_diagnosis(monkeypatch, capsys, cause, expected):
+    _, _, device = _causes(ARGV)
+
+    def out_of_memory(self):
+        raise _cuda_error(device[cause])
+
+    monkeypatch.setattr(Trainer, "train", out_of_memory)
+    assert pretrain_gpt.main(ARGV) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("megalite: out of memory on rank 0") and expected in err
+    assert len(err.strip().splitlines()) <= 4 and "Traceback" not in err
+
+
+def test_a_cpu_allocator_error_is_diagnosed_too(monkeypatch, capsys):
+    def out_of_memory(self):
+        raise RuntimeError("DefaultCPUAllocator: not enough memory: you tried to allocate 1 GiB. Out of memory.")
+
+    monkeypatch.setattr(Trainer, "train", out_of_memory)
+    assert pretrain_gpt.main(ARGV) == 1
+    assert capsys.readouterr().err.startswith("megalite: out of memory on rank 0")
+
+
+def test_dry_run_prints_the_estimate_and_trains_nothing(monkeypatch, capsys):
+    monkeypatch.setattr(Trainer, "__init__", lambda *args: pytest.fail("--dry-run must not build the trainer"))
+    assert pretrain_gpt.main(ARGV + ["--dry-run"]) == 0
+    out = capsys.readouterr().out
+    _, mem = _memory(ARGV)
+    assert "dry run: TP=1 x PP=1 x DP=1, micro-batch 8, DDP, 1 micro-batches per step" in out
+    assert f"{mem.activations / 2**30:.3f}" in out and f"{mem.total / 2**30:.3f}" in out
+
+
+def test_dry_run_of_a_pipeline_marks_the_most_loaded_stage(monkeypatch, capsys):
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    argv = ARGV + ["--pipeline-model-parallel-size", "2", "--use-distributed-optimizer", "--global-batch-size", "32",
+                   "--dry-run"]
+    assert pretrain_gpt.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "TP=1 x PP=2 x DP=2" in out and out.count("<- most loaded") == 1

@@ -1,0 +1,81 @@
+"""Parameter counts: the planner's arithmetic against the real model, built on the ``meta`` device (no memory) under
+a shape-only layout, for every config in configs/model at TP 1/2/4 and PP 1/2, pipeline stage by stage."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from megalite import parallel_state
+from megalite.config import ConfigError, MegaliteConfig, ParallelConfig, validate
+from megalite.model import GPTModel
+from megalite.pipeline.partition import chunks_of_rank
+from megalite.planner import count_parameters, load_model_config
+from megalite.planner.parameters import layer_tensors, rank_tensors
+
+CONFIGS = sorted(p.stem for p in (Path(__file__).resolve().parents[2] / "configs" / "model").glob("*.yaml"))
+
+
+def _real_stage(model, tp: int, pp: int, pp_rank: int, v: int = 1) -> list[tuple[str, torch.nn.Parameter]]:
+    with parallel_state.simulated_layout(tp, pp, pp_rank=pp_rank), torch.device("meta"):
+        chunks = [GPTModel(model, None, pre_process=c.is_first, post_process=c.is_last, layer_offset=c.first_layer,
+                           num_layers=c.num_layers) for c in chunks_of_rank(model.num_layers, pp, v, pp_rank)]
+    return [item for chunk in chunks for item in chunk.canonical_named_parameters()]
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_counts_equal_the_real_model_rank_by_rank(name):
+    model = load_model_config(name)
+    checked = 0
+    for tp, pp in itertools.product((1, 2, 4), (1, 2)):
+        try:
+            validate(MegaliteConfig(model=model, parallel=ParallelConfig(tp, pp)), tp * pp)
+        except ConfigError:   # e.g. gpt2_xl's 25 heads at TP 2
+            continue
+        count = count_parameters(model, tp, pp)
+        canonical = {}
+        for pp_rank in range(pp):
+            real = _real_stage(model, tp, pp, pp_rank)
+            planned = [t for chunk in rank_tensors(model, tp, pp, 1, pp_rank) for t in chunk]
+            assert count.per_stage[pp_rank] == sum(p.numel() for _, p in real), (tp, pp, pp_rank)
+            # The same tensors in the same order, which the gradient-bucket layout (padding) depends on.
+            assert [(n, p.numel()) for n, p in real] == [(t.name, t.numel) for t in planned]
+            canonical.update((n, math.prod(p.full_shape)) for n, p in real)
+        assert count.total == sum(canonical.values()), (tp, pp)
+        checked += 1
+    assert checked >= 2
+
+
+def test_interleaved_stages_count_their_chunks():
+    model = load_model_config("llama_tiny", num_layers=8)
+    for pp_rank in range(2):
+        real = _real_stage(model, 2, 2, pp_rank, v=2)
+        assert count_parameters(model, 2, 2, 2).per_stage[pp_rank] == sum(p.numel() for _, p in real)
+
+
+def test_gpt_layers_are_12h2_plus_13h():
+    model = load_model_config("gpt2_medium")
+    h = model.hidden_size
+    assert sum(t.full_numel for t in layer_tensors(model, 1, 0)) == 12 * h * h + 13 * h
+    assert count_parameters(model).total == 354_823_168   # GPT-2 medium as Hugging Face counts it (unpadded)
+
+
+def test_simulated_layout_registers_one_rank_s_groups_and_restores_the_previous():
+    assert not parallel_state.is_initialized()
+    with parallel_state.simulated_layout(2, 4, 2, tp_rank=1, pp_rank=2, dp_rank=1):
+        assert parallel_state.get_tensor_model_parallel_rank() == 1
+        assert parallel_state.get_pipeline_model_parallel_world_size() == 4
+        assert parallel_state.get_pipeline_model_parallel_rank() == 2
+        assert parallel_state.get_data_parallel_rank() == 1
+        assert parallel_state.get_embedding_group() is None            # a middle stage
+        assert parallel_state.get_tensor_model_parallel_group().group is None
+    assert not parallel_state.is_initialized()
+    with parallel_state.simulated_layout(2, 2, pp_rank=1):
+        assert parallel_state.get_embedding_group().size == 2         # the last stage shares the tied embedding
+    with pytest.raises(ValueError):
+        with parallel_state.simulated_layout(2, tp_rank=2):
+            pass

@@ -1,0 +1,135 @@
+"""The layout search reproduces the published choices in the clear cases, and what it proposes runs: its command
+line parses and passes megalite's own validation. Plus the step-time model's formulas."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+from pathlib import Path
+
+import pytest
+
+from megalite.cli import parse_args
+from megalite.config import validate
+from megalite.planner import Hardware, Layout, command_line, load_model_config, search, step_time, to_json
+from megalite.planner.performance import korthikanti_model_flops, model_flops_per_iteration
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def gpt_350m_on_8():
+    return search(load_model_config("gpt2_medium"), Hardware(num_gpus=8), 512, model_name="gpt2_medium")
+
+
+@pytest.fixture(scope="module")
+def llama_70b_on_64_nvlink():
+    return search(load_model_config("llama2_70b"), Hardware(num_gpus=64), 1024, model_name="llama2_70b")
+
+
+@pytest.fixture(scope="module")
+def llama_70b_on_64_pcie():
+    return search(load_model_config("llama2_70b"), Hardware(num_gpus=64, intra_node_link="pcie"), 1024,
+                  model_name="llama2_70b")
+
+
+def test_a_350m_model_on_8_gpus_of_80_gb_is_pure_data_parallel(gpt_350m_on_8):
+    winner = gpt_350m_on_8.winner.layout
+    assert (winner.tp, winner.pp, winner.dp) == (1, 1, 8)
+    assert winner.recompute is None
+    assert "pure data parallelism" in " ".join(gpt_350m_on_8.explanation)
+
+
+def test_a_70b_model_on_64_nvlink_gpus_uses_tensor_parallelism_inside_the_node(llama_70b_on_64_nvlink):
+    plan = llama_70b_on_64_nvlink
+    winner = plan.winner.layout
+    assert 2 <= winner.tp <= 8 and winner.sequence_parallel
+    assert all(not (r.tp == 1 and r.pp == 1) for r in [e.layout for e in plan.ranked])   # DP alone cannot fit
+    assert any(r.tp == 1 and r.pp == 1 and "model states alone" in r.reason for r in plan.rejected)
+    assert any(r.tp == 16 and "cross the network" in r.reason for r in plan.rejected)
+    assert plan.winner.peak.total <= Hardware().usable_memory_bytes
+    assert 0.3 < plan.winner.mfu(plan.hardware) < 0.5
+
+
+def test_a_70b_model_without_nvlink_prefers_pipeline_or_zero_over_tensor_parallelism(llama_70b_on_64_pcie):
+    winner = llama_70b_on_64_pcie.winner.layout
+    assert winner.tp <= 2
+    assert winner.pp > 1 or winner.distributed_optimizer
+    assert "PCIe" in " ".join(llama_70b_on_64_pcie.explanation)
+
+
+@pytest.mark.parametrize("plan_name", ["gpt_350m_on_8", "llama_70b_on_64_nvlink", "llama_70b_on_64_pcie"])
+def test_the_proposed_command_runs_megalite_s_validation(plan_name, request):
+    plan = request.getfixturevalue(plan_name)
+    for estimate in plan.ranked[:3]:
+        words = shlex.split(command_line(plan, estimate).replace("$MASTER_ADDR", "host"))
+        argv = words[words.index("pretrain_gpt.py") + 1:]
+        cfg = parse_args(argv + ["data=mock"])
+        validate(cfg, plan.hardware.num_gpus)
+        assert Layout.from_config(cfg, plan.hardware.num_gpus) == estimate.layout
+        assert cfg.model == estimate.layout.model_config(plan.model)
+        entry = to_json(plan)["ranked"][plan.ranked.index(estimate)]
+        assert parse_args(entry["hydra_overrides"] + ["data=mock"]) == cfg   # the Hydra spelling too
+
+
+def test_json_has_the_table_the_reasons_and_the_command(llama_70b_on_64_nvlink):
+    data = json.loads(json.dumps(to_json(llama_70b_on_64_nvlink)))
+    first = data["ranked"][0]
+    assert {"weights_bytes", "gradients_bytes", "optimizer_bytes", "activations_bytes"} <= first["memory"].keys()
+    assert {"tp", "pp", "dp", "dp_exposed"} <= first["communication_s"].keys()
+    assert first["bubble"] == pytest.approx((first["layout"]["pp"] - 1) / (
+        first["layout"]["virtual_stages"] * 1024 // (first["layout"]["dp"] * first["layout"]["micro_batch_size"])))
+    assert data["parameters"]["total"] == 68_976_648_192
+    assert len(data["why"]) == 3 and data["rejected"] and data["command"].startswith("torchrun --nnodes 8")
+
+
+def test_nothing_fits_says_so():
+    plan = search(load_model_config("llama2_70b"), Hardware(num_gpus=8, gpu_memory_gib=24), 64)
+    assert plan.winner is None and "No layout fits" in plan.explanation[0]
+
+
+def test_the_command_line_tool(capsys):
+    sys.path.insert(0, str(ROOT / "tools"))
+    import plan_parallelism
+    code = plan_parallelism.main(["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "4",
+                                  "--vocab-size", "1000", "--seq-length", "128", "--gpus", "2",
+                                  "--global-batch-size", "16", "normalization=RMSNorm", "--json"])
+    data = json.loads(capsys.readouterr().out)
+    assert code == 0 and data["model"]["normalization"] == "RMSNorm" and data["model"]["seq_length"] == 128
+    assert "--normalization RMSNorm" in data["command"] and "--seq-length 128" in data["command"]
+    assert plan_parallelism.main(["--model", "gpt2_small", "--gpus", "8", "--global-batch-size", "64"]) == 0
+    text = capsys.readouterr().out
+    assert "Why: " in text and "torchrun --nproc_per_node 8 pretrain_gpt.py model=gpt2_small" in text
+    assert plan_parallelism.main(["--model", "nope"]) == 2
+
+
+# ---- the step-time model ---------------------------------------------------------------------------------------------
+
+def test_model_flops_are_korthikanti_s_for_gpt_shapes():
+    model = load_model_config("gpt2_medium")
+    assert model_flops_per_iteration(model, 512) == pytest.approx(
+        korthikanti_model_flops(512, model.num_layers, model.seq_length, model.hidden_size, model.vocab_size))
+
+
+def test_tensor_parallel_traffic_is_8bsh_times_t_minus_1_over_t():
+    model = load_model_config("gpt2_medium", num_layers=1)
+    hardware = Hardware(num_gpus=8, intra_node_gbps=1.0)   # 1 GB/s: seconds = gigabytes
+    for tp in (2, 4, 8):
+        layout = Layout(tp=tp, dp=8 // tp, micro_batch_size=1)
+        time = step_time(model, layout, hardware, 8 // tp)   # one micro-batch
+        b, s, h = 1, model.seq_length, model.hidden_size
+        per_layer = 8 * b * s * h * (tp - 1) / tp * 2 / 1e9   # bf16 elements
+        ends = 2 * 2 * b * s * h * (tp - 1) / tp * 2 / 1e9    # the embedding's and the output layer's all-reduce
+        assert time.tp == pytest.approx(per_layer + ends)
+        sequence_parallel = step_time(model, Layout(tp=tp, dp=8 // tp, sequence_parallel=True), hardware, 8 // tp)
+        assert sequence_parallel.tp == pytest.approx(per_layer * 10 / 8 + ends)
+
+
+def test_bubble_and_interleaving():
+    model = load_model_config("gpt_1_3b")
+    hardware = Hardware(num_gpus=8)
+    plain = step_time(model, Layout(pp=4, dp=2, micro_batch_size=1), hardware, 64)
+    interleaved = step_time(model, Layout(pp=4, dp=2, virtual_stages=2, micro_batch_size=1), hardware, 64)
+    assert plain.bubble == pytest.approx(3 / 32) and interleaved.bubble == pytest.approx(3 / 64)
+    assert interleaved.bubble_time < plain.bubble_time

@@ -1,0 +1,87 @@
+"""Stopping on purpose and on failure: SIGTERM saves and exits 0 on every rank, --exit-interval stops after a
+checkpoint, a NaN stops training naming the iteration and rank, and a rank killed with SIGKILL under
+``torchrun --max-restarts`` resumes from the latest checkpoint with the losses of an uninterrupted run."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pretrain_gpt
+
+from .test_failures import _worker_pid
+
+ROOT = Path(__file__).resolve().parent.parent.parent
+TINY = ["model=gpt_tiny", "data=mock", "--hidden-dropout", "0", "--attention-dropout", "0", "--eval-interval", "0",
+        "--log-interval", "1"]
+
+
+def _records(path: Path) -> list[dict]:
+    return [r for r in map(json.loads, path.read_text().splitlines()) if "loss" in r]
+
+
+def _launch(*args: str, restarts: int = 0) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
+    return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                             "--max-restarts", str(restarts), str(ROOT / "pretrain_gpt.py"), *TINY, *args],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _wait_for_iteration(launcher: subprocess.Popen, iteration: int) -> None:
+    for line in launcher.stdout:
+        if line.startswith(f"iteration {iteration:>6}/"):
+            return
+    raise AssertionError("training ended before iteration %d" % iteration)
+
+
+def test_nan_stops_training_naming_iteration_and_rank(capsys):
+    assert pretrain_gpt.main([*TINY, "--train-iters", "3", "--lr", "1e30", "--clip-grad", "0"]) == 1
+    err = capsys.readouterr().err
+    assert "megalite: error: iteration 2: loss is nan" in err and "rank(s) [0]" in err
+
+
+def test_exit_interval_stops_after_a_checkpoint(tmp_path, capsys):
+    assert pretrain_gpt.main([*TINY, "--train-iters", "10", "--exit-interval", "3", "--save", str(tmp_path)]) == 0
+    assert "stopping after iteration 3: --exit-interval 3" in capsys.readouterr().out
+    assert (tmp_path / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
+
+
+def test_sigterm_on_one_rank_saves_on_every_rank_and_exits_zero(tmp_path):
+    launcher = _launch("--train-iters", "100000", "--exit-signal-handler", "--save", str(tmp_path))
+    try:
+        _wait_for_iteration(launcher, 2)
+        os.kill(_worker_pid(launcher.pid, 1), signal.SIGTERM)   # a scheduler may signal ranks one by one
+        out, err = launcher.communicate(timeout=120)
+    finally:
+        launcher.kill()
+    assert launcher.returncode == 0, err[-3000:]
+    assert "megalite: stopping after iteration" in out and "SIGTERM received" in out
+    saved = int((tmp_path / "latest_checkpointed_iteration.txt").read_text())
+    assert saved >= 2
+    # The checkpoint loads: one more iteration from it.
+    assert pretrain_gpt.main([*TINY, "--train-iters", str(saved + 1), "--load", str(tmp_path)]) == 0
+
+
+def test_killed_rank_restarts_and_resumes_with_uninterrupted_losses(tmp_path):
+    iters = ["--train-iters", "8", "--micro-batch-size", "1"]
+    assert pretrain_gpt.main([*TINY, *iters, "--metrics-file", str(tmp_path / "straight.jsonl")]) == 0
+    ckpt = tmp_path / "ckpt"
+    launcher = _launch(*iters, "--save", str(ckpt), "--load", str(ckpt), "--save-interval", "2",
+                       "--metrics-file", str(tmp_path / "restarted.jsonl"), restarts=1)
+    try:
+        _wait_for_iteration(launcher, 5)   # checkpoints at 2 and 4 exist by now
+        os.kill(_worker_pid(launcher.pid, 1), signal.SIGKILL)
+        out, err = launcher.communicate(timeout=240)
+    finally:
+        launcher.kill()
+    assert launcher.returncode == 0, err[-3000:]
+    straight = {r["iteration"]: r["loss"] for r in _records(tmp_path / "straight.jsonl")}
+    restarted = {}
+    for r in _records(tmp_path / "restarted.jsonl"):   # the restart rewrites iterations after its checkpoint
+        restarted[r["iteration"]] = r["loss"]
+    assert sorted(restarted) == list(range(1, 9))
+    assert max(abs(restarted[i] - straight[i]) / straight[i] for i in straight) < 1e-5

@@ -1,0 +1,65 @@
+"""Convert megalite checkpoints to and from Hugging Face GPT-2, and inspect them.
+
+    python tools/convert_checkpoint.py export-hf --load CKPT_DIR --output HF_DIR     # config.json + model.safetensors
+    python tools/convert_checkpoint.py import-hf --input HF_DIR --save CKPT_DIR      # then pretrain_gpt.py --load
+    python tools/convert_checkpoint.py inspect --load CKPT_DIR
+
+CKPT_DIR is a checkpoint directory or a --save directory (its latest checkpoint), saved at any layout. The exported
+directory loads with ``transformers.AutoModelForCausalLM.from_pretrained(HF_DIR)`` (a GPT2LMHeadModel, vocabulary
+padding removed). An imported checkpoint is at iteration 0 with weights only; ``pretrain_gpt.py --load CKPT_DIR``
+takes it at any layout, given the model options of its config (``inspect`` shows them). Needs ``safetensors``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
+
+import torch  # noqa: E402
+
+from megalite.checkpoint.convert import describe, export_hf, import_hf  # noqa: E402
+from megalite.config import ConfigError  # noqa: E402
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="convert_checkpoint", description=__doc__.split("\n\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    export = commands.add_parser("export-hf", help="Write a Hugging Face GPT2LMHeadModel directory.")
+    export.add_argument("--load", required=True, metavar="CKPT_DIR", help="The megalite checkpoint.")
+    export.add_argument("--output", required=True, metavar="HF_DIR", help="Directory to write.")
+    export.add_argument("--dtype", choices=sorted(DTYPES), help="Weights' dtype (default: the checkpoint's).")
+    imported = commands.add_parser("import-hf", help="Read a Hugging Face GPT-2 directory into a checkpoint.")
+    imported.add_argument("--input", required=True, metavar="HF_DIR", help="config.json + model.safetensors.")
+    imported.add_argument("--save", required=True, metavar="CKPT_DIR", help="Save directory of the checkpoint.")
+    imported.add_argument("--allow-approximate-gelu", action="store_true",
+                          help="Import a model with the tanh GeLU (gelu_new, as OpenAI's GPT-2), computed exactly "
+                               "by megalite: its logits then differ slightly.")
+    inspect = commands.add_parser("inspect", help="Print iteration, layout, config and tensor shapes.")
+    inspect.add_argument("--load", required=True, metavar="CKPT_DIR", help="The megalite checkpoint.")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str]) -> int:
+    args = parse(argv)
+    try:
+        if args.command == "export-hf":
+            out = export_hf(args.load, args.output, DTYPES.get(args.dtype))
+            print(f"wrote {out} (config.json, model.safetensors)")
+        elif args.command == "import-hf":
+            path = import_hf(args.input, args.save, args.allow_approximate_gelu)
+            print(f"wrote {path}")
+        else:
+            print(describe(args.load))
+    except ConfigError as error:
+        print(f"convert_checkpoint: error: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

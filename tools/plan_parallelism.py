@@ -1,0 +1,108 @@
+"""Choose the parallelism: rank the layouts that fit a model on a cluster, say why the first wins, print its command.
+
+    python tools/plan_parallelism.py --model gpt2_medium --gpus 8 --global-batch-size 512
+    python tools/plan_parallelism.py --model llama2_70b --gpus 64 --global-batch-size 1024
+    python tools/plan_parallelism.py --model llama2_70b --gpus 64 --global-batch-size 1024 --intra-node-link pcie
+    python tools/plan_parallelism.py --num-layers 32 --hidden-size 4096 --num-attention-heads 32 --vocab-size 50257 \
+        --seq-length 2048 --gpus 16 --global-batch-size 256 --json
+
+Defaults describe H100-80GB nodes: 80 GiB, 989 dense bf16 TFLOP/s, 8 GPUs per node on NVLink (450 GB/s), nodes on
+InfiniBand (400 Gb/s per GPU). Other ModelConfig fields go as key=value words (normalization=RMSNorm swiglu=true).
+Every number comes from megalite.planner, where each formula is written out with its source.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
+
+from megalite.config import ConfigError  # noqa: E402
+from megalite.planner import (  # noqa: E402
+    Hardware,
+    format_plan,
+    load_model_config,
+    model_names,
+    search,
+    to_json,
+)
+from megalite.planner.hardware import (  # noqa: E402
+    INTER_NODE_BANDWIDTH_GBITPS,
+    INTRA_NODE_BANDWIDTH_GBPS,
+)
+from megalite.planner.models import with_seq_length  # noqa: E402
+
+_SIZES = ["num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "vocab_size", "num_query_groups"]
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="plan_parallelism", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog=__doc__.split("\n\n", 1)[1])
+    model = parser.add_argument_group("model")
+    model.add_argument("--model", metavar="NAME",
+                       help=f"A configs/model file: {', '.join(model_names())} (sizes below override it).")
+    for name in _SIZES:
+        model.add_argument("--" + name.replace("_", "-"), type=int, dest=name)
+    model.add_argument("--swiglu", action="store_true", default=None, help="SwiGLU MLP (Llama).")
+    model.add_argument("--seq-length", type=int, help="Tokens per sample (default: the model config's).")
+    model.add_argument("overrides", nargs="*", metavar="key=value", help="Any other ModelConfig field.")
+    run = parser.add_argument_group("run")
+    run.add_argument("--global-batch-size", type=int, default=512, help="Samples per step (default 512).")
+    run.add_argument("--fp32", action="store_true", help="Plan fp32 training (default bf16).")
+    hw = parser.add_argument_group("hardware")
+    hw.add_argument("--gpus", type=int, default=8, help="Number of GPUs (default 8).")
+    hw.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8).")
+    hw.add_argument("--gpu-memory-gib", type=float, default=80.0, help="Memory per GPU (default 80).")
+    hw.add_argument("--peak-tflops", type=float, default=989.0, help="Dense bf16 peak per GPU (default 989, H100).")
+    hw.add_argument("--efficiency", type=float, default=0.5,
+                    help="Fraction of the peak the kernels achieve (default 0.5).")
+    hw.add_argument("--memory-headroom", type=float, default=0.10,
+                    help="Fraction of GPU memory kept free for the CUDA context, NCCL and fragmentation (0.10).")
+    hw.add_argument("--intra-node-link", choices=sorted(INTRA_NODE_BANDWIDTH_GBPS), default="nvlink",
+                    help="GPU-to-GPU link inside a node (nvlink 450 GB/s, pcie 32 GB/s per direction by default).")
+    hw.add_argument("--intra-node-gbps", type=float, help="Override its bandwidth, GB/s per GPU per direction.")
+    hw.add_argument("--inter-node-network", choices=sorted(INTER_NODE_BANDWIDTH_GBITPS), default="infiniband",
+                    help="Network between nodes (infiniband 400, roce 200, ethernet 100 Gb/s per GPU by default).")
+    hw.add_argument("--inter-node-gbitps", type=float, help="Override its bandwidth, Gb/s per GPU.")
+    out = parser.add_argument_group("output")
+    out.add_argument("--top", type=int, default=10, help="Rows of the table (default 10).")
+    out.add_argument("--json", action="store_true", help="Print the plan as JSON instead.")
+    return parser.parse_args(argv)
+
+
+def _overrides(args: argparse.Namespace) -> dict:
+    values = {name: getattr(args, name) for name in _SIZES + ["swiglu"]}
+    if args.num_query_groups is not None:
+        values["group_query_attention"] = True
+    for word in args.overrides:
+        key, sep, value = word.partition("=")
+        if not sep:
+            raise ConfigError(f"expected key=value, got {word!r}")
+        values[key.removeprefix("model.")] = value
+    return values
+
+
+def main(argv: list[str]) -> int:
+    args = parse(argv)
+    try:
+        model = with_seq_length(load_model_config(args.model, **_overrides(args)), args.seq_length)
+        hardware = Hardware(num_gpus=args.gpus, gpus_per_node=min(args.gpus_per_node, args.gpus),
+                            gpu_memory_gib=args.gpu_memory_gib, peak_tflops=args.peak_tflops,
+                            intra_node_link=args.intra_node_link, intra_node_gbps=args.intra_node_gbps,
+                            inter_node_network=args.inter_node_network, inter_node_gbitps=args.inter_node_gbitps,
+                            efficiency=args.efficiency, memory_headroom=args.memory_headroom)
+    except (ConfigError, ValueError) as error:
+        print(f"plan_parallelism: error: {error}", file=sys.stderr)
+        return 2
+    plan = search(model, hardware, args.global_batch_size, model_name=args.model,
+                  dtype_bytes=4 if args.fp32 else 2)
+    print(json.dumps(to_json(plan), indent=2) if args.json else format_plan(plan, top=args.top))
+    return 0 if plan.winner is not None else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -218,6 +218,11 @@ class LoggingConfig:
     log_interval: int = option(1, "Print (and record) metrics every this many iterations.")
     metrics_file: Optional[str] = option(None, "Rank 0 appends one JSON object per logged iteration to this file.")
     tensorboard_dir: Optional[str] = option(None, "Write TensorBoard scalars to this directory (rank 0).")
+    timing_log_level: int = option(
+        0, "Per-phase timers in the log and metrics (min/max over ranks): 0 none, 1 forward-backward, gradient "
+           "reduction and optimizer step, 2 also the pipeline's wait for its neighbours.")
+    peak_tflops: Optional[float] = option(
+        None, "The device's peak TFLOP/s for MFU; default: known for A100/H100/H200 (bf16 dense), else no MFU.")
 
 
 @dataclass
@@ -290,6 +295,8 @@ def validate(cfg: MegaliteConfig, world_size: int) -> None:
                         ("log-interval", cfg.logging.log_interval)]:
         _require(value >= 1, f"--{name} must be >= 1, got {value}")
     _require(t.train_iters >= 0, f"--train-iters must be >= 0, got {t.train_iters}")
+    _require(cfg.logging.timing_log_level in (0, 1, 2),
+             f"--timing-log-level must be 0, 1 or 2, got {cfg.logging.timing_log_level}")
     _require(t.exit_interval is None or t.exit_interval >= 1, f"--exit-interval must be >= 1, got {t.exit_interval}")
     _require(t.exit_duration_in_mins is None or t.exit_duration_in_mins > 0,
              f"--exit-duration-in-mins must be > 0, got {t.exit_duration_in_mins}")

@@ -42,6 +42,7 @@ class MetricsLogger:
         parts = [f"iteration {record['iteration']:>6}/{self.total_iters}"]
         for key, fmt in [("consumed_samples", "{:d}"), ("elapsed_ms", "{:.1f}"), ("lr", "{:.3e}"),
                          ("loss", "{:.6f}"), ("grad_norm", "{:.4f}"), ("tokens_per_sec", "{:.0f}"),
+                         ("tflops_per_device", "{:.2f}"), ("mfu", "{:.1%}"), ("peak_memory_gib", "{:.2f}"),
                          ("loss_scale", "{:.1f}"), ("pipeline_bubble", "{:.2f}"), ("eval_loss", "{:.6f}")]:
             if record.get(key) is not None:
                 parts.append(f"{key.replace('_', ' ')} {fmt.format(record[key])}")

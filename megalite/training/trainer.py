@@ -26,10 +26,12 @@ from megalite.kernels import KernelPolicy
 from megalite.model import GPTModel
 from megalite.optimizer import MegaliteOptimizer, learning_rate
 from megalite.optimizer.clip_grads import counts_toward_norm
+from megalite.planner.performance import model_flops_per_iteration
 from megalite.pipeline import PipelineLinks, build_schedule, chunks_of_rank, run_schedule
 from megalite.tensor_parallel import TensorParallelRNG
 from megalite.training.metrics import MetricsLogger
 from megalite.training.stopping import StopRequests, check_finite
+from megalite.training.timers import Timers, peak_memory_gib, peak_tflops
 
 
 def _sum_over_data_parallel(value: torch.Tensor) -> torch.Tensor:
@@ -106,6 +108,9 @@ class Trainer:
         # The iteration the latest saved (or loaded) checkpoint holds, so the end of training does not save it again.
         self._checkpointed_iteration = self.load_checkpoint() if cfg.checkpoint.load else None
         self.stop_requests = StopRequests(cfg.training, device)
+        self.timers = Timers(cfg.logging.timing_log_level, device)
+        self.peak_tflops = peak_tflops(device, cfg.logging.peak_tflops)
+        self.flops_per_iteration = model_flops_per_iteration(m, cfg.training.global_batch_size)
 
     def describe(self) -> str:
         """One line for the start of a run: layout, schedule, model size, data."""
@@ -164,13 +169,17 @@ class Trainer:
         """One optimizer step over one global batch; returns the iteration's metrics."""
         self.model.train()
         self.ddp.start_iteration(self.num_micro_batches)
-        loss_sum, global_tokens, stats = self._run_global_batch(self.data.train, self.state.consumed_samples,
-                                                                forward_only=False)
-        self.ddp.finish_grad_sync()
+        with self.timers("forward-backward"):
+            loss_sum, global_tokens, stats = self._run_global_batch(self.data.train, self.state.consumed_samples,
+                                                                    forward_only=False)
+        self.timers.add("pipeline-wait", stats.total_s - stats.busy_s)
+        with self.timers("grads-reduce"):
+            self.ddp.finish_grad_sync()
 
         iteration = self.state.iteration + 1
         lr = learning_rate(iteration, self.cfg.optimizer, self.cfg.training.train_iters)
-        step = self.optimizer.step(lr)
+        with self.timers("optimizer"):   # unscale, clip, AdamW, and the parameter gather unless overlapped
+            step = self.optimizer.step(lr)
         # Which ranks saw a NaN/Inf (only looked for when the global norm, equal on every rank, is not finite).
         norm_bad = step["grad_norm"] is not None and not math.isfinite(step["grad_norm"])
         local_bad = not bool(torch.isfinite(loss_sum)) or (
@@ -230,13 +239,15 @@ class Trainer:
         """Resume from ``--load`` at any layout (see megalite.checkpoint.load); the iteration loaded, or None when
         there is nothing to load yet (--load equal to --save, first run)."""
         c = self.cfg.checkpoint
+        self.logger.print(f"megalite: loading checkpoint from {c.load} ...")
+        start = time.perf_counter()
         result = checkpoint.load_checkpoint(self.cfg, parameters=list(self.canonical_named_parameters()),
                                             optimizer=self.optimizer, rng=self.rng, device=self.device)
         if result is None:
             self.logger.print(f"no checkpoint in {c.load} yet: starting from scratch")
             return None
         self.state = TrainState(result.iteration, result.consumed_samples)
-        for note in [f"loaded checkpoint {result.path}"] + result.notes:
+        for note in [f"loaded checkpoint {result.path} in {time.perf_counter() - start:.1f} s"] + result.notes:
             self.logger.print(note)
         return result.iteration
 
@@ -258,6 +269,12 @@ class Trainer:
                 elapsed_s = (time.perf_counter() - window_start) / window_iters
                 record["elapsed_ms"] = elapsed_s * 1000.0
                 record["tokens_per_sec"] = t.global_batch_size * self.cfg.model.seq_length / elapsed_s
+                devices = dist.get_world_size() if dist.is_initialized() else 1
+                record["tflops_per_device"] = self.flops_per_iteration / elapsed_s / devices / 1e12
+                if self.peak_tflops:
+                    record["mfu"] = record["tflops_per_device"] / self.peak_tflops
+                record["peak_memory_gib"] = peak_memory_gib(self.device)
+                record.update(self.timers.report(window_iters))
                 self.logger.log(record)
                 records.append(record)
                 window_start, window_iters = time.perf_counter(), 0

@@ -40,6 +40,7 @@ def main(argv: list[str]) -> int:
         description = trainer.describe()   # collective: every rank computes it, rank 0 prints it
         trainer.logger.print(description)
         trainer.train()
+        shutdown_distributed(wait_for_peers=True)
     except ConfigError as error:   # a checkpoint that does not fit the model: every rank finds it alike
         print(f"megalite: error: {error}", file=sys.stderr, flush=True)
         return 2

@@ -45,7 +45,11 @@ def initialize_distributed(parallel: ParallelConfig, timeout_s: float = 600.0) -
     return device
 
 
-def shutdown_distributed() -> None:
+def shutdown_distributed(wait_for_peers: bool = False) -> None:
+    """Tear the groups down. ``wait_for_peers`` (after a successful run only: a dead peer would make it wait for the
+    timeout) first lets every rank finish its last collectives, so no rank destroys a group a peer still uses."""
+    if wait_for_peers and dist.is_initialized():
+        dist.barrier()
     parallel_state.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()

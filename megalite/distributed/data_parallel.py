@@ -85,7 +85,8 @@ class DataParallel:
 
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.params]
         self._pending_reductions: list[tuple[Optional[dist.Work], Callable[[], None]]] = []
-        self._pending_gathers: dict[int, dist.Work] = {}
+        # bucket index -> (gather work, its input buffer, kept alive until the gather completes)
+        self._pending_gathers: dict[int, tuple[dist.Work, torch.Tensor]] = {}
         if overlap_param_gather:
             for m in modules:
                 for sub in m.modules():

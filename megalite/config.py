@@ -122,7 +122,9 @@ class OptimizerConfig:
     use_distributed_optimizer: bool = option(
         False, "Shard fp32 main parameters and Adam states over data-parallel ranks (ZeRO-1; see zero_stage).")
     zero_stage: int = option(
-        1, "With the distributed optimizer: 1 shards optimizer states, 2 also keeps only this rank's gradient shard.")
+        1, "ZeRO stage. With --use-distributed-optimizer: 1 shards optimizer states, 2 also keeps only this rank's "
+           "gradient shard. 3 (on its own) shards parameters, gradients and optimizer states over the data-parallel "
+           "ranks with PyTorch FSDP2, gathering each layer's parameters just for its forward and backward.")
     overlap_grad_reduce: bool = option(
         False, "Start each gradient bucket's reduction as soon as backward has produced all of its gradients.")
     overlap_param_gather: bool = option(
@@ -132,6 +134,9 @@ class OptimizerConfig:
         None, "Elements per gradient-reduction bucket; default max(40M, 1M x data-parallel size).")
     optimizer_cpu_offload: bool = option(
         False, "Keep fp32 main parameters and Adam states on the CPU and step them there (fused C++ Adam).")
+    offload_params: bool = option(
+        False, "With --zero-stage 3 and --optimizer-cpu-offload: keep the parameter and gradient shards on the CPU "
+               "too, copying each layer's shard to the device only to gather it (FSDP2's CPUOffloadPolicy).")
     loss_scale: Optional[float] = option(None, "With --fp16: a constant loss scale instead of dynamic scaling.")
     initial_loss_scale: float = option(2.0**32, "With --fp16: the starting dynamic loss scale.")
     min_loss_scale: float = option(1.0, "With --fp16: the dynamic loss scale never goes below this.")
@@ -208,6 +213,10 @@ class TrainingConfig:
     no_check_for_nan_in_loss_and_grad: bool = option(
         False, "Do not stop on a NaN/Inf loss or gradient (by default training stops naming the iteration and "
                "ranks; with --fp16 such a step is skipped instead).")
+    deepspeed_config: Optional[str] = option(
+        None, "A DeepSpeed JSON config (batch sizes, ZeRO stage and offload, bf16/fp16, clipping, Adam, LR "
+              "scheduler) mapped onto megalite's options; flags and overrides given beside it win; keys megalite "
+              "cannot honour are refused by name (see docs/zero_and_deepspeed.md).")
     dry_run: bool = option(
         False, "Print the planner's per-GPU memory estimate for this layout (weights, gradients, optimizer states, "
                "activations of each pipeline stage) and exit without training.")
@@ -418,11 +427,15 @@ def _check_architecture(cfg: MegaliteConfig) -> None:
 def _check_optimizer(cfg: MegaliteConfig) -> None:
     o, t = cfg.optimizer, cfg.training
     _require(not (t.bf16 and t.fp16), "--bf16 and --fp16 exclude each other")
-    _require(o.zero_stage in (1, 2), f"--zero-stage must be 1 or 2, got {o.zero_stage}")
-    _require(o.zero_stage == 1 or o.use_distributed_optimizer,
-             f"--zero-stage {o.zero_stage} needs --use-distributed-optimizer")
+    _require(o.zero_stage in (1, 2, 3), f"--zero-stage must be 1, 2 or 3, got {o.zero_stage}")
+    _require(o.zero_stage != 2 or o.use_distributed_optimizer, "--zero-stage 2 needs --use-distributed-optimizer")
     _require(not o.overlap_param_gather or o.use_distributed_optimizer,
              "--overlap-param-gather needs --use-distributed-optimizer")
+    if o.zero_stage == 3:
+        _check_fully_sharded(cfg)
+    _require(not o.offload_params or o.zero_stage == 3, "--offload-params needs --zero-stage 3")
+    _require(not o.offload_params or o.optimizer_cpu_offload,
+             "--offload-params needs --optimizer-cpu-offload: offloaded parameter shards are stepped on the CPU")
     _require(o.ddp_bucket_size is None or o.ddp_bucket_size >= 1,
              f"--ddp-bucket-size must be >= 1, got {o.ddp_bucket_size}")
     _require(o.loss_scale is None or t.fp16, "--loss-scale applies to --fp16 only")
@@ -431,6 +444,22 @@ def _check_optimizer(cfg: MegaliteConfig) -> None:
              f"need 0 < min-loss-scale <= initial-loss-scale, got {o.min_loss_scale} and {o.initial_loss_scale}")
     _require(o.loss_scale_window >= 1 and o.hysteresis >= 1,
              f"--loss-scale-window and --hysteresis must be >= 1, got {o.loss_scale_window} and {o.hysteresis}")
+
+
+def _check_fully_sharded(cfg: MegaliteConfig) -> None:
+    """ZeRO-3 runs on FSDP2, which owns gradient reduction and parameter gathering: the options of our own
+    data-parallel engine do not apply, and the pipeline engine does not drive FSDP2's per-micro-batch hooks yet."""
+    o, p = cfg.optimizer, cfg.parallel
+    _require(not o.use_distributed_optimizer,
+             "--zero-stage 3 shards the optimizer itself (FSDP2): drop --use-distributed-optimizer")
+    for name, value in [("overlap-grad-reduce", o.overlap_grad_reduce),
+                        ("overlap-param-gather", o.overlap_param_gather)]:
+        _require(not value, f"--{name} is for stages 1-2: with --zero-stage 3, FSDP2 overlaps its own reductions "
+                            f"and gathers")
+    _require(p.pipeline_model_parallel_size == 1,
+             f"--zero-stage 3 does not compose with --pipeline-model-parallel-size {p.pipeline_model_parallel_size} "
+             f"yet: use --zero-stage 1 or 2 with --use-distributed-optimizer, or PP 1 (see "
+             f"docs/zero_and_deepspeed.md)")
 
 
 def _check_checkpoint(cfg: MegaliteConfig) -> None:

@@ -1,18 +1,22 @@
-"""Convert megalite checkpoints to and from Hugging Face GPT-2, and inspect them.
+"""Convert megalite checkpoints to and from Hugging Face GPT-2 and Llama, and inspect them.
 
     python tools/convert_checkpoint.py export-hf --load CKPT_DIR --output HF_DIR     # config.json + model.safetensors
     python tools/convert_checkpoint.py import-hf --input HF_DIR --save CKPT_DIR      # then pretrain_gpt.py --load
     python tools/convert_checkpoint.py inspect --load CKPT_DIR
 
 CKPT_DIR is a checkpoint directory or a --save directory (its latest checkpoint), saved at any layout. The exported
-directory loads with ``transformers.AutoModelForCausalLM.from_pretrained(HF_DIR)`` (a GPT2LMHeadModel, vocabulary
-padding removed). An imported checkpoint is at iteration 0 with weights only; ``pretrain_gpt.py --load CKPT_DIR``
-takes it at any layout, given the model options of its config (``inspect`` shows them). Needs ``safetensors``.
+directory loads with ``transformers.AutoModelForCausalLM.from_pretrained(HF_DIR)``, vocabulary padding removed: a
+LlamaForCausalLM if the model uses Llama options (rotary positions, RMSNorm, SwiGLU, no biases, grouped-query
+attention; it must then use all but grouped-query attention), else a GPT2LMHeadModel. import-hf reads either, by the
+model_type of HF_DIR/config.json. An imported checkpoint is at iteration 0 with weights only; ``pretrain_gpt.py --load
+CKPT_DIR`` takes it at any layout, given the model options of its config (``inspect`` shows them). Needs
+``safetensors``, and ``transformers`` to export a Llama.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -29,16 +33,17 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 def parse(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="convert_checkpoint", description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
-    export = commands.add_parser("export-hf", help="Write a Hugging Face GPT2LMHeadModel directory.")
+    export = commands.add_parser("export-hf", help="Write a Hugging Face GPT2LMHeadModel or LlamaForCausalLM "
+                                                     "directory (chosen from the model options).")
     export.add_argument("--load", required=True, metavar="CKPT_DIR", help="The megalite checkpoint.")
     export.add_argument("--output", required=True, metavar="HF_DIR", help="Directory to write.")
     export.add_argument("--dtype", choices=sorted(DTYPES), help="Weights' dtype (default: the checkpoint's).")
-    imported = commands.add_parser("import-hf", help="Read a Hugging Face GPT-2 directory into a checkpoint.")
+    imported = commands.add_parser("import-hf", help="Read a Hugging Face GPT-2 or Llama directory into a checkpoint.")
     imported.add_argument("--input", required=True, metavar="HF_DIR", help="config.json + model.safetensors.")
     imported.add_argument("--save", required=True, metavar="CKPT_DIR", help="Save directory of the checkpoint.")
     imported.add_argument("--allow-approximate-gelu", action="store_true",
-                          help="Import a model with the tanh GeLU (gelu_new, as OpenAI's GPT-2), computed exactly "
-                               "by megalite: its logits then differ slightly.")
+                          help="GPT-2 only: import a model with the tanh GeLU (gelu_new, as OpenAI's GPT-2), computed "
+                               "exactly by megalite: its logits then differ slightly.")
     inspect = commands.add_parser("inspect", help="Print iteration, layout, config and tensor shapes.")
     inspect.add_argument("--load", required=True, metavar="CKPT_DIR", help="The megalite checkpoint.")
     return parser.parse_args(argv)
@@ -49,7 +54,8 @@ def main(argv: list[str]) -> int:
     try:
         if args.command == "export-hf":
             out = export_hf(args.load, args.output, DTYPES.get(args.dtype))
-            print(f"wrote {out} (config.json, model.safetensors)")
+            architecture = json.loads((out / "config.json").read_text())["architectures"][0]
+            print(f"wrote {out} ({architecture}: config.json, model.safetensors)")
         elif args.command == "import-hf":
             path = import_hf(args.input, args.save, args.allow_approximate_gelu)
             print(f"wrote {path}")

@@ -1,5 +1,5 @@
 """Checkpoints: each rank saves its own shards through torch.distributed.checkpoint, atomically; loading reshards to
-any layout; conversion to and from Hugging Face GPT-2; ``load_pretrained`` for single-process use.
+any layout; conversion to and from Hugging Face GPT-2 and Llama; ``load_pretrained`` for single-process use.
 
 ``save_checkpoint`` / ``load_checkpoint`` are what the trainer calls, ``check_checkpoint`` the pre-flight check that
 ``pretrain_gpt.py`` runs before any process group exists. The layout on disk is described in ``directory``, the

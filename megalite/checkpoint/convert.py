@@ -1,4 +1,8 @@
-"""What ``tools/convert_checkpoint.py`` does: export to / import from a Hugging Face GPT-2 directory, and inspect.
+"""What ``tools/convert_checkpoint.py`` does: export to / import from a Hugging Face directory, and inspect.
+
+The Hugging Face architecture follows the model: a megalite model using any Llama option (rotary positions, RMSNorm,
+SwiGLU, no biases, grouped-query attention) exports as ``LlamaForCausalLM`` (``hf_llama``), any other as
+``GPT2LMHeadModel`` (``hf_gpt2``); an import follows the ``model_type`` of config.json (``llama`` or ``gpt2``).
 
 An export merges every parameter to its canonical tensor (whatever layout the checkpoint was saved at) and writes
 ``config.json`` + ``model.safetensors``; an import reads such a directory into a single-process megalite checkpoint
@@ -15,14 +19,14 @@ from typing import Optional
 
 import torch
 
-from megalite.checkpoint import hf_gpt2
+from megalite.checkpoint import hf_gpt2, hf_llama
 from megalite.checkpoint.contents import Checkpoint, open_checkpoint
 from megalite.checkpoint.errors import CheckpointError
 from megalite.checkpoint.keys import model_key
 from megalite.checkpoint.pretrained import single_process_layout
 from megalite.checkpoint.reshard import merge, split
 from megalite.checkpoint.save import save_checkpoint
-from megalite.config import MegaliteConfig
+from megalite.config import MegaliteConfig, ModelConfig
 from megalite.model import GPTModel
 
 HF_CONFIG = "config.json"
@@ -50,19 +54,30 @@ def _safetensors():
     return safetensors.torch
 
 
+def hf_architecture(model: ModelConfig):
+    """The conversion module of the HF architecture a megalite model exports as: ``hf_llama`` if it uses any Llama
+    option (it must then be a whole Llama), else ``hf_gpt2``."""
+    return hf_llama if hf_llama.is_llama_shaped(model) else hf_gpt2
+
+
 def export_hf(load: str | os.PathLike, output: str | os.PathLike, dtype: Optional[torch.dtype] = None) -> Path:
-    """Write the checkpoint as a ``GPT2LMHeadModel`` directory; returns it. ``dtype`` defaults to the stored one."""
+    """Write the checkpoint as a ``GPT2LMHeadModel`` or ``LlamaForCausalLM`` directory (see :func:`hf_architecture`);
+    returns it. ``dtype`` defaults to the stored one."""
     checkpoint = open_checkpoint(load)
     checkpoint.verify()
     config = checkpoint.manifest.megalite_config()
-    hf_gpt2.check_exportable(config.model)
-    tensors = hf_gpt2.to_hf(full_tensors(checkpoint), config.model)
+    architecture = hf_architecture(config.model)
+    architecture.check_exportable(config.model)
+    tensors = architecture.to_hf(full_tensors(checkpoint), config.model)
     dtype = dtype or next(iter(tensors.values())).dtype
     tensors = {name: t.to(dtype) for name, t in tensors.items()}
     eod = (checkpoint.manifest.tokenizer or {}).get("eod")
     out = Path(output)
     out.mkdir(parents=True, exist_ok=True)
-    (out / HF_CONFIG).write_text(json.dumps(hf_gpt2.hf_config_from(config.model, eod, dtype), indent=2) + "\n")
+    if architecture is hf_llama:
+        hf_llama.write_hf_config(config.model, out, eod, dtype)
+    else:
+        (out / HF_CONFIG).write_text(json.dumps(hf_gpt2.hf_config_from(config.model, eod, dtype), indent=2) + "\n")
     _safetensors().save_file(tensors, str(out / HF_WEIGHTS), metadata={"format": "pt"})
     return out
 
@@ -83,7 +98,8 @@ def read_hf_tensors(directory: Path) -> dict[str, torch.Tensor]:
 
 
 def import_hf(source: str | os.PathLike, save: str | os.PathLike, allow_approximate_gelu: bool = False) -> Path:
-    """Turn an HF GPT-2 directory into a megalite checkpoint (iteration 0, weights only, fp32); returns it."""
+    """Turn an HF GPT-2 or Llama directory into a megalite checkpoint (iteration 0, weights only, fp32); returns it.
+    ``allow_approximate_gelu`` concerns GPT-2 only (see ``hf_gpt2``)."""
     directory = Path(source)
     if not (directory / HF_CONFIG).is_file():
         raise CheckpointError(f"{directory}: no {HF_CONFIG}")
@@ -91,8 +107,16 @@ def import_hf(source: str | os.PathLike, save: str | os.PathLike, allow_approxim
         hf = json.loads((directory / HF_CONFIG).read_text())
     except (OSError, json.JSONDecodeError) as error:
         raise CheckpointError(f"{directory / HF_CONFIG}: unreadable ({error})") from None
-    model = hf_gpt2.model_config_from(hf, allow_approximate_gelu)
-    canonical = hf_gpt2.from_hf(read_hf_tensors(directory), model)
+    model_type = hf.get("model_type", "gpt2")   # GPT-2 configs of old transformers versions may not say
+    if model_type == "llama":
+        model = hf_llama.model_config_from(hf)
+        canonical = hf_llama.from_hf(read_hf_tensors(directory), model)
+    elif model_type == "gpt2":
+        model = hf_gpt2.model_config_from(hf, allow_approximate_gelu)
+        canonical = hf_gpt2.from_hf(read_hf_tensors(directory), model)
+    else:
+        raise CheckpointError(f"model_type {model_type!r}: only {hf_gpt2.ARCHITECTURE} (gpt2) and "
+                              f"{hf_llama.ARCHITECTURE} (llama) can be imported")
     cfg = MegaliteConfig(model=model)
     with single_process_layout():
         with torch.device("meta"):

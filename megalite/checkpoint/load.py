@@ -29,6 +29,7 @@ from megalite.checkpoint.manifest import Manifest, SavedLayout
 from megalite.checkpoint.model_specs import check_fits
 from megalite.checkpoint.reshard import assemble, merge, split
 from megalite.config import MegaliteConfig
+from megalite.distributed import copy_into_parameter
 from megalite.optimizer import MegaliteOptimizer
 from megalite.tensor_parallel import TensorParallelRNG
 
@@ -157,7 +158,7 @@ def _load_parameters(checkpoint: Checkpoint, parameters: list[tuple[str, torch.n
         data = checkpoint.read(model_keys + [key for ranges in state_keys.values() for _, _, key in ranges])
         with torch.no_grad():
             full = merge([data[key] for key in model_keys], spec)
-            param.copy_(split(full, param.partition, tp_rank, tp))
+            copy_into_parameter(param, split(full, param.partition, tp_rank, tp))
             for fragment in fragments[id(param)]:
                 if not with_optimizer and not fragment.aliased:
                     fragment.main.copy_(fragment.model_view)   # fresh fp32 main copies of the loaded weights

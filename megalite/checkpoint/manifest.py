@@ -42,7 +42,9 @@ class SavedLayout:
         if self.virtual_stages > 1:
             text += f" (V={self.virtual_stages})"
         text += f" x DP={self.dp}"
-        if self.distributed_optimizer:
+        if self.zero_stage == 3:
+            text += ", fully sharded (ZeRO-3)"
+        elif self.distributed_optimizer:
             text += f", distributed optimizer (ZeRO-{self.zero_stage})"
         return text
 

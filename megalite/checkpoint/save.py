@@ -3,7 +3,7 @@ atomically (see :mod:`megalite.checkpoint.directory`).
 
 Who writes what, so that every piece is stored exactly once:
 
-- model weights: data-parallel rank 0 (DP replicas are equal), each TP rank its slice (TP rank 0 alone for
+- model weights: data-parallel rank 0 (DP replicas are equal; ZeRO-3 shards are gathered), each TP rank its slice (TP rank 0 alone for
   replicated tensors); the last stage's copy of a tied word embedding is the first stage's tensor, and is skipped;
 - optimizer state (fp32 main parameter, Adam moments) per fragment of :class:`MegaliteOptimizer`: with the
   distributed optimizer every DP rank writes the ranges it owns, without it DP rank 0 writes whole parameters;
@@ -30,6 +30,7 @@ from megalite.checkpoint.model_specs import model_parameters
 from megalite.checkpoint.storage import world_size, write_tensors
 from megalite.config import MegaliteConfig
 from megalite.data.tokenizer import NullTokenizer, SentencePieceTokenizer, Tokenizer
+from megalite.distributed import full_local_tensor
 from megalite.optimizer import MegaliteOptimizer
 from megalite.tensor_parallel import TensorParallelRNG
 
@@ -112,14 +113,15 @@ def _on_rank0(step: Callable[[], object], is_writer: bool, collective: bool) -> 
 
 
 def _model_tensors(parameters, at: _Coordinates) -> dict[str, torch.Tensor]:
-    if at.dp_rank != 0:
-        return {}
+    """DP rank 0's whole TP slices (a ZeRO-3 shard is gathered over DP first: every DP rank takes part)."""
     tensors = {}
     for name, param in parameters:
         if getattr(param, "is_embedding_copy", False) or not stores_slice(param.partition, at.tp_rank):
             continue
-        world, rank = slice_of(param.partition, at.tp_rank, at.tp)
-        tensors[model_key(name, world, rank)] = param.detach()
+        value = full_local_tensor(param)
+        if at.dp_rank == 0:
+            world, rank = slice_of(param.partition, at.tp_rank, at.tp)
+            tensors[model_key(name, world, rank)] = value
     return tensors
 
 

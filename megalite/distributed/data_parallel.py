@@ -26,6 +26,7 @@ over TP, once the DP reductions are done.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
@@ -40,6 +41,18 @@ DEFAULT_BUCKET_SIZE = 40_000_000
 # only the old ones. Same signatures.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+@dataclass
+class Piece:
+    """The part of one parameter whose update this rank owns (see MegaliteOptimizer): elements [start, end) of the
+    parameter's flat range in the engine (``engine.range(param)`` gives the parameter's own [first, last)), the
+    model's storage of them, and their summed fp32 gradient, both 1-D views."""
+    param: torch.nn.Parameter
+    start: int
+    end: int
+    model_view: torch.Tensor
+    grad: torch.Tensor
 
 
 class DataParallel:
@@ -61,7 +74,7 @@ class DataParallel:
             raise ValueError(f"all parameters must share one dtype, got {sorted(map(str, dtypes))}")
         self.param_dtype = dtypes.pop()
         self.sequence_parallel_params = [p for p in self.params if getattr(p, "sequence_parallel", False)]
-        device = self.params[0].device
+        self.device = device = self.params[0].device
         size = bucket_size or max(DEFAULT_BUCKET_SIZE, 1_000_000 * self.dp)
         self.layout = build_layout(self.params, size, self.dp, tied_params)
         self.buckets = self.layout.buckets
@@ -110,6 +123,21 @@ class DataParallel:
             shard_start = self.shard(bucket)[0]
             return self.grad_shards[bucket.index][start - shard_start: end - shard_start]
         return self.grad_buffer[start:end]
+
+    def pieces(self) -> list[Piece]:
+        """Every parameter whole, or with the distributed optimizer its intersection with this rank's bucket shards
+        (parameters lying wholly in other ranks' shards give no piece)."""
+        result = []
+        for param in self.params:
+            start, end = self.range(param)
+            bucket = self.bucket_of(param)
+            if self.distributed:
+                shard_start, shard_end = self.shard(bucket)
+                start, end = max(start, shard_start), min(end, shard_end)
+                if start >= end:
+                    continue
+            result.append(Piece(param, start, end, self.param_buffer[start:end], self.reduced_grad(bucket, start, end)))
+        return result
 
     # ---- gradient reduction ---------------------------------------------------------------------------------------
     def start_iteration(self, num_micro_batches: int) -> None:

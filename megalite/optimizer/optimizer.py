@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from megalite import parallel_state
 from megalite.config import OptimizerConfig, TrainingConfig
-from megalite.distributed import DataParallel
+from megalite.distributed import DataParallel, FullyShardedDataParallel
 from megalite.optimizer.clip_grads import clip_by_global_norm_, global_grad_norm
 from megalite.optimizer.loss_scaler import ConstantLossScaler, DynamicLossScaler
 
@@ -40,23 +40,16 @@ class Fragment:
         return self.main.data_ptr() == self.model_view.data_ptr()
 
 
-def _fragments(ddp: DataParallel, offload: bool) -> list[Fragment]:
+def _fragments(engine: DataParallel | FullyShardedDataParallel, offload: bool) -> list[Fragment]:
     fragments = []
-    for param in ddp.params:
-        start, end = ddp.range(param)
-        bucket = ddp.bucket_of(param)
-        if ddp.distributed:
-            shard_start, shard_end = ddp.shard(bucket)
-            start, end = max(start, shard_start), min(end, shard_end)
-            if start >= end:
-                continue
-        model_view = ddp.param_buffer[start:end]
-        if model_view.dtype == torch.float32 and not offload:
+    for piece in engine.pieces():
+        model_view = piece.model_view
+        device = torch.device("cpu") if offload else model_view.device
+        if model_view.dtype == torch.float32 and model_view.device == device:
             main = torch.nn.Parameter(model_view)     # shares storage: stepping it updates the model
         else:
-            device = torch.device("cpu") if offload else model_view.device
             main = torch.nn.Parameter(model_view.detach().to(device=device, dtype=torch.float32, copy=True))
-        fragments.append(Fragment(param, start, end, model_view, ddp.reduced_grad(bucket, start, end), main))
+        fragments.append(Fragment(piece.param, piece.start, piece.end, model_view, piece.grad, main))
     return fragments
 
 
@@ -70,7 +63,7 @@ def _any_rank(flag: bool, device: torch.device) -> bool:
 
 
 class MegaliteOptimizer:
-    def __init__(self, ddp: DataParallel, cfg: OptimizerConfig, training: TrainingConfig):
+    def __init__(self, ddp: DataParallel | FullyShardedDataParallel, cfg: OptimizerConfig, training: TrainingConfig):
         self.ddp, self.cfg = ddp, cfg
         self.fragments = _fragments(ddp, cfg.optimizer_cpu_offload)
         decay = [f.main for f in self.fragments if f.param.dim() > 1]
@@ -103,7 +96,7 @@ class MegaliteOptimizer:
     def step(self, lr: float) -> dict:
         """Update the model from the reduced gradients; returns ``grad_norm`` (None when skipped) and flags."""
         grads = [f.grad for f in self.fragments]
-        device = self.ddp.param_buffer.device
+        device = self.ddp.device
         result: dict = {}
         if self.scaler is not None:
             if grads:

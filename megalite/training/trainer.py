@@ -21,7 +21,7 @@ import torch.distributed as dist
 from megalite import checkpoint, parallel_state
 from megalite.config import MegaliteConfig
 from megalite.data import build_datasets, micro_batch_indices
-from megalite.distributed import DataParallel
+from megalite.distributed import DataParallel, FullyShardedDataParallel
 from megalite.kernels import KernelPolicy
 from megalite.model import GPTModel
 from megalite.optimizer import MegaliteOptimizer, learning_rate
@@ -82,16 +82,23 @@ class Trainer:
             chunk.initialize(seed)   # in fp32, then cast: the same initial weights for every dtype and layout
         self.dtype = (torch.bfloat16 if cfg.training.bf16 else torch.float16 if cfg.training.fp16
                       else torch.float32)
-        self.model.to(self.dtype)
-        self.tied_embedding_weights = [w for chunk in self.model for w in chunk.tied_embedding_weights()]
         o = cfg.optimizer
-        self.ddp = DataParallel(
-            list(self.model), data_group=parallel_state.get_data_parallel_group(),
-            embedding_group=parallel_state.get_embedding_group(), tied_params=self.tied_embedding_weights,
-            bucket_size=o.ddp_bucket_size, distributed_optimizer=o.use_distributed_optimizer,
-            zero_stage=o.zero_stage, overlap_grad_reduce=o.overlap_grad_reduce,
-            overlap_param_gather=o.overlap_param_gather,
-            tensor_group=parallel_state.get_tensor_model_parallel_group())
+        if o.zero_stage == 3:   # FSDP2 keeps fp32 shards as main parameters and casts the gathered copies itself
+            self.ddp = FullyShardedDataParallel(
+                list(self.model), data_group=parallel_state.get_data_parallel_group(),
+                tensor_group=parallel_state.get_tensor_model_parallel_group(), compute_dtype=self.dtype,
+                offload_params=o.offload_params)
+        else:
+            self.model.to(self.dtype)
+            self.ddp = DataParallel(
+                list(self.model), data_group=parallel_state.get_data_parallel_group(),
+                embedding_group=parallel_state.get_embedding_group(),
+                tied_params=[w for chunk in self.model for w in chunk.tied_embedding_weights()],
+                bucket_size=o.ddp_bucket_size, distributed_optimizer=o.use_distributed_optimizer,
+                zero_stage=o.zero_stage, overlap_grad_reduce=o.overlap_grad_reduce,
+                overlap_param_gather=o.overlap_param_gather,
+                tensor_group=parallel_state.get_tensor_model_parallel_group())
+        self.tied_embedding_weights = [w for chunk in self.model for w in chunk.tied_embedding_weights()]
         self.optimizer = MegaliteOptimizer(self.ddp, o, cfg.training)
         self.state = TrainState()
         dp = parallel_state.get_data_parallel_world_size()

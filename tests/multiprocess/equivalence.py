@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from megalite import parallel_state
 from megalite.config import ParallelConfig
+from megalite.distributed import full_local_tensor
 from megalite.tensor_parallel import unshard
 from megalite.training import Trainer
 
@@ -28,10 +29,11 @@ def full_parameters(trainer: Trainer) -> dict[str, torch.Tensor]:
     info = parallel_state.get_tensor_model_parallel_group()
     full = {}
     for name, param in trainer.canonical_named_parameters():
-        parts = [param.detach()]
+        local = full_local_tensor(param)   # a ZeRO-3 shard gathered over DP first
+        parts = [local]
         if info.size > 1 and param.partition.is_sharded:
-            parts = [torch.empty_like(param) for _ in range(info.size)]
-            dist.all_gather(parts, param.detach().contiguous(), group=info.group)
+            parts = [torch.empty_like(local) for _ in range(info.size)]
+            dist.all_gather(parts, local.contiguous(), group=info.group)
         size = param.full_shape[param.partition.dim] if param.partition.is_sharded else None
         full[name] = unshard(parts, param.partition, size)
     return full
@@ -52,7 +54,7 @@ def reference(cfg):
     """The single-process run: no parallelism, and the plain (unsharded, unoverlapped, on-device) optimizer."""
     optimizer = dataclasses.replace(cfg.optimizer, use_distributed_optimizer=False, zero_stage=1,
                                     overlap_grad_reduce=False, overlap_param_gather=False,
-                                    optimizer_cpu_offload=False, ddp_bucket_size=None)
+                                    optimizer_cpu_offload=False, offload_params=False, ddp_bucket_size=None)
     with single_process():
         trainer = Trainer(dataclasses.replace(cfg, parallel=ParallelConfig(), optimizer=optimizer), CPU)
         return trainer.train(), full_parameters(trainer)

@@ -1,0 +1,183 @@
+"""ZeRO-3 on PyTorch FSDP2: parameters, gradients and optimizer states sharded over the data-parallel ranks.
+
+Each transformer layer, and then the rest of the model (embeddings, final norm, output layer), becomes one FSDP2
+unit (``fully_shard`` over the data-parallel group of the registered layout). A unit's parameters are all-gathered
+just before its forward and again before its backward, and freed after each; gradients are reduce-scattered as
+backward produces them, every micro-batch, so a rank only ever keeps its 1/DP shard of parameters, gradients and
+Adam states, plus one or two whole layers in flight. This is DeepSpeed's ZeRO-3 in its communication too: an
+all-gather in forward, another in backward and a reduce-scatter, 3x the parameters per step against 2x for
+ZeRO-1/2 (Rajbhandari et al. 2020).
+
+Composition with tensor parallelism needs nothing special: FSDP2 sees this rank's TP slice of each weight as an
+ordinary tensor and shards it again, by rows (dim 0), over DP. The TP collectives inside the layers run on the
+gathered slices as usual. Two things FSDP2 does not know, and this engine adds:
+
+- Sums, not means: the loss is already normalized by the global token count (see megalite.training.trainer), so the
+  reduction's divide factor is set to 1.
+- Sequence-parallel parameters (replicated over TP, applied to a sequence shard) get only their shard's part of the
+  gradient; after the reduce-scatter over DP the TP ranks hold the same row shard of them, and one all-reduce over
+  TP sums the parts (as in :class:`~megalite.distributed.data_parallel.DataParallel`).
+
+Precision: the sharded parameters stay fp32 (they are the optimizer's main parameters, no separate copy); with bf16
+or fp16 FSDP2 casts the gathered copy for compute and reduces gradients in fp32 (``MixedPrecisionPolicy``).
+With ``offload_params`` the parameter and gradient shards live on the CPU (``CPUOffloadPolicy``) and the optimizer
+steps them there.
+
+The optimizer (:class:`~megalite.optimizer.MegaliteOptimizer`) sees each parameter's local shard as one *piece*:
+the flat range [start, end) of the TP slice that this DP rank owns, whose offsets are exactly those a checkpoint
+stores, so stage-3 checkpoints load at stage 1 or without sharding and back.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+from megalite.distributed.data_parallel import Piece
+from megalite.parallel_state import GroupInfo
+
+
+def _custom_attributes(param: torch.nn.Parameter) -> dict:
+    """What megalite marks on a parameter (partition, full_shape, sequence_parallel, ...), which must survive FSDP2
+    replacing every parameter by a new sharded one."""
+    return dict(vars(param))
+
+
+def _shard_modules(module: torch.nn.Module) -> list[torch.nn.Module]:
+    """The FSDP2 units of one model chunk, innermost first: each transformer layer, then the chunk itself (which
+    takes the parameters left over: embeddings, final norm, output layer)."""
+    layers = getattr(module, "layers", None)
+    return [*(layers if layers is not None else []), module]
+
+
+def row_range(rows: int, dp: int, dp_rank: int) -> tuple[int, int]:
+    """The rows [first, last) of a dim-0 shard: FSDP2's Shard(0) cuts like torch.chunk, ceil(rows / dp) each, so
+    the last ranks may get fewer rows, or none."""
+    per_rank = -(-rows // dp)
+    first = min(dp_rank * per_rank, rows)
+    return first, min(first + per_rank, rows)
+
+
+class FullyShardedDataParallel:
+    """The ZeRO-3 engine; the same interface as DataParallel for the trainer, the optimizer and checkpoints."""
+
+    distributed = True   # gradient pieces are disjoint over DP: the global norm sums over DP too
+
+    def __init__(self, modules: list[torch.nn.Module], *, data_group: GroupInfo,
+                 tensor_group: Optional[GroupInfo] = None, compute_dtype: torch.dtype = torch.float32,
+                 offload_params: bool = False):
+        self.group, self.tensor_group = data_group, tensor_group
+        self.dp, self.dp_rank = data_group.size, data_group.rank
+        device = next(modules[0].parameters()).device
+        self.device = device
+        # Meshes over the same ranks compare equal unless their names differ, and DTensor caches communication plans
+        # by mesh: naming the mesh after its group keeps a later layout (tests build many) off a destroyed group.
+        mesh = DeviceMesh.from_group(data_group.group, device.type,
+                                     mesh_dim_names=(f"data_parallel_{data_group.group.group_name}",))
+        precision = (MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+                     if compute_dtype != torch.float32 else MixedPrecisionPolicy())
+        # Pinned host memory only helps (and only exists) with a GPU to copy to.
+        offload = CPUOffloadPolicy(pin_memory=device.type == "cuda") if offload_params else OffloadPolicy()
+        attributes = {(id(owner), name): _custom_attributes(param)
+                      for m in modules for owner in m.modules() for name, param in owner.named_parameters(recurse=False)}
+        self.units: list[FSDPModule] = []
+        for m in modules:
+            for unit in _shard_modules(m):
+                fully_shard(unit, mesh=mesh, mp_policy=precision, offload_policy=offload)
+                _reduce_by_sum(unit)
+                self.units.append(unit)
+        for m in modules:
+            for owner in m.modules():
+                for name, param in owner.named_parameters(recurse=False):
+                    for key, value in attributes.get((id(owner), name), {}).items():
+                        setattr(param, key, value)
+        self.params = [p for m in modules for p in m.parameters() if p.requires_grad]
+        self.sequence_parallel_params = [p for p in self.params if getattr(p, "sequence_parallel", False)]
+        # Persistent sharded gradients: FSDP2 adds each micro-batch's reduced shard into an existing ``.grad``, so the
+        # optimizer's pieces can hold on to these tensors from step to step.
+        for p in self.params:
+            p.grad = torch.zeros_like(p)
+
+    # ---- pieces (what this rank owns of each parameter) ------------------------------------------------------------
+    def range(self, param: torch.nn.Parameter) -> tuple[int, int]:
+        """The parameter's flat range in its own coordinates (the TP slice, flattened): [0, numel)."""
+        return 0, param.numel()
+
+    def pieces(self) -> list[Piece]:
+        """This rank's row shard of every parameter that has one (a short parameter may leave a rank nothing)."""
+        result = []
+        for p in self.params:
+            rows = p.shape[0]
+            first, last = row_range(rows, self.dp, self.dp_rank)
+            if first == last:
+                continue
+            row_size = p.numel() // rows
+            local = p.to_local()
+            if local.numel() != (last - first) * row_size:
+                raise RuntimeError(f"FSDP2 sharded a {list(p.shape)} parameter into {list(local.shape)} on DP rank "
+                                   f"{self.dp_rank}; expected rows [{first}, {last})")
+            result.append(Piece(p, first * row_size, last * row_size, local.view(-1), p.grad.to_local().view(-1)))
+        return result
+
+    # ---- iteration --------------------------------------------------------------------------------------------------
+    def start_iteration(self, num_micro_batches: int) -> None:
+        """Nothing to count: FSDP2 reduce-scatters each micro-batch's gradients during its backward."""
+
+    def finish_grad_sync(self) -> None:
+        """FSDP2's reductions have completed when backward returns; what is left is the sequence-parallel sum."""
+        group = self.tensor_group
+        if group is None or group.size == 1 or not self.sequence_parallel_params:
+            return
+        pieces = [p.grad.to_local().view(-1) for p in self.sequence_parallel_params]
+        packed = torch.cat(pieces)
+        dist.all_reduce(packed, group=group.group)
+        torch._foreach_copy_(pieces, list(packed.split([piece.numel() for piece in pieces])))
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad.to_local().zero_()
+
+    def gather_params(self) -> None:
+        """Nothing to do after the step: each unit gathers its updated shards when its next forward starts."""
+
+    def finish_param_sync(self) -> None:
+        """Put every unit back in its sharded state. FSDP2 keeps the root unit gathered after a forward without
+        backward (evaluation), with its gathered, unmarked parameters registered on the modules; checkpoints,
+        evaluation and callers after training must see the shards."""
+        for unit in self.units:
+            unit.reshard()
+
+
+def _reduce_by_sum(unit: FSDPModule) -> None:
+    """Reduce-scatter gradients as a plain sum. A divide factor of 1 alone makes FSDP2 use a pre-multiplied sum,
+    which gloo lacks; forcing SUM reductions with factor 1 leaves no division at all."""
+    setter = getattr(unit, "set_gradient_divide_factor", None) or unit.set_reduce_scatter_divide_factor
+    setter(1.0)
+    unit.set_force_sum_reduction_for_comms(True)
+
+
+def full_local_tensor(param: torch.Tensor) -> torch.Tensor:
+    """This TP rank's whole slice of ``param``: all-gathered over DP if it is a ZeRO-3 shard (collective over the
+    data-parallel group, so every DP rank must call it for the same parameters in the same order)."""
+    if isinstance(param, DTensor):
+        return param.full_tensor().detach()
+    return param.detach()
+
+
+@torch.no_grad()
+def copy_into_parameter(param: torch.Tensor, value: torch.Tensor) -> None:
+    """Set ``param`` to ``value`` (this TP rank's whole slice); a ZeRO-3 shard takes only its own rows."""
+    if isinstance(param, DTensor):
+        local = param.to_local()
+        if local.numel() == 0:
+            return
+        dp_group = param.device_mesh.get_group()
+        first, last = row_range(value.shape[0], dist.get_world_size(dp_group), dist.get_rank(dp_group))
+        local.copy_(value[first:last])
+        return
+    param.copy_(value)

@@ -1,0 +1,122 @@
+"""ZeRO-3 (--zero-stage 3, FSDP2) against the single-process run, its memory per rank, and checkpoint interchange
+with the other stages.
+
+- Equivalence (fp32, 10 iterations, micro-batch 1 so gradients accumulate over micro-batches): DP=4, TP=2 x DP=2
+  (with sequence parallelism and a Llama-style model: RMSNorm, SwiGLU, grouped-query attention, rotary), DP=4 with
+  parameter and optimizer offload, and DP=4 with full recompute: losses, gradient norms and weights within 1e-5.
+- Memory: at DP=4 each rank holds one row shard of every parameter, gradient and Adam state; the shards of the four
+  ranks add up to the unsharded bytes exactly, and the largest rank holds at most 1/DP of them plus row rounding.
+- Mixed precision: bf16 and fp16 (dynamic loss scaling) at stage 3 follow stage 1 of the same precision.
+- Checkpoints: saved at stage 3, resumed at stage 1 and in one process without sharding; saved at stage 1, resumed at
+  stage 3; each continuation equals the uninterrupted run within 1e-5.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megalite import parallel_state
+from megalite.distributed import FullyShardedDataParallel
+from megalite.training import Trainer
+
+from ..helpers import max_relative_difference, tiny_config
+from .conftest import layout, single_process
+from .equivalence import CPU, check_against_reference
+from .test_checkpoint import RESHARD, _losses, _with_checkpoint, directory  # noqa: F401 (fixture)
+
+ZERO3 = {"zero_stage": 3}
+LLAMA = {"position_embedding_type": "rope", "normalization": "RMSNorm", "swiglu": True, "group_query_attention": True,
+         "num_query_groups": 2, "disable_bias_linear": True}
+
+
+@pytest.mark.parametrize("label, tp, options, model, parallel", [
+    ("ZeRO-3 DP=4", 1, {}, {}, {}),
+    ("ZeRO-3 TP=2 x DP=2, sequence parallel, Llama-style", 2, {}, LLAMA, {"sequence_parallel": True}),
+    ("ZeRO-3 DP=4, parameters and optimizer offloaded", 1, {"optimizer_cpu_offload": True, "offload_params": True},
+     {}, {}),
+    ("ZeRO-3 DP=4, full recompute", 1, {}, {"recompute_granularity": "full", "recompute_method": "uniform"}, {}),
+])
+def test_matches_single_process(label, tp, options, model, parallel):
+    cfg = tiny_config(tp=tp, optimizer={**ZERO3, **options}, model=model, parallel=parallel,
+                      training={"micro_batch_size": 1})
+    check_against_reference(cfg, None, label)
+
+
+def _bytes(trainer: Trainer) -> torch.Tensor:
+    """(parameter, gradient, Adam state) bytes this rank holds."""
+    ddp = trainer.ddp
+    if isinstance(ddp, FullyShardedDataParallel):
+        params = sum(p.to_local().numel() * p.element_size() for p in ddp.params)
+        grads = sum(p.grad.to_local().numel() * p.grad.element_size() for p in ddp.params)
+    else:
+        params = sum(p.numel() * p.element_size() for p in ddp.params)
+        grads = ddp.grad_buffer.numel() * ddp.grad_buffer.element_size()
+    return torch.tensor([params, grads, trainer.optimizer.state_bytes()], dtype=torch.float64)
+
+
+def test_bytes_per_rank_are_one_over_dp():
+    cfg = tiny_config(training={"train_iters": 1}, data={"eval_interval": 0})
+    with single_process():
+        trainer = Trainer(cfg, CPU)
+        trainer.train()
+        unsharded = _bytes(trainer)
+    with layout(1, 1):
+        trainer = Trainer(dataclasses.replace(cfg, optimizer=dataclasses.replace(cfg.optimizer, **ZERO3)), CPU)
+        trainer.train()
+        mine = _bytes(trainer)
+        # Rows are cut ceil(rows / DP) at a time: the most a rank can hold.
+        dp = parallel_state.get_data_parallel_world_size()
+        bound = sum(-(-p.shape[0] // dp) * (p.numel() // p.shape[0]) * 4 for p in trainer.ddp.params)
+    total, largest = mine.clone(), mine.clone()
+    dist.all_reduce(total)
+    dist.all_reduce(largest, op=dist.ReduceOp.MAX)
+    ratios = (largest / unsharded).tolist()
+    print(f"ZeRO-3 DP={dp} bytes of the largest rank / unsharded: parameters {ratios[0]:.4f}, gradients "
+          f"{ratios[1]:.4f}, Adam states {ratios[2]:.4f}")
+    assert total.tolist() == unsharded.tolist()    # the shards tile the model exactly
+    assert largest.tolist() <= [bound, bound, 2 * bound]
+
+
+@pytest.mark.parametrize("precision, tolerance", [("bf16", 2e-4), ("fp16", 1e-4)])
+def test_mixed_precision_follows_stage_one(precision, tolerance):
+    # A starting loss scale of 2^12 overflows for a few steps only, so most steps are taken.
+    cfg = tiny_config(training={precision: True}, data={"eval_interval": 0}, optimizer={"initial_loss_scale": 4096.0})
+    runs = {}
+    for stage, optimizer in [(1, {"use_distributed_optimizer": True}), (3, ZERO3)]:
+        with layout(1, 1):
+            runs[stage] = Trainer(dataclasses.replace(cfg, optimizer=dataclasses.replace(cfg.optimizer, **optimizer)),
+                                  CPU).train()
+    difference = max_relative_difference(_losses(runs[3]), _losses(runs[1]))
+    print(f"{precision}: ZeRO-3 vs ZeRO-1 at DP=4, max rel loss diff {difference:.1e}")
+    assert difference < tolerance
+    assert sum(not r.get("skipped", False) for r in runs[3]) >= 5
+    assert [r.get("loss_scale") for r in runs[3]] == [r.get("loss_scale") for r in runs[1]]
+
+
+def test_checkpoints_move_between_stages(directory):  # noqa: F811 (the fixture)
+    cfg = tiny_config(optimizer={"adam_eps": 1e-5}, data={"eval_interval": 0})   # adam_eps: see equivalence.py
+    stage1 = dataclasses.replace(cfg, optimizer=dataclasses.replace(cfg.optimizer, use_distributed_optimizer=True))
+    stage3 = dataclasses.replace(cfg, optimizer=dataclasses.replace(cfg.optimizer, **ZERO3))
+    with layout(1, 1):
+        straight = _losses(Trainer(_with_checkpoint(stage1, save=f"{directory}/s1", save_interval=5), CPU).train())
+    with layout(1, 1):
+        zero3 = _losses(Trainer(_with_checkpoint(stage3, save=f"{directory}/s3", save_interval=5), CPU).train())
+    assert max_relative_difference(zero3, straight) < RESHARD
+    for label, run_cfg, saved, ranks in [
+        ("saved at ZeRO-3, resumed at ZeRO-1", stage1, "s3", None),
+        ("saved at ZeRO-3, resumed in one process, unsharded", cfg, "s3", [0]),
+        ("saved at ZeRO-1, resumed at ZeRO-3", stage3, "s1", None),
+    ]:
+        with layout(1, 1, ranks=ranks) as member:
+            if not member:
+                continue
+            trainer = Trainer(_with_checkpoint(run_cfg, load=f"{directory}/{saved}/iter_0000005"), CPU)
+            assert trainer.state.iteration == 5
+            losses = _losses(trainer.train())
+        difference = max_relative_difference(losses, straight[5:])
+        print(f"{label} (DP=4, after 5 of 10 iterations): max rel loss diff {difference:.1e}")
+        assert difference < RESHARD

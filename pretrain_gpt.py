@@ -11,7 +11,7 @@ import os
 import sys
 
 from megalite.checkpoint import check_checkpoint
-from megalite.cli import parse_args
+from megalite.cli import parse_command_line
 from megalite.config import ConfigError, validate
 from megalite.data import check_data_files
 from megalite.planner.doctor import is_out_of_memory, out_of_memory_message
@@ -22,7 +22,8 @@ from megalite.training.stopping import TrainingError
 
 def main(argv: list[str]) -> int:
     try:
-        cfg = parse_args(argv)
+        command_line = parse_command_line(argv, world_size_from_env())   # the world size: --deepspeed-config's DP
+        cfg = command_line.config
         # Every rank checks the options on its own before any collective, so a bad value cannot hang the job.
         validate(cfg, world_size_from_env())
         check_data_files(cfg)   # data files too: a corrupt file stops every rank here, not in a collective
@@ -30,6 +31,9 @@ def main(argv: list[str]) -> int:
     except ConfigError as error:
         print(f"megalite: error: {error}", file=sys.stderr, flush=True)
         return 2
+    if os.environ.get("RANK", "0") == "0":
+        for line in command_line.describe():   # what a --deepspeed-config file set, and what the flags overrode
+            print(line, flush=True)
     if cfg.training.dry_run:   # the planner's memory estimate for this layout; no process group, no training
         if os.environ.get("RANK", "0") == "0":
             print(format_dry_run(cfg, world_size_from_env()), flush=True)

@@ -11,9 +11,10 @@ The flag table is derived from the dataclass fields in :mod:`megalite.config` (`
 ``nargs="+"`` takes several words as in Megatron (``--data-path 0.3 A 0.7 B``), joined by spaces into its one value.
 
 Precedence, lowest to highest: dataclass defaults < the group YAML files chosen in ``configs/config.yaml``
-(or on the command line, e.g. ``model=gpt_tiny``) < Hydra overrides (``optimizer.lr=3e-4``) < Megatron flags
-(``--lr 1e-3``). Flags win because they are turned into Hydra overrides appended after the user's own, and Hydra
-applies overrides left to right.
+(or on the command line, e.g. ``model=gpt_tiny``) < a DeepSpeed JSON config (``--deepspeed-config ds.json``, see
+:mod:`megalite.deepspeed_config`) < Hydra overrides (``optimizer.lr=3e-4``) < Megatron flags (``--lr 1e-3``). Flags
+win because they are turned into Hydra overrides appended after the user's own, and Hydra applies overrides left to
+right; the DeepSpeed config's settings go before both.
 
 Only Hydra's compose API is used (not ``@hydra.main``), so Hydra never changes the working directory, never creates
 ``outputs/`` and never configures logging. Every parse or composition error becomes a one-line
@@ -32,11 +33,13 @@ from typing import Any, Optional
 
 import hydra
 from hydra.core.config_store import ConfigStore
+from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import Quote, QuotedString
 from hydra.errors import HydraException
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from megalite import deepspeed_config
 from megalite.config import ConfigError, MegaliteConfig, sections
 
 SCHEMA_NAME = "megalite_schema"  # referenced by the defaults list of configs/config.yaml
@@ -126,9 +129,10 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train a GPT. Options are Megatron-style --flags or Hydra overrides, in any order:\n"
         "  positional arguments are Hydra overrides (optimizer.lr=3e-4) or config-group choices (model=gpt_tiny,\n"
         "  see configs/).\n"
-        "Precedence, lowest first: dataclass defaults < group YAML files < Hydra overrides < --flags, so a flag\n"
-        "wins over a Hydra override of the same key. Defaults below are the dataclass defaults; the default groups\n"
-        "of configs/config.yaml may change them (data=mock turns --mock-data on).\n"
+        "Precedence, lowest first: dataclass defaults < group YAML files < --deepspeed-config JSON < Hydra\n"
+        "overrides < --flags, so a flag wins over a Hydra override of the same key. Defaults below are the\n"
+        "dataclass defaults; the default groups of configs/config.yaml may change them (data=mock turns\n"
+        "--mock-data on).\n"
         "Without --data-path or --mock-data the built-in corpus is used (built once, then cached).",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         allow_abbrev=False,  # "--tensor" must not silently mean --tensor-model-parallel-size
@@ -228,19 +232,54 @@ def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
     return rest, flag_overrides
 
 
-def parse_args(argv: list[str]) -> MegaliteConfig:
-    """Resolve Megatron flags and Hydra overrides into a MegaliteConfig; any error is a one-line ConfigError.
+@dataclasses.dataclass(frozen=True)
+class CommandLine:
+    """A parsed command line: the config, and what a --deepspeed-config file contributed to it."""
+    config: MegaliteConfig
+    deepspeed: Optional[deepspeed_config.Translation] = None
+    user_keys: frozenset = frozenset()   # keys the command line itself sets (they win over the DeepSpeed file)
+
+    def describe(self) -> list[str]:
+        """The DeepSpeed file's mappings, one line each, for the start of a run (empty without a file)."""
+        return self.deepspeed.describe(self.config, self.user_keys) if self.deepspeed else []
+
+
+def parse_command_line(argv: list[str], world_size: Optional[int] = None) -> CommandLine:
+    """Resolve Megatron flags, Hydra overrides and a --deepspeed-config file; any error is a one-line ConfigError.
+
+    ``world_size`` (default: $WORLD_SIZE, else 1) is needed only by a DeepSpeed file's batch arithmetic, whose
+    data-parallel size is world size / (TP x PP). Does not run :func:`megalite.config.validate`.
+    """
+    hydra_overrides, flag_overrides = split_argv(argv)
+    user_overrides = hydra_overrides + flag_overrides   # flags last, so they win over a Hydra override of the same key
+    cfg = _compose(user_overrides)
+    path = cfg.training.deepspeed_config
+    if path is None:
+        return CommandLine(cfg)
+    # Composed once without the file to learn its path, TP/PP and the command line's own values; then again with the
+    # file's settings placed before the user's overrides, so those (and the flags) win over the file, and the file
+    # wins over the YAML groups.
+    user_keys = _keys_set_by(user_overrides)
+    translation = deepspeed_config.translate(path, _world_size(world_size), cfg, user_keys)
+    return CommandLine(_compose(translation.overrides() + user_overrides), translation, user_keys)
+
+
+def parse_args(argv: list[str], world_size: Optional[int] = None) -> MegaliteConfig:
+    """The MegaliteConfig of a command line (see :func:`parse_command_line`); any error is a one-line ConfigError.
 
     Does not run :func:`megalite.config.validate` (cross-field rules need the world size).
     """
-    hydra_overrides, flag_overrides = split_argv(argv)
+    return parse_command_line(argv, world_size).config
+
+
+def _compose(overrides: list[str]) -> MegaliteConfig:
+    """Hydra's composition of configs/ with ``overrides`` (applied left to right), as a typed MegaliteConfig."""
     directory = config_dir()
     if not directory.is_dir():
         raise ConfigError(f"config directory {directory} does not exist (check ${CONFIG_DIR_ENV})")
     try:
         with hydra.initialize_config_dir(config_dir=str(directory), version_base=None):
-            # Flags go last so they win over a Hydra override of the same key.
-            cfg = hydra.compose(config_name="config", overrides=hydra_overrides + flag_overrides)
+            cfg = hydra.compose(config_name="config", overrides=overrides)
         _reject_unknown_keys(cfg)
         result = OmegaConf.to_object(cfg)
     except (HydraException, OmegaConfBaseException) as exc:
@@ -248,6 +287,22 @@ def parse_args(argv: list[str]) -> MegaliteConfig:
     if not isinstance(result, MegaliteConfig):  # e.g. a config.yaml that lost the schema from its defaults list
         raise ConfigError(f"{directory / 'config.yaml'} must list {SCHEMA_NAME} first in its defaults")
     return result
+
+
+def _keys_set_by(overrides: list[str]) -> frozenset:
+    """The ``section.field`` keys that overrides set (group choices such as ``model=gpt_tiny`` are not keys)."""
+    parsed = OverridesParser.create().parse_overrides(overrides)   # already composed once: they parse
+    return frozenset(o.key_or_group for o in parsed if "." in o.key_or_group)
+
+
+def _world_size(world_size: Optional[int]) -> int:
+    if world_size is not None:
+        return world_size
+    text = os.environ.get("WORLD_SIZE", "1")
+    try:
+        return int(text)
+    except ValueError:
+        raise ConfigError(f"$WORLD_SIZE must be an integer, got {text!r}") from None
 
 
 def config_to_dict(cfg: MegaliteConfig) -> dict:

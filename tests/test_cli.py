@@ -191,3 +191,21 @@ def test_architecture_and_memory_flags():
     tiny = parse_args(["model=llama_tiny", "parallel.sequence_parallel=true", "model.recompute_granularity=selective"])
     assert (tiny.model.swiglu, tiny.model.query_groups, tiny.model.recompute_granularity) == (True, 2, "selective")
     assert tiny.parallel.sequence_parallel
+
+
+def test_without_a_deepspeed_config_nothing_is_described(capsys):
+    command_line = cli.parse_command_line(["--lr", "2"], world_size=4)
+    assert command_line.deepspeed is None and command_line.describe() == []
+    assert command_line.config == parse_args(["--lr", "2"])
+    with pytest.raises(SystemExit):
+        parse_args(["--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "group YAML files < --deepspeed-config JSON < Hydra overrides < --flags" in help_text
+
+
+def test_deepspeed_config_sits_between_yaml_and_overrides(tmp_path):
+    # (the mapping itself is tested in tests/test_deepspeed_config.py)
+    path = tmp_path / "ds.json"
+    path.write_text('{"gradient_clipping": 0.25, "steps_per_print": 3}')
+    cfg = parse_args(["training.deepspeed_config=" + str(path), "optimizer.clip_grad=0.5"])
+    assert (cfg.optimizer.clip_grad, cfg.logging.log_interval) == (0.5, 3)

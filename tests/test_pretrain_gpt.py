@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -36,6 +37,38 @@ def test_single_process_run_writes_the_metrics_contract(tmp_path, capsys):
     assert all(METRIC_KEYS <= r.keys() for r in records)
     assert records[-1]["consumed_samples"] == 4 * 8
     assert "iteration      2/4" in capsys.readouterr().out
+
+
+def test_deepspeed_config_stage_1_bf16_trains_and_prints_its_settings(tmp_path, capsys, monkeypatch):
+    for name in ("WORLD_SIZE", "RANK"):   # one process: data-parallel size 1
+        monkeypatch.delenv(name, raising=False)
+    config = tmp_path / "ds.json"
+    config.write_text(json.dumps({"train_batch_size": 4, "train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": True},
+                                  "zero_optimization": {"stage": 1}, "gradient_clipping": 1.0,
+                                  "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}))
+    metrics = tmp_path / "metrics.jsonl"
+    code = pretrain_gpt.main(["model=gpt_tiny", "data=mock", "--deepspeed-config", str(config), "--train-iters", "2",
+                              "--eval-interval", "0", "--metrics-file", str(metrics), "--lr", "2e-3"])
+    assert code == 0
+    out = capsys.readouterr().out
+    head = f"deepspeed config {config}: "
+    for line in ["zero_optimization.stage 1 -> --use-distributed-optimizer --zero-stage 1",
+                 "bf16.enabled true -> --bf16", "train_batch_size 4 -> --global-batch-size 4",
+                 "optimizer.params.lr 0.001 -> --lr 0.001; overridden by the command line: --lr 0.002"]:
+        assert head + line in out.splitlines(), out
+    assert "bfloat16" in out and "2 micro-batches per step" in out   # 4 = 2 x GA 2 x DP 1
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["iteration"] for r in records] == [1, 2] and records[-1]["consumed_samples"] == 8
+    assert all(math.isfinite(r["loss"]) for r in records)
+
+
+def test_deepspeed_config_refusal_fails_with_one_line(tmp_path, capsys):
+    config = tmp_path / "ds.json"
+    config.write_text(json.dumps({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}}))
+    assert pretrain_gpt.main(["--deepspeed-config", str(config)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("megalite: error: --deepspeed-config") and "\n" not in err
+    assert "zero_optimization.offload_param.device=nvme" in err
 
 
 @pytest.mark.parametrize("argv, message", [

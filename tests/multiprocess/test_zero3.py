@@ -9,17 +9,21 @@ with the other stages.
 - Mixed precision: bf16 and fp16 (dynamic loss scaling) at stage 3 follow stage 1 of the same precision.
 - Checkpoints: saved at stage 3, resumed at stage 1 and in one process without sharding; saved at stage 1, resumed at
   stage 3; each continuation equals the uninterrupted run within 1e-5.
+- DeepSpeed's ZeRO-3 offload example config, read through the command line, equals the single-process run.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 import torch
 import torch.distributed as dist
 
 from megalite import parallel_state
+from megalite.cli import parse_command_line
+from megalite.config import validate
 from megalite.distributed import FullyShardedDataParallel
 from megalite.training import Trainer
 
@@ -120,3 +124,25 @@ def test_checkpoints_move_between_stages(directory):  # noqa: F811 (the fixture)
         difference = max_relative_difference(losses, straight[5:])
         print(f"{label} (DP=4, after 5 of 10 iterations): max rel loss diff {difference:.1e}")
         assert difference < RESHARD
+
+
+def test_deepspeed_zero3_offload_example_config(directory):  # noqa: F811 (the fixture)
+    """DeepSpeed's common ZeRO-3 offload example, through the command line, equals the single-process run."""
+    path = f"{directory}/ds_config.json"
+    if dist.get_rank() == 0:
+        with open(path, "w") as file:
+            json.dump({"train_batch_size": 32, "zero_optimization": {
+                "stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}}, file)
+    dist.barrier()
+    command_line = parse_command_line(
+        ["--deepspeed-config", path, "model=gpt_tiny", "data=mock", "--num-layers", "2", "--hidden-size", "64",
+         "--num-attention-heads", "4", "--seq-length", "32", "--vocab-size", "301", "--hidden-dropout", "0",
+         "--attention-dropout", "0", "--train-iters", "10", "--eval-interval", "5", "--eval-iters", "2",
+         "--lr", "1e-3"], world_size=4)
+    cfg = command_line.config
+    validate(cfg, 4)
+    o, t = cfg.optimizer, cfg.training
+    assert (o.zero_stage, o.optimizer_cpu_offload, o.offload_params) == (3, True, True)
+    assert (t.global_batch_size, t.micro_batch_size) == (32, 8)   # DeepSpeed's rule: micro = 32 / DP, no accumulation
+    assert any("zero_optimization.stage 3" in line for line in command_line.describe())
+    check_against_reference(cfg, None, "DeepSpeed ZeRO-3 offload example at DP=4")

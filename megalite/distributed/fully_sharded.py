@@ -158,7 +158,8 @@ def _reduce_by_sum(unit: FSDPModule) -> None:
     which gloo lacks; forcing SUM reductions with factor 1 leaves no division at all."""
     setter = getattr(unit, "set_gradient_divide_factor", None) or unit.set_reduce_scatter_divide_factor
     setter(1.0)
-    unit.set_force_sum_reduction_for_comms(True)
+    if hasattr(unit, "set_force_sum_reduction_for_comms"):   # older torch: NCCL's pre-multiplied sum does it
+        unit.set_force_sum_reduction_for_comms(True)
 
 
 def full_local_tensor(param: torch.Tensor) -> torch.Tensor:

@@ -339,7 +339,7 @@ def validate(cfg: MegaliteConfig, world_size: int) -> None:
     _require(o.lr_decay_iters is None or o.lr_decay_iters >= 0,
              f"--lr-decay-iters must be >= 0, got {o.lr_decay_iters}")
     _require(o.clip_grad >= 0, f"--clip-grad must be >= 0, got {o.clip_grad}")
-    _check_optimizer(cfg)
+    _check_optimizer(cfg, dp)
     _require(0 <= o.adam_beta1 < 1 and 0 <= o.adam_beta2 < 1,
              f"Adam betas must be in [0, 1), got {o.adam_beta1}, {o.adam_beta2}")
     _check_data(cfg)
@@ -424,7 +424,7 @@ def _check_architecture(cfg: MegaliteConfig) -> None:
         _require(m.recompute_method is None, "--recompute-method applies to --recompute-granularity full only")
 
 
-def _check_optimizer(cfg: MegaliteConfig) -> None:
+def _check_optimizer(cfg: MegaliteConfig, dp: int) -> None:
     o, t = cfg.optimizer, cfg.training
     _require(not (t.bf16 and t.fp16), "--bf16 and --fp16 exclude each other")
     _require(o.zero_stage in (1, 2, 3), f"--zero-stage must be 1, 2 or 3, got {o.zero_stage}")
@@ -432,7 +432,7 @@ def _check_optimizer(cfg: MegaliteConfig) -> None:
     _require(not o.overlap_param_gather or o.use_distributed_optimizer,
              "--overlap-param-gather needs --use-distributed-optimizer")
     if o.zero_stage == 3:
-        _check_fully_sharded(cfg)
+        _check_fully_sharded(cfg, dp)
     _require(not o.offload_params or o.zero_stage == 3, "--offload-params needs --zero-stage 3")
     _require(not o.offload_params or o.optimizer_cpu_offload,
              "--offload-params needs --optimizer-cpu-offload: offloaded parameter shards are stepped on the CPU")
@@ -446,20 +446,18 @@ def _check_optimizer(cfg: MegaliteConfig) -> None:
              f"--loss-scale-window and --hysteresis must be >= 1, got {o.loss_scale_window} and {o.hysteresis}")
 
 
-def _check_fully_sharded(cfg: MegaliteConfig) -> None:
+def _check_fully_sharded(cfg: MegaliteConfig, dp: int) -> None:
     """ZeRO-3 runs on FSDP2, which owns gradient reduction and parameter gathering: the options of our own
-    data-parallel engine do not apply, and the pipeline engine does not drive FSDP2's per-micro-batch hooks yet."""
-    o, p = cfg.optimizer, cfg.parallel
+    data-parallel engine do not apply, and there must be data-parallel ranks to shard over."""
+    o = cfg.optimizer
     _require(not o.use_distributed_optimizer,
              "--zero-stage 3 shards the optimizer itself (FSDP2): drop --use-distributed-optimizer")
     for name, value in [("overlap-grad-reduce", o.overlap_grad_reduce),
                         ("overlap-param-gather", o.overlap_param_gather)]:
         _require(not value, f"--{name} is for stages 1-2: with --zero-stage 3, FSDP2 overlaps its own reductions "
                             f"and gathers")
-    _require(p.pipeline_model_parallel_size == 1,
-             f"--zero-stage 3 does not compose with --pipeline-model-parallel-size {p.pipeline_model_parallel_size} "
-             f"yet: use --zero-stage 1 or 2 with --use-distributed-optimizer, or PP 1 (see "
-             f"docs/zero_and_deepspeed.md)")
+    _require(dp > 1, "--zero-stage 3 shards over data-parallel ranks and this layout has none (data-parallel size "
+                     "1); for CPU offload on one data-parallel rank use --optimizer-cpu-offload")
 
 
 def _check_checkpoint(cfg: MegaliteConfig) -> None:

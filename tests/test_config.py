@@ -76,6 +76,18 @@ def test_tiny_config_is_valid_on_several_world_sizes():
                               "recompute_num_layers": 2}), 2,
      "--recompute-num-layers must be between 1 and the 1 layers of a model chunk, got 2"),
     (tiny_config(model={"recompute_granularity": "some"}), 1, "--recompute-granularity must be full or selective"),
+    (tiny_config(optimizer={"zero_stage": 4}), 1, "--zero-stage must be 1, 2 or 3, got 4"),
+    (tiny_config(optimizer={"zero_stage": 2}), 2, "--zero-stage 2 needs --use-distributed-optimizer"),
+    (tiny_config(optimizer={"zero_stage": 3, "use_distributed_optimizer": True}), 2,
+     "--zero-stage 3 shards the optimizer itself (FSDP2): drop --use-distributed-optimizer"),
+    (tiny_config(optimizer={"zero_stage": 3, "overlap_grad_reduce": True}), 2,
+     "--overlap-grad-reduce is for stages 1-2"),
+    (tiny_config(tp=2, optimizer={"zero_stage": 3}), 2,
+     "--zero-stage 3 shards over data-parallel ranks and this layout has none (data-parallel size 1)"),
+    (tiny_config(optimizer={"offload_params": True, "optimizer_cpu_offload": True}), 2,
+     "--offload-params needs --zero-stage 3"),
+    (tiny_config(optimizer={"zero_stage": 3, "offload_params": True}), 2,
+     "--offload-params needs --optimizer-cpu-offload"),
 ])
 def test_bad_values_name_the_numbers(cfg, world, message):
     with pytest.raises(ConfigError) as error:

@@ -10,13 +10,17 @@ ZeRO-1/2 (Rajbhandari et al. 2020).
 
 Composition with tensor parallelism needs nothing special: FSDP2 sees this rank's TP slice of each weight as an
 ordinary tensor and shards it again, by rows (dim 0), over DP. The TP collectives inside the layers run on the
-gathered slices as usual. Two things FSDP2 does not know, and this engine adds:
+gathered slices as usual. Nor does pipelining: each model chunk is sharded on its own, and the pipeline engine's
+per-micro-batch forwards and backwards trigger FSDP2's gathers and reductions through its hooks. Three things FSDP2
+does not know, and this engine adds:
 
 - Sums, not means: the loss is already normalized by the global token count (see megalite.training.trainer), so the
   reduction's divide factor is set to 1.
 - Sequence-parallel parameters (replicated over TP, applied to a sequence shard) get only their shard's part of the
   gradient; after the reduce-scatter over DP the TP ranks hold the same row shard of them, and one all-reduce over
   TP sums the parts (as in :class:`~megalite.distributed.data_parallel.DataParallel`).
+- The tied word embedding's copies on the first and last pipeline stages: their gradient shards (cut alike, the
+  tensors having the same shape) are summed over the embedding group.
 
 Precision: the sharded parameters stay fp32 (they are the optimizer's main parameters, no separate copy); with bf16
 or fp16 FSDP2 casts the gathered copy for compute and reduces gradients in fp32 (``MixedPrecisionPolicy``).
@@ -69,9 +73,10 @@ class FullyShardedDataParallel:
     distributed = True   # gradient pieces are disjoint over DP: the global norm sums over DP too
 
     def __init__(self, modules: list[torch.nn.Module], *, data_group: GroupInfo,
-                 tensor_group: Optional[GroupInfo] = None, compute_dtype: torch.dtype = torch.float32,
+                 tensor_group: Optional[GroupInfo] = None, embedding_group: Optional[GroupInfo] = None,
+                 tied_params: list[torch.nn.Parameter] = (), compute_dtype: torch.dtype = torch.float32,
                  offload_params: bool = False):
-        self.group, self.tensor_group = data_group, tensor_group
+        self.group, self.tensor_group, self.embedding_group = data_group, tensor_group, embedding_group
         self.dp, self.dp_rank = data_group.size, data_group.rank
         device = next(modules[0].parameters()).device
         self.device = device
@@ -83,8 +88,9 @@ class FullyShardedDataParallel:
                      if compute_dtype != torch.float32 else MixedPrecisionPolicy())
         # Pinned host memory only helps (and only exists) with a GPU to copy to.
         offload = CPUOffloadPolicy(pin_memory=device.type == "cuda") if offload_params else OffloadPolicy()
-        attributes = {(id(owner), name): _custom_attributes(param)
-                      for m in modules for owner in m.modules() for name, param in owner.named_parameters(recurse=False)}
+        places = {(id(owner), name): (owner, param) for m in modules for owner in m.modules()
+                  for name, param in owner.named_parameters(recurse=False)}
+        attributes = {place: _custom_attributes(param) for place, (_, param) in places.items()}
         self.units: list[FSDPModule] = []
         for m in modules:
             for unit in _shard_modules(m):
@@ -96,6 +102,8 @@ class FullyShardedDataParallel:
                 for name, param in owner.named_parameters(recurse=False):
                     for key, value in attributes.get((id(owner), name), {}).items():
                         setattr(param, key, value)
+        tied = {id(p) for p in tied_params}
+        self.tied_params = [getattr(owner, name) for (_, name), (owner, param) in places.items() if id(param) in tied]
         self.params = [p for m in modules for p in m.parameters() if p.requires_grad]
         self.sequence_parallel_params = [p for p in self.params if getattr(p, "sequence_parallel", False)]
         # Persistent sharded gradients: FSDP2 adds each micro-batch's reduced shard into an existing ``.grad``, so the
@@ -129,7 +137,12 @@ class FullyShardedDataParallel:
         """Nothing to count: FSDP2 reduce-scatters each micro-batch's gradients during its backward."""
 
     def finish_grad_sync(self) -> None:
-        """FSDP2's reductions have completed when backward returns; what is left is the sequence-parallel sum."""
+        """FSDP2's reductions have completed when backward returns; what is left are the sums FSDP2 does not know
+        of: the tied word embedding's two copies (first and last pipeline stage), and the sequence-parallel
+        parameters' parts over TP. Both run on the shards, which the ranks of those groups cut alike."""
+        if self.embedding_group is not None and self.embedding_group.size > 1:
+            for p in self.tied_params:
+                dist.all_reduce(p.grad.to_local(), group=self.embedding_group.group)
         group = self.tensor_group
         if group is None or group.size == 1 or not self.sequence_parallel_params:
             return

@@ -86,8 +86,10 @@ class Trainer:
         if o.zero_stage == 3:   # FSDP2 keeps fp32 shards as main parameters and casts the gathered copies itself
             self.ddp = FullyShardedDataParallel(
                 list(self.model), data_group=parallel_state.get_data_parallel_group(),
-                tensor_group=parallel_state.get_tensor_model_parallel_group(), compute_dtype=self.dtype,
-                offload_params=o.offload_params)
+                tensor_group=parallel_state.get_tensor_model_parallel_group(),
+                embedding_group=parallel_state.get_embedding_group(),
+                tied_params=[w for chunk in self.model for w in chunk.tied_embedding_weights()],
+                compute_dtype=self.dtype, offload_params=o.offload_params)
         else:
             self.model.to(self.dtype)
             self.ddp = DataParallel(

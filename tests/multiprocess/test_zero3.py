@@ -3,7 +3,9 @@ with the other stages.
 
 - Equivalence (fp32, 10 iterations, micro-batch 1 so gradients accumulate over micro-batches): DP=4, TP=2 x DP=2
   (with sequence parallelism and a Llama-style model: RMSNorm, SwiGLU, grouped-query attention, rotary), DP=4 with
-  parameter and optimizer offload, and DP=4 with full recompute: losses, gradient norms and weights within 1e-5.
+  parameter and optimizer offload, DP=4 with full recompute, PP=2 x DP=2 (1F1B, the tied embedding summed across
+  stages) and PP=2 (V=2) x DP=2 (interleaved); in the 8-rank launch TP=2 x PP=2 x DP=2: losses, gradient norms
+  and weights within 1e-5.
 - Memory: at DP=4 each rank holds one row shard of every parameter, gradient and Adam state; the shards of the four
   ranks add up to the unsharded bytes exactly, and the largest rank holds at most 1/DP of them plus row rounding.
 - Mixed precision: bf16 and fp16 (dynamic loss scaling) at stage 3 follow stage 1 of the same precision.
@@ -28,7 +30,7 @@ from megalite.distributed import FullyShardedDataParallel
 from megalite.training import Trainer
 
 from ..helpers import max_relative_difference, tiny_config
-from .conftest import layout, single_process
+from .conftest import layout, requires_world, single_process
 from .equivalence import CPU, check_against_reference
 from .test_checkpoint import RESHARD, _losses, _with_checkpoint, directory  # noqa: F401 (fixture)
 
@@ -43,11 +45,20 @@ LLAMA = {"position_embedding_type": "rope", "normalization": "RMSNorm", "swiglu"
     ("ZeRO-3 DP=4, parameters and optimizer offloaded", 1, {"optimizer_cpu_offload": True, "offload_params": True},
      {}, {}),
     ("ZeRO-3 DP=4, full recompute", 1, {}, {"recompute_granularity": "full", "recompute_method": "uniform"}, {}),
+    ("ZeRO-3 PP=2 x DP=2, tied embedding across stages", 1, {}, {"num_layers": 4}, {"pipeline_model_parallel_size": 2}),
+    ("ZeRO-3 PP=2 (V=2) x DP=2, interleaved", 1, {}, {"num_layers": 4},
+     {"pipeline_model_parallel_size": 2, "num_virtual_stages_per_pipeline_rank": 2}),
 ])
 def test_matches_single_process(label, tp, options, model, parallel):
     cfg = tiny_config(tp=tp, optimizer={**ZERO3, **options}, model=model, parallel=parallel,
                       training={"micro_batch_size": 1})
     check_against_reference(cfg, None, label)
+
+
+@requires_world(8)
+def test_three_dimensional_layout_matches_single_process():
+    cfg = tiny_config(tp=2, pp=2, optimizer=ZERO3, model={"num_layers": 4}, training={"micro_batch_size": 1})
+    check_against_reference(cfg, None, "ZeRO-3 TP=2 x PP=2 x DP=2")
 
 
 def _bytes(trainer: Trainer) -> torch.Tensor:

@@ -131,9 +131,14 @@ class Trainer:
         dp = parallel_state.get_data_parallel_world_size()
         schedule = ("interleaved 1F1B" if self.virtual_stages > 1 else "1F1B") if self.pp > 1 else "no pipelining"
         data = "mock data" if self.data.tokenizer is None else f"vocabulary {self.data.vocab_size}"
+        o = self.cfg.optimizer
+        sharding = ("ZeRO-3 (FSDP2)" if o.zero_stage == 3 else f"ZeRO-{o.zero_stage}" if o.use_distributed_optimizer
+                    else "unsharded optimizer")
+        offload = (", parameters and optimizer on the CPU" if o.offload_params else
+                   ", optimizer on the CPU" if o.optimizer_cpu_offload else "")
         return (f"megalite: TP={tp} x PP={self.pp} x DP={dp} (V={self.virtual_stages}, {schedule}, "
-                f"{self.num_micro_batches} micro-batches per step); {counted.item() / 1e6:.2f}M parameters; "
-                f"{str(self.dtype).removeprefix('torch.')}; {data}")
+                f"{self.num_micro_batches} micro-batches per step); {sharding}{offload}; "
+                f"{counted.item() / 1e6:.2f}M parameters; {str(self.dtype).removeprefix('torch.')}; {data}")
 
     def canonical_named_parameters(self):
         """(canonical name, parameter) over this rank's chunks; see GPTModel.canonical_named_parameters."""

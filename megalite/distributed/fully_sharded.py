@@ -34,6 +34,7 @@ stores, so stage-3 checkpoints load at stage 1 or without sharding and back.
 
 from __future__ import annotations
 
+import warnings
 from typing import Optional
 
 import torch
@@ -91,6 +92,9 @@ class FullyShardedDataParallel:
         places = {(id(owner), name): (owner, param) for m in modules for owner in m.modules()
                   for name, param in owner.named_parameters(recurse=False)}
         attributes = {place: _custom_attributes(param) for place, (_, param) in places.items()}
+        # FSDP2 warns that a unit returning a view (our per-token losses and hidden states are views) loses its
+        # pre-backward hook if the caller modifies the view in place; the trainer and the pipeline engine never do.
+        warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
         self.units: list[FSDPModule] = []
         for m in modules:
             for unit in _shard_modules(m):

@@ -1,8 +1,9 @@
 """The out-of-memory doctor: when training runs out of memory, say which part of the memory is too big and what to
 change, with the planner's numbers for the failing rank's pipeline stage.
 
-Three verdicts: the model states alone (weights, gradients, optimizer states) leave no room, so they must be split
-or sharded (tensor/pipeline parallelism, the distributed optimizer, CPU offload); or the states fit and the
+Three verdicts: the model states alone (weights, gradients, optimizer states, and at ZeRO-3 the layers gathered for
+compute) leave no room, so they must be split or sharded (tensor/pipeline parallelism, the distributed optimizer,
+ZeRO-3 when there is no pipeline, CPU offload); or the states fit and the
 activations do not (smaller micro-batch with more accumulation, recompute, sequence parallelism); or the estimate
 fits and the error comes from what it leaves out (fragmentation, transient buffers). Each comes with the planner's
 suggested layout for the same GPUs. The device size is read from the CUDA error message ("GPU 0 has a total
@@ -79,25 +80,15 @@ def diagnose_out_of_memory(cfg: MegaliteConfig, error: BaseException, *, world_s
     usable = USABLE * device
     where = (f"rank {os.environ.get('RANK', '0')} (pipeline stage {pp_rank} of {layout.pp}, "
              f"{layout.describe()}) on a {_gib(device)} device")
-    split = (f"weights {_gib(mem.weights)} + gradients {_gib(mem.gradients)} + optimizer {_gib(mem.optimizer)} = "
-             f"{_gib(mem.states)}")
-    if mem.states > usable:
+    split = (f"weights {_gib(mem.weights)} + gradients {_gib(mem.gradients)} + optimizer {_gib(mem.optimizer)}"
+             + (f" + gathered layers {_gib(mem.gathered)}" if mem.gathered else "") + f" = {_gib(mem.fixed)}")
+    if mem.fixed > usable:
         lines = [f"megalite: out of memory on {where}: the model states alone exceed the device: {split}, before "
                  f"{_gib(mem.activations)} of activations."]
-        options = ["more tensor or pipeline parallelism (the states shrink with TP x PP)"]
-        if not layout.distributed_optimizer and layout.dp > 1:
-            sharded = memory(dataclasses.replace(layout, distributed_optimizer=True)).states
-            options.append(f"--use-distributed-optimizer ({_gib(sharded)} of states)")
-        elif layout.zero == 1:
-            options.append(f"--zero-stage 2 ({_gib(memory(dataclasses.replace(layout, zero_stage=2)).states)})")
-        if not layout.optimizer_cpu_offload:
-            options.append(f"--optimizer-cpu-offload "
-                           f"({_gib(memory(dataclasses.replace(layout, optimizer_cpu_offload=True)).states)} on the "
-                           f"device)")
-        lines.append("  Split or shard them: " + ", ".join(options) + ".")
+        lines.append("  Split or shard them: " + ", ".join(_sharding_options(layout, memory)) + ".")
     elif mem.total > usable:
         lines = [f"megalite: out of memory on {where}: the activations do not fit: {_gib(mem.activations)} of "
-                 f"activations on top of {_gib(mem.states)} of model states ({split})."]
+                 f"activations on top of {_gib(mem.fixed)} of model states ({split})."]
         options = []
         b = layout.micro_batch_size
         if b > 1:
@@ -127,6 +118,34 @@ def diagnose_out_of_memory(cfg: MegaliteConfig, error: BaseException, *, world_s
     return "\n".join(lines)
 
 
+def _sharding_options(layout: Layout, memory) -> list[str]:
+    """What shrinks the model states of ``layout``, each with the device bytes it leaves (``memory(layout)``); an
+    option that would not shrink them (ZeRO-3's gathered layers can outweigh what it shards, in a small model or at
+    a small DP) is left out."""
+    now = memory(layout).fixed
+    options = ["more tensor or pipeline parallelism (the states shrink with TP x PP)"]
+
+    def offer(flags: str, what: str, **changes) -> None:
+        after = memory(dataclasses.replace(layout, **changes)).fixed
+        if after < now:
+            options.append(f"{flags} ({_gib(after)}{what})")
+
+    if layout.zero == 0 and layout.dp > 1:
+        offer("--use-distributed-optimizer", " of states", distributed_optimizer=True)
+    elif layout.zero == 1:
+        offer("--zero-stage 2", "", zero_stage=2)
+    if layout.zero < 3 and layout.pp == 1 and layout.dp > 1:   # the planner models ZeRO-3 at PP 1 only
+        drop = " without --use-distributed-optimizer" if layout.distributed_optimizer else ""
+        offer(f"--zero-stage 3{drop}", " of states and gathered layers: parameters sharded too",
+              distributed_optimizer=False, zero_stage=3)
+    if not layout.optimizer_cpu_offload:
+        offer("--optimizer-cpu-offload", " on the device", optimizer_cpu_offload=True)
+    if layout.zero == 3 and not layout.offload_params:
+        offer("--optimizer-cpu-offload --offload-params", " on the device: the gathered layers only",
+              optimizer_cpu_offload=True, offload_params=True)
+    return options
+
+
 def _suggestion(cfg: MegaliteConfig, model, layout: Layout, world_size: int, device: float, nbytes: int,
                 numerics) -> str:
     local = int(os.environ.get("LOCAL_WORLD_SIZE", str(min(world_size, 8))))
@@ -135,7 +154,7 @@ def _suggestion(cfg: MegaliteConfig, model, layout: Layout, world_size: int, dev
     plan = search(model, hardware, cfg.training.global_batch_size, dtype_bytes=nbytes, numerics=numerics)
     if plan.winner is None:
         return (f"The planner finds no layout of {world_size} GPUs that fits: more GPUs, or "
-                f"--optimizer-cpu-offload.")
+                f"--optimizer-cpu-offload (with --zero-stage 3, also --offload-params).")
     w = plan.winner
     if w.layout == layout:
         return "The planner's best layout for these GPUs is this one: the estimate misses what ran over."

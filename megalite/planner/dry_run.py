@@ -65,15 +65,21 @@ def format_dry_run(cfg: MegaliteConfig, world_size: int, cuda: bool | None = Non
              f"parameters; {'bf16' if cfg.training.bf16 else 'fp16' if cfg.training.fp16 else 'fp32'}; "
              f"activations as {'CUDA' if cuda else 'the CPU'} keeps them",
              "memory per GPU (GiB), DP rank 0:",
-             f"  {'stage':>5}  {'params':>12}  {'weights':>8}  {'grads':>8}  {'optimizer':>9}  {'activations':>11}  "
-             f"{'total':>8}"]
+             f"  {'stage':>5}  {'params':>12}  {'weights':>8}  {'grads':>8}  {'optimizer':>9}  "
+             + (f"{'gathered':>8}  " if layout.zero == 3 else "") + f"{'activations':>11}  {'total':>8}"]
     peak = max(stages, key=lambda s: s.total)
     for stage, held in zip(stages, params.per_stage):
         lines.append(f"  {stage.pp_rank:>5}  {held:>12,}  {stage.weights / GiB:>8.3f}  {stage.gradients / GiB:>8.3f}  "
-                     f"{stage.optimizer / GiB:>9.3f}  {stage.activations / GiB:>11.3f}  {stage.total / GiB:>8.3f}"
+                     f"{stage.optimizer / GiB:>9.3f}  "
+                     + (f"{stage.gathered / GiB:>8.3f}  " if layout.zero == 3 else "")
+                     + f"{stage.activations / GiB:>11.3f}  {stage.total / GiB:>8.3f}"
                      + ("  <- most loaded" if stage is peak and len(stages) > 1 else ""))
-    if peak.host_optimizer:
-        lines.append(f"  plus {peak.host_optimizer / GiB:.3f} GiB of optimizer states on the host (CPU offload)")
+    if layout.zero == 3:
+        lines.append("  gathered: ZeRO-3's working memory, the layers FSDP2 gathers for compute and their unsharded "
+                     "gradients")
+    if peak.host:
+        what = "parameter, gradient and optimizer" if peak.host_weights else "optimizer"
+        lines.append(f"  plus {peak.host / GiB:.3f} GiB of {what} states on the host (CPU offload)")
     if cuda:
         total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
         verdict = "fits" if peak.total <= 0.9 * total else "does NOT fit"

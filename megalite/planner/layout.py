@@ -21,10 +21,12 @@ class Layout:
     virtual_stages: int = 1              # V: model chunks per pipeline rank (interleaved 1F1B when > 1)
     micro_batch_size: int = 1
     distributed_optimizer: bool = False  # ZeRO-1: fp32 main params and Adam states sharded over DP
-    zero_stage: int = 1                  # 2: gradients sharded too (with the distributed optimizer)
+    zero_stage: int = 1                  # 2: gradients sharded too (with the distributed optimizer); 3 (without
+                                         # it): parameters too, FSDP2 (megalite.distributed.fully_sharded)
     sequence_parallel: bool = False
     recompute: Optional[str] = None      # None | "selective" | "full" (full: uniform, one layer per group)
     optimizer_cpu_offload: bool = False  # main params and Adam states on the host (never proposed by the search)
+    offload_params: bool = False         # ZeRO-3 with the above: parameter and gradient shards on the host too
 
     @property
     def world_size(self) -> int:
@@ -32,12 +34,16 @@ class Layout:
 
     @property
     def zero(self) -> int:
-        """0 (plain data parallel), 1 or 2."""
+        """0 (plain data parallel), 1 or 2 (the distributed optimizer), or 3 (FSDP2, which stands on its own)."""
+        if self.zero_stage == 3:
+            return 3
         return self.zero_stage if self.distributed_optimizer else 0
 
     @property
     def optimizer_name(self) -> str:
-        return {0: "DDP", 1: "ZeRO-1", 2: "ZeRO-2"}[self.zero] + ("+offload" if self.optimizer_cpu_offload else "")
+        offload = "+offload" if self.optimizer_cpu_offload else ""
+        return {0: "DDP", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3"}[self.zero] + offload + \
+            ("+params" if self.offload_params else "")
 
     def num_micro_batches(self, global_batch_size: int) -> int:
         return global_batch_size // (self.micro_batch_size * self.dp)
@@ -77,13 +83,17 @@ class Layout:
         flags += ["--micro-batch-size", str(self.micro_batch_size)]
         if self.distributed_optimizer:
             flags.append("--use-distributed-optimizer")
-            if self.zero_stage != 1:
-                flags += ["--zero-stage", str(self.zero_stage)]
+        if self.zero_stage != 1:
+            flags += ["--zero-stage", str(self.zero_stage)]
+        # ZeRO-3 refuses our engine's overlap options: FSDP2 overlaps its gathers and reductions itself.
+        if self.distributed_optimizer:
             flags.append("--overlap-param-gather")
-        if self.dp > 1:
+        if self.dp > 1 and self.zero != 3:
             flags.append("--overlap-grad-reduce")
         if self.optimizer_cpu_offload:
             flags.append("--optimizer-cpu-offload")
+        if self.offload_params:
+            flags.append("--offload-params")
         if self.recompute == "selective":
             flags += ["--recompute-granularity", "selective"]
         elif self.recompute == "full":
@@ -98,4 +108,5 @@ class Layout:
         return cls(tp=tp, pp=pp, dp=world_size // (tp * pp), virtual_stages=p.virtual_stages(cfg.model.num_layers),
                    micro_batch_size=cfg.training.micro_batch_size, distributed_optimizer=o.use_distributed_optimizer,
                    zero_stage=o.zero_stage, sequence_parallel=p.sequence_parallel,
-                   recompute=cfg.model.recompute_granularity, optimizer_cpu_offload=o.optimizer_cpu_offload)
+                   recompute=cfg.model.recompute_granularity, optimizer_cpu_offload=o.optimizer_cpu_offload,
+                   offload_params=o.offload_params)

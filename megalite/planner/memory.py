@@ -13,17 +13,49 @@ allocate; in fact exact, bucket padding included):
   distributed optimizer for the real (not padding) elements of this rank's shard of each bucket;
   ``--optimizer-cpu-offload`` moves all of it to the host.
 
+ZeRO-3 (``--zero-stage 3``, FSDP2, megalite.distributed.fully_sharded) holds no flat buffer: every tensor (this TP
+rank's slice) is cut by rows over DP, ceil(rows / DP) rows per rank, so DP rank 0 holds the most (tests: equal to the
+byte to what the real engine allocates on every rank, tests/multiprocess/test_planner_zero3.py). The shards stay
+fp32 whatever the model dtype and are the optimizer's main parameters: weights 4 bytes, gradients 4 (fp32), Adam 8
+per element of the shard, and no main copy. ``--optimizer-cpu-offload`` moves Adam and a main copy (12) to the host;
+with ``--offload-params`` too, the weight and gradient shards go there as well (the main copy is then the shard
+itself: 4 + 4 + 8 on the host, nothing on the device).
+
+What ZeRO-3 adds on the device instead is working memory, ``gathered``: the parameters FSDP2 all-gathers for compute,
+in the compute dtype (p bytes), and the unsharded gradients before they are reduce-scattered. Read off FSDP2's
+schedule (torch.distributed.fsdp._fully_shard), at its peak, during the transformer layers' backward, which is also
+when the activations peak (the start of the backward), and counted on top of them (tests: gathered + activations
+within 1% of the peak bytes a CPU training step allocates, tests/multiprocess/test_planner_zero3.py):
+
+- the root unit (embeddings, final norm, output layer): p bytes per element, the whole step: FSDP2 does not reshard
+  the root after forward, as backward needs it at once;
+- the root's gradients that backward produces first, the output layer's (the word embedding's, tied) and the final
+  norm's, p bytes each: the root reduce-scatters only once the whole backward is done (its inputs, token ids, need
+  no gradient, so its post-backward runs in FSDP2's final callback);
+- the largest layer three times in p bytes, the running one, the one prefetched for the next backward (FSDP2
+  prefetches one unit ahead), and the running one's unsharded gradient; plus once in fp32 the previous layer's
+  reduce-scatter input, which FSDP2 keeps until the next reduction so that the communication overlaps: 3p + 4
+  bytes per element of a layer (gathered units are padded to DP x ceil(rows / DP) rows).
+
+Not counted, being smaller than that peak when they happen: at the very end of the backward, when the activations
+are gone, the root's gradients copied into an fp32 reduce-scatter input, R (2p + 4) bytes for a root of R elements;
+in forward, at most two layers gathered beyond the root (the running one and, on CUDA, the next one, which FSDP2
+gathers ahead on its own stream); shard-sized casts and host-device copies (1/DP of a unit).
+
 Bytes per parameter that follow (``bytes_per_parameter``), next to the published numbers they differ from:
 
-| | unsharded | distributed optimizer (ZeRO-1) | ZeRO-2 |
-|---|---|---|---|
-| megalite bf16/fp16 | 18 | 6 + 12/DP | 2 + 16/DP |
-| megalite fp32 | 16 | 8 + 8/DP | 4 + 12/DP |
-| Megatron docs, bf16 params + fp32 grads | 18 | 6 + 12/d | - |
-| Megatron docs, fp16 params + fp16 grads | 20 | 4 + 16/d | - |
-| ZeRO paper (Rajbhandari et al. 2020, fp16 grads, K=12) | 16 | 4 + 12/N | 2 + 14/N (stage 3: 16/N) |
+| | unsharded | distributed optimizer (ZeRO-1) | ZeRO-2 | ZeRO-3 |
+|---|---|---|---|---|
+| megalite bf16/fp16 | 18 | 6 + 12/DP | 2 + 16/DP | 16/DP |
+| megalite fp32 | 16 | 8 + 8/DP | 4 + 12/DP | 16/DP |
+| Megatron docs, bf16 params + fp32 grads | 18 | 6 + 12/d | - | - |
+| Megatron docs, fp16 params + fp16 grads | 20 | 4 + 16/d | - | - |
+| ZeRO paper (Rajbhandari et al. 2020, fp16 grads, K=12) | 16 | 4 + 12/N | 2 + 14/N | 16/N |
 
-megalite's gradients are fp32 (4 bytes, where ZeRO's are fp16), hence 2 more bytes per parameter than the paper.
+megalite's gradients are fp32 (4 bytes, where ZeRO's are fp16), hence 2 more bytes per parameter than the paper at
+stages 0-2. At stage 3 the totals agree, split differently: the paper's 2 (fp16 weights) + 2 (fp16 gradients) + 12
+(fp32 main copy and Adam) against megalite's 4 (fp32 weights, the main copy) + 4 (fp32 gradients) + 8 (Adam), all
+over N; ZeRO-3's ``gathered`` working memory comes on top, and does not shrink with DP.
 
 Activations, per transformer layer and micro-batch (s sequence, b micro-batch, h hidden, a heads, t TP; p bytes per
 activation element, m per dropout-mask element): Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
@@ -79,12 +111,15 @@ from megalite.distributed.data_parallel import DEFAULT_BUCKET_SIZE
 from megalite.pipeline.partition import chunks_of_rank
 from megalite.pipeline.schedules import build_schedule
 from megalite.planner.layout import Layout
-from megalite.planner.parameters import rank_tensors
+from megalite.planner.parameters import Tensor, rank_tensors
 
 
 def bytes_per_parameter(zero: int, dp: int, dtype_bytes: int = 2) -> float:
     """Model-state bytes per parameter in megalite (see the table above): weights + fp32 gradients + fp32 Adam
-    states (+ fp32 main copy unless the model is fp32), with ``zero`` 0 (unsharded), 1 or 2 sharding over ``dp``."""
+    states (+ fp32 main copy unless the model is fp32), with ``zero`` 0 (unsharded), 1, 2 or 3 sharding over ``dp``
+    (3: fp32 weight, gradient and Adam shards whatever the model dtype; the gathered working memory not included)."""
+    if zero == 3:
+        return 16 / dp
     main = 0 if dtype_bytes == 4 else 4
     optimizer = main + 8
     if zero == 0:
@@ -118,10 +153,18 @@ class ModelStates:
     gradients: float
     optimizer: float
     host_optimizer: float = 0.0   # bytes on the host (CPU offload)
+    host_weights: float = 0.0     # ZeRO-3 --offload-params: the parameter shards on the host
+    host_gradients: float = 0.0   # ... and the gradient shards
+    gathered: float = 0.0         # ZeRO-3 working memory on the device: gathered units, unsharded gradients
 
     @property
     def total(self) -> float:
+        """On the device, the gathered working memory left out."""
         return self.weights + self.gradients + self.optimizer
+
+    @property
+    def host(self) -> float:
+        return self.host_weights + self.host_gradients + self.host_optimizer
 
 
 def default_bucket_size(dp: int) -> int:
@@ -132,7 +175,14 @@ def default_bucket_size(dp: int) -> int:
 def model_state_bytes(model: ModelConfig, layout: Layout, pp_rank: int = 0, *, dtype_bytes: int = 2,
                       dp_rank: int = 0, bucket_size: Optional[int] = None) -> ModelStates:
     """Exact model-state bytes of one rank, from megalite's own bucket layout (DP rank 0 holds the most: bucket
-    padding sits at the end of each bucket, in the last rank's shard)."""
+    padding sits at the end of each bucket, in the last rank's shard), or at ZeRO-3 from FSDP2's row shards (DP rank
+    0 holds the most: ceil(rows / DP) rows, the last ranks fewer)."""
+    if layout.zero == 3:
+        key = (dataclasses.astuple(model), layout.tp, layout.pp, layout.virtual_stages, layout.dp,
+               layout.optimizer_cpu_offload, layout.offload_params, pp_rank, dtype_bytes, dp_rank)
+        if key not in _STATES_CACHE:
+            _STATES_CACHE[key] = _fully_sharded_state_bytes(model, *key[1:])
+        return _STATES_CACHE[key]
     key = (dataclasses.astuple(model), layout.tp, layout.pp, layout.virtual_stages, layout.dp, layout.zero,
            layout.optimizer_cpu_offload, pp_rank, dtype_bytes, dp_rank, bucket_size or default_bucket_size(layout.dp))
     if key not in _STATES_CACHE:   # the search asks again for every micro-batch size and recompute option
@@ -167,6 +217,74 @@ def _model_state_bytes(model: ModelConfig, tp: int, pp: int, v: int, dp: int, ze
     if offload:
         return ModelStates(weights, gradients, 0.0, optimizer)
     return ModelStates(weights, gradients, optimizer)
+
+
+def shard_rows(rows: int, dp: int, dp_rank: int) -> int:
+    """Rows of a tensor on DP rank ``dp_rank`` under FSDP2's Shard(0): ceil(rows / DP) each, the last ranks fewer or
+    none (as megalite.distributed.fully_sharded.row_range)."""
+    per_rank = -(-rows // dp)
+    return max(0, min(rows - dp_rank * per_rank, per_rank))
+
+
+@dataclass(frozen=True)
+class Units:
+    """The FSDP2 units of a rank, as megalite.distributed.fully_sharded cuts them: each transformer layer, and for
+    each model chunk one unit of the tensors left (embeddings, final norm, output layer): the root."""
+    layers: list[list[Tensor]]
+    roots: list[list[Tensor]]
+
+    @property
+    def tensors(self) -> list[Tensor]:
+        return [t for unit in self.layers + self.roots for t in unit]
+
+
+def fully_sharded_units(model: ModelConfig, tp: int, pp: int = 1, v: int = 1, pp_rank: int = 0) -> Units:
+    """The units of pipeline rank ``pp_rank`` (with PP = 1 the whole model, one root; with pipelining one root per model chunk)."""
+    layers: dict[str, list[Tensor]] = {}
+    roots = []
+    for chunk in rank_tensors(model, tp, pp, v, pp_rank):
+        roots.append([t for t in chunk if not t.name.startswith("layers.")])
+        for t in chunk:
+            if t.name.startswith("layers."):
+                layers.setdefault(".".join(t.name.split(".")[:2]), []).append(t)
+    return Units(list(layers.values()), roots)
+
+
+def padded_elements(tensors: list[Tensor], dp: int) -> int:
+    """Elements of the all-gathered copy of a unit: FSDP2 pads each tensor's rows to DP x ceil(rows / DP)."""
+    return sum(-(-t.dim0 // dp) * dp * (t.numel // t.dim0) for t in tensors)
+
+
+def gathered_bytes(model: ModelConfig, tp: int, dp: int, dtype_bytes: int, pp: int = 1, v: int = 1,
+                   pp_rank: int = 0) -> float:
+    """ZeRO-3's working memory at its peak, in a transformer layer's backward (see the module docstring)."""
+    units = fully_sharded_units(model, tp, pp, v, pp_rank)
+    p = dtype_bytes
+    tied = not model.untie_embeddings_and_output_weights
+    held = 0.0
+    for root in units.roots:
+        held += padded_elements(root, dp) * p
+        # The gradients backward produces first and the root reduces last: output layer (or tied embedding), norm.
+        first = [t for t in root if t.name.startswith(("final_norm.", "output_layer."))]
+        if tied and first:
+            first += [t for t in root if t.name == "embedding.word.weight"]
+        held += sum(t.numel for t in first) * p
+    largest = max((padded_elements(unit, dp) for unit in units.layers), default=0)
+    return held + largest * (3 * p + 4)
+
+
+def _fully_sharded_state_bytes(model: ModelConfig, tp: int, pp: int, v: int, dp: int, offload: bool,
+                               offload_params: bool, pp_rank: int, dtype_bytes: int, dp_rank: int) -> ModelStates:
+    owned = sum(shard_rows(t.dim0, dp, dp_rank) * (t.numel // t.dim0)
+                for t in fully_sharded_units(model, tp, pp, v, pp_rank).tensors)
+    gathered = gathered_bytes(model, tp, dp, dtype_bytes, pp, v, pp_rank)
+    shard = owned * 4.0                     # fp32, whatever the model dtype
+    if offload_params:                      # the optimizer steps the host shards themselves: no main copy
+        return ModelStates(0.0, 0.0, 0.0, host_optimizer=owned * 8.0, host_weights=shard, host_gradients=shard,
+                           gathered=gathered)
+    if offload:                             # Adam and an fp32 main copy of the device shard on the host
+        return ModelStates(shard, shard, 0.0, host_optimizer=owned * 12.0, gathered=gathered)
+    return ModelStates(shard, shard, owned * 8.0, gathered=gathered)
 
 
 # ---- activations ----------------------------------------------------------------------------------------------------
@@ -331,14 +449,27 @@ class StageMemory:
     optimizer: float
     activations: float
     host_optimizer: float = 0.0
+    gathered: float = 0.0        # ZeRO-3's working memory (see ModelStates)
+    host_weights: float = 0.0
+    host_gradients: float = 0.0
 
     @property
     def states(self) -> float:
+        """Weights, gradients and optimizer states on the device."""
         return self.weights + self.gradients + self.optimizer
 
     @property
+    def fixed(self) -> float:
+        """What does not depend on the micro-batch: the states and ZeRO-3's gathered layers."""
+        return self.states + self.gathered
+
+    @property
+    def host(self) -> float:
+        return self.host_weights + self.host_gradients + self.host_optimizer
+
+    @property
     def total(self) -> float:
-        return self.states + self.activations
+        return self.fixed + self.activations
 
 
 def stage_memory(model: ModelConfig, layout: Layout, pp_rank: int, global_batch_size: int, *,
@@ -349,7 +480,9 @@ def stage_memory(model: ModelConfig, layout: Layout, pp_rank: int, global_batch_
     model = layout.model_config(model) if layout.recompute != model.recompute_granularity else model
     states = model_state_bytes(model, layout, pp_rank, dtype_bytes=dtype_bytes, bucket_size=bucket_size)
     acts = activation_bytes(model, layout, pp_rank, layout.num_micro_batches(global_batch_size), numerics)
-    return StageMemory(pp_rank, states.weights, states.gradients, states.optimizer, acts, states.host_optimizer)
+    return StageMemory(pp_rank, states.weights, states.gradients, states.optimizer, acts,
+                       host_optimizer=states.host_optimizer, gathered=states.gathered,
+                       host_weights=states.host_weights, host_gradients=states.host_gradients)
 
 
 def memory_per_stage(model: ModelConfig, layout: Layout, global_batch_size: int, **kwargs) -> list[StageMemory]:

@@ -30,9 +30,19 @@ one, else the network):
   shows; ZeRO-2's per-micro-batch reductions hide behind the whole backward; with --overlap-param-gather the
   gather hides behind the next forward. A tied embedding split across stages adds one unhidden all-reduce of its
   gradient between the first and last stage.
+- ZeRO-3 (FSDP2), per micro-batch, not per step: each layer's parameters are all-gathered in the compute dtype for
+  its forward and again for its backward, and its fp32 gradients reduce-scattered after it (the root unit,
+  embeddings and output layer, is gathered once: FSDP2 keeps it through the backward). That is 2p + 4 bytes per
+  parameter per micro-batch where ZeRO-1 moves 4 + p per step: the paper's 3x against 2x parameters, times M.
+  FSDP2 prefetches one unit ahead, so a layer's gather hides behind the previous layer's forward, and in backward the
+  next gather and the previous reduce-scatter behind the layer's backward; what exceeds that compute shows, and so
+  do, in every micro-batch, the root's and the first layer's gathers (nothing runs before them) and the first
+  layer's and the root's reduce-scatters (nothing runs after them: FSDP2 waits for them as the backward ends).
 
 Not modelled: kernel efficiency changing with matrix sizes (one efficiency for all), the optimizer step itself
-(memory-bound, small next to a step), stragglers and network contention between groups.
+(memory-bound, small next to a step; with CPU offload it is the host's Adam, and --offload-params adds host-device
+copies of every shard), stragglers and network contention between groups (ZeRO-3's gathers share the links with
+TP's all-reduces).
 """
 
 from __future__ import annotations
@@ -43,7 +53,7 @@ from megalite.config import ModelConfig
 from megalite.pipeline.partition import chunks_of_rank
 from megalite.planner.hardware import Hardware
 from megalite.planner.layout import Layout
-from megalite.planner.memory import default_bucket_size, model_state_bytes
+from megalite.planner.memory import default_bucket_size, fully_sharded_units, model_state_bytes, padded_elements
 
 
 def dense_macs_per_token_per_layer(model: ModelConfig) -> int:
@@ -145,7 +155,12 @@ def step_time(model: ModelConfig, layout: Layout, hardware: Hardware, global_bat
     bubble = (pp - 1) / (v * m)
     pipeline = slowest_slot * (m + (pp - 1) / v)
 
-    dp_total, dp_exposed = _data_parallel_time(model, layout, hardware, m, slowest_compute, dtype_bytes)
+    if layout.zero == 3:   # modelled at PP = 1 (what the search proposes): one stage, equal layers
+        layer_forward = (layer_flops - recompute_flops) / 3 / rate
+        dp_total, dp_exposed = _fully_sharded_time(model, layout, hardware, m, layer_forward,
+                                                   layer_flops / rate - layer_forward, dtype_bytes)
+    else:
+        dp_total, dp_exposed = _data_parallel_time(model, layout, hardware, m, slowest_compute, dtype_bytes)
     step = pipeline + dp_exposed
     return StepTime(compute=slowest_compute * m, tp=slowest_tp * m, pp=2 * v * pp_message * m, dp=dp_total,
                     dp_exposed=dp_exposed, bubble=bubble, bubble_time=slowest_slot * (pp - 1) / v,
@@ -183,3 +198,32 @@ def _data_parallel_time(model: ModelConfig, layout: Layout, hardware: Hardware, 
     scatters = num_micro_batches * scatter                    # ZeRO-2: every micro-batch
     exposed = max(last, scatters - backward * num_micro_batches)
     return scatters + gather + embedding_sum, exposed + gather_exposed + embedding_sum
+
+
+def _fully_sharded_time(model: ModelConfig, layout: Layout, hardware: Hardware, num_micro_batches: int,
+                        layer_forward: float, layer_backward: float, dtype_bytes: int) -> tuple[float, float]:
+    """(total, exposed) seconds of ZeRO-3's gathers and reduce-scatters per step (see the module docstring)."""
+    dp = layout.dp
+    if dp == 1:
+        return 0.0, 0.0
+    bw = hardware.bandwidth(layout.tp * dp)
+    units = fully_sharded_units(model, layout.tp, layout.pp, layout.virtual_stages)
+    root = sum(padded_elements(unit, dp) for unit in units.roots)
+    layer = max((padded_elements(unit, dp) for unit in units.layers), default=0)
+
+    def gather(elements: float) -> float:
+        return ring_gather_time(elements * dtype_bytes, dp, bw)
+
+    def scatter(elements: float) -> float:
+        return ring_gather_time(elements * 4, dp, bw)
+
+    n = len(units.layers)
+    total = gather(root) + scatter(root) + n * (2 * gather(layer) + scatter(layer))
+    # Shown at the ends: the root's and the first layer's gathers, which start the forward; the first layer's and the
+    # root's reduce-scatters, which end the backward. In between, layer i's forward hides layer i+1's gather, and
+    # its backward layer i-1's gather and layer i+1's reduce-scatter: n - 1 of each (the last layer's gather for
+    # backward hides behind the output layer's backward).
+    ends = gather(root) + gather(layer) + scatter(layer) + scatter(root)
+    between = max(0, n - 1) * (max(0.0, gather(layer) - layer_forward)
+                               + max(0.0, gather(layer) + scatter(layer) - layer_backward))
+    return num_micro_batches * total, num_micro_batches * (ends + between)

@@ -80,15 +80,16 @@ def _seconds(value: float) -> str:
     return "-" if value == 0 else f"{value:.2g}"
 
 
-_HEADER = ("#", "TP", "PP", "V", "DP", "mbs", "optimizer", "SP", "recompute", "weights", "grads", "optim", "activ",
-           "total", "TP s", "PP s", "DP s", "bubble", "step s", "tokens/s", "MFU")
+_HEADER = ("#", "TP", "PP", "V", "DP", "mbs", "optimizer", "SP", "recompute", "weights", "grads", "optim", "gather",
+           "activ", "total", "TP s", "PP s", "DP s", "bubble", "step s", "tokens/s", "MFU")
 
 
 def _row(i: int, e: Estimate, plan: Plan) -> tuple[str, ...]:
     lay, peak, t = e.layout, e.peak, e.time
     return (str(i), str(lay.tp), str(lay.pp), str(lay.virtual_stages), str(lay.dp), str(lay.micro_batch_size),
             lay.optimizer_name, "yes" if lay.sequence_parallel else "-", lay.recompute or "-", _g(peak.weights),
-            _g(peak.gradients), _g(peak.optimizer), _g(peak.activations), _g(peak.total), _seconds(t.tp),
+            _g(peak.gradients), _g(peak.optimizer), _g(peak.gathered) if peak.gathered else "-",
+            _g(peak.activations), _g(peak.total), _seconds(t.tp),
             _seconds(t.pp), _seconds(t.dp_exposed), f"{t.bubble:.1%}" if lay.pp > 1 else "-", f"{t.step:.3g}",
             f"{e.tokens_per_second:,.0f}", f"{e.mfu(plan.hardware):.0%}")
 
@@ -112,8 +113,8 @@ def format_plan(plan: Plan, top: int = 10, rejected: int = 12) -> str:
              f"on {hw.describe()}",
              f"{plan.candidates} layouts estimated, {plan.fitting} fit in {_g(hw.usable_memory_bytes)} GiB "
              f"({hw.memory_headroom:.0%} of the device kept free); the best of each TP x PP x V, fastest first. "
-             f"Memory in GiB per GPU on the most loaded stage; TP/PP/DP s: communication per step not hidden "
-             f"behind compute.", ""]
+             f"Memory in GiB per GPU on the most loaded stage (gather: ZeRO-3's gathered layers and unsharded "
+             f"gradients); TP/PP/DP s: communication per step not hidden behind compute.", ""]
     if plan.ranked:
         rows = [_HEADER] + [_row(i + 1, e, plan) for i, e in enumerate(plan.ranked[:top])]
         lines += _table(rows)
@@ -135,8 +136,10 @@ def format_plan(plan: Plan, top: int = 10, rejected: int = 12) -> str:
 
 def _memory_json(stage: StageMemory) -> dict:
     return {"pp_rank": stage.pp_rank, "weights_bytes": stage.weights, "gradients_bytes": stage.gradients,
-            "optimizer_bytes": stage.optimizer, "activations_bytes": stage.activations,
-            "total_bytes": stage.total, "host_optimizer_bytes": stage.host_optimizer}
+            "optimizer_bytes": stage.optimizer, "gathered_bytes": stage.gathered,
+            "activations_bytes": stage.activations, "total_bytes": stage.total,
+            "host_weights_bytes": stage.host_weights, "host_gradients_bytes": stage.host_gradients,
+            "host_optimizer_bytes": stage.host_optimizer}
 
 
 def estimate_json(e: Estimate, plan: Plan) -> dict:

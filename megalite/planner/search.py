@@ -6,8 +6,12 @@ Search space (each candidate is also passed through megalite.config.validate, so
 - PP dividing the number of layers, DP = GPUs / (TP x PP) dividing the global batch;
 - V in {1, 2} (interleaved 1F1B) when the layers split into PP x V chunks and the micro-batches into groups of PP;
 - micro-batch in {1, 2, 4, 8} dividing the per-DP batch;
-- plain DP, distributed optimizer (ZeRO-1) or ZeRO-2 (with DP > 1); ZeRO-3 is not offered: megalite's
-  ``--zero-stage`` accepts 1 and 2 only;
+- plain DP, distributed optimizer (ZeRO-1) or ZeRO-2 (with DP > 1), and ZeRO-3 (FSDP2) when PP = 1 (megalite
+  runs it with pipelining too, but the stage-3 time model covers one stage). ZeRO-3 is a candidate like the others,
+  not a last resort: it saves the most memory (16/DP bytes per parameter, plus one or two gathered layers) and moves
+  the most data (parameters gathered twice and gradients reduce-scattered in every micro-batch), so it wins where its
+  memory buys something (no TP or PP, a larger micro-batch, no recompute) and its traffic hides behind compute: fast
+  links, large micro-batches;
 - sequence parallelism whenever TP > 1 (it only saves memory; its extra all-gather is counted);
 - recompute none, selective or full (uniform, one layer per group).
 
@@ -111,9 +115,10 @@ def layout_config(model: ModelConfig, layout: Layout, global_batch_size: int, bf
                                 num_virtual_stages_per_pipeline_rank=(layout.virtual_stages
                                                                       if layout.virtual_stages > 1 else None)),
         optimizer=OptimizerConfig(use_distributed_optimizer=layout.distributed_optimizer,
-                                  zero_stage=layout.zero_stage, overlap_grad_reduce=layout.dp > 1,
+                                  zero_stage=layout.zero_stage, overlap_grad_reduce=layout.dp > 1 and layout.zero != 3,
                                   overlap_param_gather=layout.distributed_optimizer,
-                                  optimizer_cpu_offload=layout.optimizer_cpu_offload),
+                                  optimizer_cpu_offload=layout.optimizer_cpu_offload,
+                                  offload_params=layout.offload_params),
         training=TrainingConfig(micro_batch_size=layout.micro_batch_size, global_batch_size=global_batch_size,
                                 bf16=bf16))
 
@@ -140,10 +145,10 @@ def _variants(tp: int, pp: int, v: int, dp: int, global_batch_size: int):
     for mbs in MICRO_BATCH_SIZES:
         if per_replica % mbs or (v > 1 and (per_replica // mbs) % pp):
             continue
-        for zero in ((0, 1, 2) if dp > 1 else (0,)):
+        for zero in ((0, 1, 2) + ((3,) if pp == 1 else ()) if dp > 1 else (0,)):
             for recompute in RECOMPUTE:
                 yield Layout(tp=tp, pp=pp, dp=dp, virtual_stages=v, micro_batch_size=mbs,
-                             distributed_optimizer=zero > 0, zero_stage=max(zero, 1), sequence_parallel=tp > 1,
+                             distributed_optimizer=zero in (1, 2), zero_stage=max(zero, 1), sequence_parallel=tp > 1,
                              recompute=recompute)
 
 
@@ -202,11 +207,13 @@ def search(model: ModelConfig, hardware: Hardware, global_batch_size: int, *, mo
 def _memory_reason(smallest: Estimate) -> str:
     peak, usable = smallest.peak, smallest.usable_bytes
     where = f"stage {peak.pp_rank}" if smallest.layout.pp > 1 else "each GPU"
-    if peak.states > usable:
-        return (f"model states alone need {_gib(peak.states)} on {where} (even with {smallest.layout.optimizer_name}),"
-                f" more than the {_gib(usable)} usable")
-    return (f"needs {_gib(peak.total)} on {where} ({_gib(peak.states)} model states + {_gib(peak.activations)} "
-            f"activations) at best ({smallest.layout.describe()}), more than the {_gib(usable)} usable")
+    gathered = f" + {_gib(peak.gathered)} gathered layers" if peak.gathered else ""
+    if peak.fixed > usable:
+        return (f"model states alone need {_gib(peak.states)}{gathered} on {where} (even with "
+                f"{smallest.layout.optimizer_name}), more than the {_gib(usable)} usable")
+    return (f"needs {_gib(peak.total)} on {where} ({_gib(peak.states)} model states{gathered} + "
+            f"{_gib(peak.activations)} activations) at best ({smallest.layout.describe()}), more than the "
+            f"{_gib(usable)} usable")
 
 
 # ---- why the winner wins --------------------------------------------------------------------------------------------
@@ -222,18 +229,27 @@ def _components(e: Estimate) -> dict[str, float]:
             "the slowest stage's extra work (the output layer)": t.imbalance}
 
 
+def _link(hw: Hardware, span: int) -> str:
+    """The slowest link a ring over ``span`` consecutive ranks crosses, named, with its bandwidth."""
+    slower_network = span > hw.gpus_per_node and hw.inter_bandwidth < hw.intra_bandwidth
+    name = hw.inter_node_network if slower_network else "PCIe" if hw.intra_node_link == "pcie" else "NVLink"
+    return f"{name} ({hw.bandwidth(span) / 1e9:g} GB/s)"
+
+
 def _why_not_pure_data_parallel(plan: Plan) -> str:
     pure = [e for e in plan.ranked if e.layout.tp == 1 and e.layout.pp == 1]
     if pure:
         return f"Pure data parallelism fits but is {_percent(pure[0].time.step, plan.winner.time.step)} slower"
     hw, n = plan.hardware, plan.hardware.num_gpus
-    zero2 = Layout(dp=n, distributed_optimizer=n > 1, zero_stage=2 if n > 1 else 1)
-    states = model_state_bytes(plan.model, zero2, dtype_bytes=plan.dtype_bytes)
-    if states.total > hw.usable_memory_bytes:
-        return (f"Data parallelism alone does not fit: the model states need {_gib(states.total)} per GPU even with "
-                f"{zero2.optimizer_name} ({_gib(hw.usable_memory_bytes)} usable)")
-    return (f"Data parallelism alone does not fit: the model states ({_gib(states.total)} per GPU with "
-            f"{zero2.optimizer_name}) leave too little room for the activations even with full recompute")
+    sharded = Layout(dp=n, zero_stage=3 if n > 1 else 1)   # the least memory data parallelism alone can hold
+    states = model_state_bytes(plan.model, sharded, dtype_bytes=plan.dtype_bytes)
+    held = states.total + states.gathered
+    gathered = " and gathered layers" if states.gathered else ""
+    if held > hw.usable_memory_bytes:
+        return (f"Data parallelism alone does not fit: the model states{gathered} need {_gib(held)} per GPU even "
+                f"with {sharded.optimizer_name} ({_gib(hw.usable_memory_bytes)} usable)")
+    return (f"Data parallelism alone does not fit: the model states{gathered} ({_gib(held)} per GPU with "
+            f"{sharded.optimizer_name}) leave too little room for the activations even with full recompute")
 
 
 def explain(plan: Plan) -> list[str]:
@@ -242,13 +258,21 @@ def explain(plan: Plan) -> list[str]:
     hw = plan.hardware
     if w is None:
         return [f"No layout fits {hw.num_gpus} GPUs of {hw.gpu_memory_gib:g} GiB: more GPUs, GPUs with more memory, "
-                f"a shorter sequence or --optimizer-cpu-offload (not searched) are needed."]
+                f"a shorter sequence or --optimizer-cpu-offload (with --zero-stage 3, also --offload-params; not "
+                f"searched) are needed."]
     lay, peak = w.layout, w.peak
     first = (f"{lay.describe()} is the fastest layout that fits: {_gib(peak.total)} of the {_gib(w.usable_bytes)} "
              f"usable on its most loaded GPU, about {w.time.step:.3g} s per step ({w.tokens_per_second:,.0f} tokens/s, "
              f"{w.mfu(hw):.0%} MFU).")
     sentences = [first]
-    if lay.tp == 1 and lay.pp == 1:
+    if lay.tp == 1 and lay.pp == 1 and lay.zero == 3:
+        sentences.append(
+            f"ZeRO-3 shards everything over the {lay.dp} GPUs ({bytes_per_parameter(3, lay.dp):.3g} bytes per "
+            f"parameter = {_gib(peak.states)}, plus {_gib(peak.gathered)} of layers gathered at a time), so pure data "
+            f"parallelism fits: no tensor-parallel all-reduces, no pipeline bubble; FSDP2's gathers and "
+            f"reduce-scatters over {_link(hw, lay.dp)}, {w.time.dp:.2g} s per step, hide behind compute but "
+            f"for {w.time.dp_exposed:.2g} s.")
+    elif lay.tp == 1 and lay.pp == 1:
         bpp = bytes_per_parameter(lay.zero, lay.dp, plan.dtype_bytes)
         sentences.append(
             f"The model states fit on one GPU ({bpp:.3g} bytes per parameter x {plan.parameters.total / 1e9:.2f}B "

@@ -105,3 +105,45 @@ def test_dry_run_of_a_pipeline_marks_the_most_loaded_stage(monkeypatch, capsys):
     assert pretrain_gpt.main(argv) == 0
     out = capsys.readouterr().out
     assert "TP=1 x PP=2 x DP=2" in out and out.count("<- most loaded") == 1
+
+
+def _states_exceed(argv, world_size):
+    """The diagnosis on a device 20% smaller than the model states (and gathered layers) of ``argv``."""
+    cfg = parse_args(argv)
+    mem = stage_memory(cfg.model, Layout.from_config(cfg, world_size), 0, cfg.training.global_batch_size,
+                       dtype_bytes=4, numerics=numerics_for(cfg, cuda=False))
+    return diagnose_out_of_memory(cfg, _cuda_error(mem.fixed * 0.8), world_size=world_size, cuda=False,
+                                  suggest=False)
+
+
+ZERO_ARGV = ["model=gpt_tiny", "data=mock", "--micro-batch-size", "1", "--global-batch-size", "8", "--num-layers", "8"]
+
+
+def test_zero3_is_suggested_when_the_states_do_not_fit_and_there_is_no_pipeline():
+    message = _states_exceed(ZERO_ARGV + ["--use-distributed-optimizer"], 4)
+    assert "--zero-stage 2" in message and "--zero-stage 3 without --use-distributed-optimizer" in message
+    assert "--zero-stage 3 (" in _states_exceed(ZERO_ARGV, 4)                        # from plain DP
+    piped = _states_exceed(ZERO_ARGV + ["--pipeline-model-parallel-size", "2", "--use-distributed-optimizer"], 4)
+    assert "--zero-stage 2" in piped and "--zero-stage 3" not in piped               # FSDP2 does not compose with PP
+    assert "--zero-stage 3" not in _states_exceed(ZERO_ARGV, 1)                      # nothing to shard over
+    # Two layers: the gathered root unit and layers outweigh what ZeRO-3 shards, so it would not help.
+    two_layers = _states_exceed(ZERO_ARGV[:-2] + ["--use-distributed-optimizer"], 4)
+    assert "--zero-stage 2" in two_layers and "--zero-stage 3" not in two_layers
+
+
+def test_at_zero3_the_doctor_counts_the_gathered_layers_and_suggests_offloading_the_parameters():
+    message = _states_exceed(ZERO_ARGV + ["--zero-stage", "3"], 4)
+    assert "gathered layers" in message and "--optimizer-cpu-offload --offload-params" in message
+    assert "--zero-stage" not in message.split("Split or shard them:")[1]
+    offloaded = _states_exceed(ZERO_ARGV + ["--zero-stage", "3", "--optimizer-cpu-offload"], 4)
+    assert "--optimizer-cpu-offload --offload-params" in offloaded
+
+
+def test_dry_run_of_zero3_shows_the_gathered_layers_and_the_host_states(monkeypatch, capsys):
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    argv = ARGV + ["--global-batch-size", "32", "--zero-stage", "3", "--optimizer-cpu-offload", "--offload-params",
+                   "--dry-run"]
+    assert pretrain_gpt.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "ZeRO-3+offload+params" in out and "gathered" in out
+    assert "of parameter, gradient and optimizer states on the host" in out

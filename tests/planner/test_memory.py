@@ -2,7 +2,8 @@
 
 Model states: the real DataParallel + MegaliteOptimizer (Adam states materialized by one step) built for one rank of
 a layout (a shape-only ``simulated_layout``: no collective runs at construction), against the planner's weights,
-gradients and optimizer bytes: the tolerance is 1%; measured: equal to the byte.
+gradients and optimizer bytes: the tolerance is 1%; measured: equal to the byte. ZeRO-3's (FSDP2's row shards, and
+its working memory) need a real process group: tests/multiprocess/test_planner_zero3.py; here, their arithmetic.
 
 Activations: what autograd keeps for a whole model chunk's forward and loss, read with saved-tensor hooks
 (tests/activation_memory.py), against the planner with the CPU's numerics: the tolerance is 15%; measured: equal up
@@ -12,6 +13,8 @@ the same per-layer bytes with real TP=2 groups, against the formula this planner
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -23,7 +26,8 @@ from megalite.distributed import DataParallel
 from megalite.model import GPTModel
 from megalite.optimizer import MegaliteOptimizer
 from megalite.pipeline.partition import chunks_of_rank
-from megalite.planner import Layout, Numerics, bytes_per_parameter, load_model_config, model_state_bytes
+from megalite.planner import (Layout, Numerics, bytes_per_parameter, count_parameters, load_model_config,
+                              model_state_bytes, stage_memory)
 from megalite.planner.memory import (_chunk_activation_bytes, activation_bytes, layer_activation_bytes,
                                      peak_in_flight_bytes, zero_paper_bytes_per_parameter)
 from megalite.tensor_parallel import TensorParallelRNG, mappings
@@ -92,10 +96,58 @@ def test_bytes_per_parameter_are_the_published_numbers_with_fp32_gradients():
     # A real model at DP=8 is within 0.1% of the per-parameter rule (the rest: bucket padding, vocabulary padding).
     model = load_model_config("gpt2_medium")
     params = 354_823_168
-    for zero in (0, 1, 2):
-        layout = Layout(dp=8, distributed_optimizer=zero > 0, zero_stage=max(zero, 1))
+    for zero in (0, 1, 2, 3):
+        layout = Layout(dp=8, distributed_optimizer=zero in (1, 2), zero_stage=max(zero, 1))
         total = model_state_bytes(model, layout).total
         assert abs(total / params / bytes_per_parameter(zero, 8) - 1) < 0.002, zero
+
+
+def test_zero3_holds_the_paper_s_16_over_n_as_fp32_shards():
+    """4 (fp32 weight shard, the main parameter) + 4 (fp32 gradient shard) + 8 (Adam) over N, whatever the model
+    dtype: the ZeRO paper's total, split differently (its 2 + 2 + 12)."""
+    for n in (2, 8, 64):
+        assert bytes_per_parameter(3, n) == bytes_per_parameter(3, n, dtype_bytes=4) == 16 / n
+        assert bytes_per_parameter(3, n) == zero_paper_bytes_per_parameter(3, n)
+    model = load_model_config("gpt2_medium")
+    bf16, fp32 = (model_state_bytes(model, Layout(dp=8, zero_stage=3), dtype_bytes=d) for d in (2, 4))
+    assert (bf16.weights, bf16.gradients, bf16.optimizer) == (fp32.weights, fp32.gradients, fp32.optimizer)
+    assert bf16.weights == bf16.gradients == bf16.optimizer / 2
+    # The last DP rank holds fewer rows where a dimension does not divide by DP (at DP 7 the 50304-row embedding is
+    # cut 6 x 7187 + 7182): no rank holds more than DP rank 0, and all ranks together hold the whole model.
+    ranks = [model_state_bytes(model, Layout(dp=7, zero_stage=3), dp_rank=r).weights for r in range(7)]
+    assert max(ranks) == ranks[0] > ranks[-1] and sum(ranks) == 4 * count_parameters(model).per_stage[0]
+
+
+def test_zero3_offload_moves_the_states_to_the_host_and_leaves_the_gathered_layers():
+    model = load_model_config("gpt2_medium")
+    plain = model_state_bytes(model, Layout(dp=8, zero_stage=3))
+    optimizer = model_state_bytes(model, Layout(dp=8, zero_stage=3, optimizer_cpu_offload=True))
+    everything = model_state_bytes(model, Layout(dp=8, zero_stage=3, optimizer_cpu_offload=True, offload_params=True))
+    shard = plain.weights
+    assert (optimizer.weights, optimizer.gradients, optimizer.optimizer) == (shard, shard, 0)
+    assert optimizer.host_optimizer == 3 * shard                 # Adam and an fp32 main copy of the device shard
+    assert everything.total == 0 and everything.host == 4 * shard   # the host shard is the main parameter itself
+    assert plain.gathered == optimizer.gathered == everything.gathered > 0
+
+
+def test_zero3_working_memory_is_the_root_unit_and_a_layer_three_times_plus_fp32_once():
+    """What FSDP2 holds at the peak of a layer's backward: the root unit gathered (bf16), the output layer's
+    gradient (tied: the embedding's; and the final norm's), two gathered layers, one layer's bf16 gradient and the
+    previous layer's fp32 reduce-scatter input. tests/multiprocess/test_planner_zero3.py measures it on the CPU."""
+    model = load_model_config("gpt2_medium")     # tied, learned positions; DP 8 divides every dimension: no padding
+    h, v, positions = model.hidden_size, model.padded_vocab_size(1), model.max_positions
+    layer = 12 * h * h + 13 * h
+    root = v * h + positions * h + 2 * h
+    expected = 2 * root + 2 * (v * h + 2 * h) + (3 * 2 + 4) * layer
+    states = model_state_bytes(model, Layout(dp=8, zero_stage=3))
+    assert states.gathered == expected
+    # It does not shrink with DP, nor grow with the number of layers: one layer at a time (and one prefetched).
+    assert model_state_bytes(model, Layout(dp=64, zero_stage=3)).gathered == pytest.approx(expected, rel=1e-3)
+    deeper = dataclasses.replace(model, num_layers=2 * model.num_layers)
+    assert model_state_bytes(deeper, Layout(dp=8, zero_stage=3)).gathered == expected
+    # The stage's total counts it once, beside the states and the activations.
+    stage = stage_memory(model, Layout(dp=8, zero_stage=3), 0, 8)
+    assert stage.gathered == expected and stage.total == stage.states + stage.gathered + stage.activations
 
 
 # ---- activations ----------------------------------------------------------------------------------------------------

@@ -42,8 +42,9 @@ def test_counts_equal_the_real_model_rank_by_rank(name):
             real = _real_stage(model, tp, pp, pp_rank)
             planned = [t for chunk in rank_tensors(model, tp, pp, 1, pp_rank) for t in chunk]
             assert count.per_stage[pp_rank] == sum(p.numel() for _, p in real), (tp, pp, pp_rank)
-            # The same tensors in the same order, which the gradient-bucket layout (padding) depends on.
-            assert [(n, p.numel()) for n, p in real] == [(t.name, t.numel) for t in planned]
+            # The same tensors in the same order, which the gradient-bucket layout (padding) depends on, with the
+            # same first dimension, which ZeRO-3 shards over DP.
+            assert [(n, p.numel(), p.shape[0]) for n, p in real] == [(t.name, t.numel, t.dim0) for t in planned]
             canonical.update((n, math.prod(p.full_shape)) for n, p in real)
         assert count.total == sum(canonical.values()), (tp, pp)
         checked += 1

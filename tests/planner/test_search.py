@@ -13,7 +13,11 @@ import pytest
 from megalite.cli import parse_args
 from megalite.config import validate
 from megalite.planner import Hardware, Layout, command_line, load_model_config, search, step_time, to_json
+from megalite.planner.memory import fully_sharded_units, padded_elements
 from megalite.planner.performance import korthikanti_model_flops, model_flops_per_iteration
+from megalite.planner.report import hydra_overrides
+from megalite.planner.search import _variants
+from megalite.planner.search import estimate as estimate_layout
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -45,8 +49,13 @@ def test_a_70b_model_on_64_nvlink_gpus_uses_tensor_parallelism_inside_the_node(l
     plan = llama_70b_on_64_nvlink
     winner = plan.winner.layout
     assert 2 <= winner.tp <= 8 and winner.sequence_parallel
-    assert all(not (r.tp == 1 and r.pp == 1) for r in [e.layout for e in plan.ranked])   # DP alone cannot fit
-    assert any(r.tp == 1 and r.pp == 1 and "model states alone" in r.reason for r in plan.rejected)
+    # DP alone fits only with ZeRO-3 (and full recompute), and is slower: its traffic crosses the network.
+    pure = [e for e in plan.ranked if e.layout.tp == 1 and e.layout.pp == 1]
+    assert [e.layout.zero for e in pure] == [3] and pure[0].time.step > plan.winner.time.step
+    zero2 = estimate_layout(plan.model, Layout(dp=64, distributed_optimizer=True, zero_stage=2, recompute="full"),
+                            plan.hardware, 1024)
+    assert zero2.peak.states > plan.hardware.usable_memory_bytes
+    assert any(r.tp == 1 and r.pp == 2 and "model states alone" in r.reason for r in plan.rejected)
     assert any(r.tp == 16 and "cross the network" in r.reason for r in plan.rejected)
     assert plan.winner.peak.total <= Hardware().usable_memory_bytes
     assert 0.3 < plan.winner.mfu(plan.hardware) < 0.5
@@ -55,8 +64,45 @@ def test_a_70b_model_on_64_nvlink_gpus_uses_tensor_parallelism_inside_the_node(l
 def test_a_70b_model_without_nvlink_prefers_pipeline_or_zero_over_tensor_parallelism(llama_70b_on_64_pcie):
     winner = llama_70b_on_64_pcie.winner.layout
     assert winner.tp <= 2
-    assert winner.pp > 1 or winner.distributed_optimizer
+    assert winner.pp > 1 or winner.zero > 0
     assert "PCIe" in " ".join(llama_70b_on_64_pcie.explanation)
+
+
+def test_zero3_wins_when_the_model_must_be_sharded_and_tensor_parallelism_is_slow(llama_70b_on_64_pcie):
+    """Over PCIe, TP's all-reduces cannot hide and PP pays its bubble; ZeRO-3's gathers, 8 bytes per parameter per
+    micro-batch, hide behind compute once the micro-batch is large enough, which its memory savings allow."""
+    plan = llama_70b_on_64_pcie
+    winner = plan.winner
+    assert (winner.layout.tp, winner.layout.pp, winner.layout.zero) == (1, 1, 3)
+    assert winner.time.dp_exposed < 0.05 * winner.time.dp and winner.peak.gathered > 0
+    why = " ".join(plan.explanation)
+    assert "ZeRO-3 shards everything over the 64 GPUs" in why and "PCIe (32 GB/s)" in why
+    assert "--zero-stage 3" in command_line(plan) and "--overlap-grad-reduce" not in command_line(plan)
+
+
+def test_zero3_is_a_candidate_only_without_pipelining():
+    assert {lay.zero for lay in _variants(2, 1, 1, 4, 64)} == {0, 1, 2, 3}
+    assert {lay.zero for lay in _variants(2, 2, 1, 4, 64)} == {0, 1, 2}
+    assert {lay.zero for lay in _variants(8, 1, 1, 1, 64)} == {0}     # nothing to shard over
+
+
+@pytest.mark.parametrize("layout", [
+    Layout(dp=4, zero_stage=3),
+    Layout(tp=2, dp=2, zero_stage=3, sequence_parallel=True, recompute="full", micro_batch_size=2),
+    Layout(dp=4, zero_stage=3, optimizer_cpu_offload=True),
+    Layout(dp=4, zero_stage=3, optimizer_cpu_offload=True, offload_params=True),
+    Layout(dp=4, distributed_optimizer=True, zero_stage=2, optimizer_cpu_offload=True),
+    Layout(pp=2, dp=2, distributed_optimizer=True),
+])
+def test_flags_round_trip_through_megalite_s_parser(layout):
+    """flags() -> pretrain_gpt.py's parser and validation -> from_config gives the layout back (and the same config
+    spelled as Hydra overrides)."""
+    argv = ["model=gpt_tiny", "data=mock", "--global-batch-size", "16", *layout.flags()]
+    cfg = parse_args(argv)
+    validate(cfg, layout.world_size)
+    assert Layout.from_config(cfg, layout.world_size) == layout
+    assert parse_args(hydra_overrides(argv)) == cfg
+    assert ("--overlap-grad-reduce" in layout.flags()) == (layout.zero in (0, 1, 2))
 
 
 @pytest.mark.parametrize("plan_name", ["gpt_350m_on_8", "llama_70b_on_64_nvlink", "llama_70b_on_64_pcie"])
@@ -124,6 +170,25 @@ def test_tensor_parallel_traffic_is_8bsh_times_t_minus_1_over_t():
         assert time.tp == pytest.approx(per_layer + ends)
         sequence_parallel = step_time(model, Layout(tp=tp, dp=8 // tp, sequence_parallel=True), hardware, 8 // tp)
         assert sequence_parallel.tp == pytest.approx(per_layer * 10 / 8 + ends)
+
+
+def test_zero3_moves_the_parameters_three_times_per_micro_batch():
+    """Forward and backward all-gathers in bf16 (the root unit once: FSDP2 keeps it through the backward) and an fp32
+    reduce-scatter, every micro-batch: 2 x 2 + 4 bytes per parameter where ZeRO-1 moves 4 + 2 per step."""
+    model = load_model_config("gpt2_medium")
+    hardware = Hardware(num_gpus=8, intra_node_gbps=1.0)   # 1 GB/s: seconds = gigabytes
+    units = fully_sharded_units(model, 1)
+    root = sum(padded_elements(u, 8) for u in units.roots)
+    layers = sum(padded_elements(u, 8) for u in units.layers)
+    per_micro_batch = (2 * (root + layers) + 2 * layers + 4 * (root + layers)) * 7 / 8 / 1e9
+    zero3 = step_time(model, Layout(dp=8, zero_stage=3), hardware, 8 * 4)    # 4 micro-batches
+    assert zero3.dp == pytest.approx(4 * per_micro_batch)
+    zero1 = step_time(model, Layout(dp=8, distributed_optimizer=True), hardware, 8 * 4)
+    assert 5 < zero3.dp / zero1.dp < 4 * 8 / 6                              # M x (2p + 4) / (p + 4), less the root
+    # On a slow link little hides; on a fast one only the ends of each micro-batch show.
+    assert 0.5 * zero3.dp < zero3.dp_exposed <= zero3.dp
+    fast = step_time(model, Layout(dp=8, zero_stage=3), Hardware(num_gpus=8), 8 * 4)
+    assert fast.dp_exposed < 0.3 * fast.dp and fast.step < zero3.step
 
 
 def test_bubble_and_interleaving():

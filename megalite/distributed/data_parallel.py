@@ -139,6 +139,12 @@ class DataParallel:
             result.append(Piece(param, start, end, self.param_buffer[start:end], self.reduced_grad(bucket, start, end)))
         return result
 
+    def held_bytes(self) -> tuple[int, int]:
+        """(parameter, gradient) bytes this rank holds in the engine's buffers."""
+        grads = self.grad_shards if self.zero2 else [self.grad_buffer]
+        return (self.param_buffer.numel() * self.param_buffer.element_size(),
+                sum(g.numel() * g.element_size() for g in grads))
+
     # ---- gradient reduction ---------------------------------------------------------------------------------------
     def start_iteration(self, num_micro_batches: int) -> None:
         """Reset readiness counting for a global batch of ``num_micro_batches`` backward passes."""

@@ -136,6 +136,11 @@ class FullyShardedDataParallel:
             result.append(Piece(p, first * row_size, last * row_size, local.view(-1), p.grad.to_local().view(-1)))
         return result
 
+    def held_bytes(self) -> tuple[int, int]:
+        """(parameter, gradient) bytes of this rank's shards."""
+        return (sum(p.to_local().numel() * p.element_size() for p in self.params),
+                sum(p.grad.to_local().numel() * p.grad.element_size() for p in self.params))
+
     # ---- iteration --------------------------------------------------------------------------------------------------
     def start_iteration(self, num_micro_batches: int) -> None:
         """Nothing to count: FSDP2 reduce-scatters each micro-batch's gradients during its backward."""

@@ -26,7 +26,6 @@ import torch.distributed as dist
 from megalite import parallel_state
 from megalite.cli import parse_command_line
 from megalite.config import validate
-from megalite.distributed import FullyShardedDataParallel
 from megalite.training import Trainer
 
 from ..helpers import max_relative_difference, tiny_config
@@ -63,13 +62,7 @@ def test_three_dimensional_layout_matches_single_process():
 
 def _bytes(trainer: Trainer) -> torch.Tensor:
     """(parameter, gradient, Adam state) bytes this rank holds."""
-    ddp = trainer.ddp
-    if isinstance(ddp, FullyShardedDataParallel):
-        params = sum(p.to_local().numel() * p.element_size() for p in ddp.params)
-        grads = sum(p.grad.to_local().numel() * p.grad.element_size() for p in ddp.params)
-    else:
-        params = sum(p.numel() * p.element_size() for p in ddp.params)
-        grads = ddp.grad_buffer.numel() * ddp.grad_buffer.element_size()
+    params, grads = trainer.ddp.held_bytes()
     return torch.tensor([params, grads, trainer.optimizer.state_bytes()], dtype=torch.float64)
 
 

@@ -54,6 +54,7 @@ import time
 
 # Benchmark the checkout this script lives in, not whatever ``megalite`` the environment has installed.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch
 import torch.distributed as dist
@@ -65,6 +66,8 @@ from megalite.data import MockGPTDataset, micro_batch_indices
 from megalite.model import GPTModel
 from megalite.pipeline import PipelineLinks, build_schedule, chunks_of_rank, run_schedule
 from megalite.tensor_parallel import TensorParallelRNG, vocab_parallel_cross_entropy
+
+from common import timed as common_timed, world_max, world_sum
 
 CPU = torch.device("cpu")
 
@@ -197,28 +200,6 @@ class Torch:
 # Measurement
 # ---------------------------------------------------------------------------------------------------------------------
 
-def timed(side):
-    """Run one step starting together on all ranks; (max over ranks of wall seconds, stats, loss share)."""
-    dist.barrier()
-    start = time.perf_counter()
-    stats, loss = side.step()
-    elapsed = torch.tensor([time.perf_counter() - start])
-    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-    return float(elapsed), stats, loss
-
-
-def world_sum(values: list[float]) -> list[float]:
-    t = torch.tensor(values, dtype=torch.float64)
-    dist.all_reduce(t)
-    return t.tolist()
-
-
-def world_max(value: float) -> float:
-    t = torch.tensor([value], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t)
-
-
 def grads_of(chunks) -> list[torch.Tensor]:
     grads = [p.grad for chunk in chunks for p in chunk.parameters()]
     if any(g is None for g in grads):   # would otherwise compare zeros with zeros and pass
@@ -236,6 +217,12 @@ def max_relative_grad_difference(a: list[torch.Tensor], b: list[torch.Tensor]) -
         elif float(y.abs().max()) > 0:
             worst = float("inf")
     return worst
+
+
+def timed(side):
+    """One step of ``side`` started together on all ranks: (max over ranks of wall seconds, stats, loss share)."""
+    seconds, (stats, loss) = common_timed(side.step)
+    return seconds, stats, loss
 
 
 def bench_layout(args, pp: int, v: int) -> dict:
@@ -270,13 +257,17 @@ def bench_layout(args, pp: int, v: int) -> dict:
     # Remaining warm-up, then timed iterations, alternating sides.
     times = {"ours": [], "torch": []}
     idle, idle_per_busy = [], []
+    budget_s, spent = getattr(args, "budget_s", None), 0.0   # run_all's time limit (same decision on every rank)
     for i in range(args.warmup - 1 + args.iters):
+        if budget_s is not None and len(times["ours"]) >= 5 and spent > budget_s:
+            break
         for name, side in (("ours", ours), ("torch", theirs)):
             zero_grads(side.chunks)
             seconds, stats, _ = timed(side)
             if i < args.warmup - 1:
                 continue
             times[name].append(seconds)
+            spent += seconds
             if stats is not None:
                 # Average the per-rank idle fractions over all ranks (every pipeline rank of every DP replica).
                 frac, per_busy = world_sum([stats.idle_fraction, (stats.total_s - stats.busy_s) / stats.busy_s])

@@ -96,6 +96,8 @@ class DataParallel:
                 start, end = self.range(p)
                 p.main_grad = self.grad_buffer[start:end].view_as(p)
 
+        # Parameters with no gradient yet this step (see zero_grad); ZeRO-2 has no full-size buffer to overwrite.
+        self._fresh: set[int] = set() if self.zero2 else {id(p) for p in self.params}
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.params]
         self._pending_reductions: list[tuple[Optional[dist.Work], Callable[[], None]]] = []
         # bucket index -> (gather work, its input buffer, kept alive until the gather completes)
@@ -155,7 +157,11 @@ class DataParallel:
 
     def _on_grad_ready(self, param: torch.nn.Parameter) -> None:
         if not self.zero2:
-            param.main_grad.add_(param.grad)
+            if id(param) in self._fresh:   # the step's first gradient: write it, no zeroed buffer to add to
+                param.main_grad.copy_(param.grad)
+                self._fresh.discard(id(param))
+            else:
+                param.main_grad.add_(param.grad)
             param.grad = None
         bucket = self.bucket_of(param)
         self._waiting[bucket.index] -= 1
@@ -182,6 +188,7 @@ class DataParallel:
             full = scratch
         else:
             self._launched.add(bucket.index)
+            self._zero_fresh(bucket.params)
             full = self.grad_buffer[bucket.start:bucket.end]
         if not self.distributed:
             work = dist.all_reduce(full, group=self.group.group, async_op=async_op) if self.dp > 1 else None
@@ -249,18 +256,29 @@ class DataParallel:
         group = self.embedding_group
         if group is None or group.size == 1:
             return
+        self._zero_fresh(self.tied_params)
         for p in self.tied_params:
             grad = p.grad if self.zero2 else p.main_grad
             if grad is None:
                 grad = p.grad = torch.zeros_like(p)
             dist.all_reduce(grad, group=group.group)
 
+    def _zero_fresh(self, params) -> None:
+        """Zero the summed gradient of parameters that got none this step (it still holds the last step's)."""
+        for p in params:
+            if id(p) in self._fresh:
+                p.main_grad.zero_()
+                self._fresh.discard(id(p))
+
     def zero_grad(self) -> None:
+        """Start a new step's gradients. The full-size buffer is not zeroed: each parameter's first gradient of the
+        step overwrites its slice (a pass over the buffer saved), and a slice that gets none is zeroed before its
+        reduction; bucket padding is never written and stays zero."""
         if self.zero2:
             for shard in self.grad_shards:
                 shard.zero_()
         else:
-            self.grad_buffer.zero_()
+            self._fresh = {id(p) for p in self.params}
         for p in self.params:
             p.grad = None
 

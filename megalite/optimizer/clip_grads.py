@@ -28,10 +28,10 @@ def counts_toward_norm(param: torch.nn.Parameter) -> bool:
 def global_grad_norm(pieces: list[tuple[torch.nn.Parameter, torch.Tensor]], sharded_over_data: bool) -> float:
     """L2 norm of the whole model's gradient from this rank's (parameter, gradient piece) pairs."""
     device = pieces[0][1].device if pieces else torch.device("cpu")
-    squares = torch.zeros((), dtype=torch.float32, device=device)
-    for param, grad in pieces:
-        if counts_toward_norm(param):
-            squares += grad.float().pow(2).sum()
+    counted = [grad for param, grad in pieces if counts_toward_norm(param)]
+    # One fused pass over every gradient (no squared copy of each): the per-piece norms, then their squares summed.
+    squares = (torch.stack(torch._foreach_norm(counted, 2)).float().pow(2).sum() if counted
+               else torch.zeros((), dtype=torch.float32, device=device))
     groups = [parallel_state.get_model_parallel_group()]
     if sharded_over_data:
         groups.append(parallel_state.get_data_parallel_group())

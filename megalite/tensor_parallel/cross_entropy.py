@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from megalite import parallel_state
 from megalite.kernels import DEFAULT_POLICY, KernelPolicy
@@ -105,4 +106,13 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, voc
     ops = kernels.ops(CROSS_ENTROPY, logits)
     if ops is not None:
         return fused_vocab_parallel_cross_entropy(logits, target, vocab_size, ops)
+    if parallel_state.get_tensor_model_parallel_world_size() == 1:
+        # The whole vocabulary here: torch's cross entropy (one log-softmax pass, its backward one more) is the same
+        # loss without the cross-rank bookkeeping; padding columns are sliced off, so they get no probability and a
+        # zero gradient, as above.
+        logits = logits.float()
+        if logits.shape[-1] != vocab_size:
+            logits = logits[..., :vocab_size]
+        return F.cross_entropy(logits.reshape(-1, vocab_size), target.reshape(-1),
+                               reduction="none").view(target.shape)
     return _VocabParallelCrossEntropy.apply(logits, target, vocab_size)

@@ -86,7 +86,7 @@ class ColumnParallelLinear(nn.Module):
         """``skip_bias_add``: leave the bias out, for a caller that adds it fused with what follows (bias + GeLU)."""
         weight = self.weight if weight is None else weight
         bias = None if skip_bias_add else self.bias
-        if self.sequence_parallel:
+        if self.sequence_parallel and parallel_state.get_tensor_model_parallel_world_size() > 1:
             y = _SequenceGatheredLinear.apply(x, weight, bias)
         else:
             y = F.linear(copy_to_tensor_parallel(x), weight, bias)
@@ -109,6 +109,8 @@ class RowParallelLinear(nn.Module):
             mark_sequence_parallel(self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if parallel_state.get_tensor_model_parallel_world_size() == 1:
+            return F.linear(x, self.weight, self.bias)   # nothing to sum: the bias add fused into the matmul
         if not self.input_is_parallel:
             x = scatter_to_tensor_parallel(x)
         partial = F.linear(x, self.weight)

@@ -106,7 +106,14 @@ class _CopyToTensorParallel(torch.autograd.Function):
 class _ReduceFromTensorParallel(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x):
-        return _all_reduce(x)
+        if not x.is_contiguous():
+            return _all_reduce(x)
+        # The partial sums are a fresh activation (a matmul's or the embedding's output) that nothing else keeps:
+        # sum them in place rather than into a copy. mark_dirty makes autograd refuse, at backward, any graph that
+        # did save this tensor, so a caller breaking that assumption gets an error, not a wrong gradient.
+        dist.all_reduce(x, group=parallel_state.get_tensor_model_parallel_group().group)
+        ctx.mark_dirty(x)
+        return x
 
     @staticmethod
     def backward(ctx, grad):
@@ -166,34 +173,40 @@ class _ReduceScatterAlong(torch.autograd.Function):
         return all_gather(grad, ctx.dim), None
 
 
+def _tensor_parallel(x: torch.Tensor) -> bool:
+    """Whether there is a TP group to talk to; at TP=1 every op below is the identity, and skipping its autograd
+    Function saves a Python-level node per call in forward and backward (several per layer)."""
+    return parallel_state.get_tensor_model_parallel_world_size() > 1
+
+
 def copy_to_tensor_parallel(x: torch.Tensor) -> torch.Tensor:
-    return _CopyToTensorParallel.apply(x)
+    return _CopyToTensorParallel.apply(x) if _tensor_parallel(x) else x
 
 
 def reduce_from_tensor_parallel(x: torch.Tensor) -> torch.Tensor:
-    return _ReduceFromTensorParallel.apply(x)
+    return _ReduceFromTensorParallel.apply(x) if _tensor_parallel(x) else x
 
 
 def scatter_to_tensor_parallel(x: torch.Tensor) -> torch.Tensor:
-    return _ScatterToTensorParallel.apply(x)
+    return _ScatterToTensorParallel.apply(x) if _tensor_parallel(x) else x
 
 
 def gather_from_tensor_parallel(x: torch.Tensor) -> torch.Tensor:
-    return _GatherFromTensorParallel.apply(x)
+    return _GatherFromTensorParallel.apply(x) if _tensor_parallel(x) else x
 
 
 def all_gather_tensor_parallel(x: torch.Tensor, dim: int) -> torch.Tensor:
     """All-gather along ``dim``; backward reduce-scatters (each rank may consume a different part of the result)."""
-    return _AllGatherAlong.apply(x, dim)
+    return _AllGatherAlong.apply(x, dim) if _tensor_parallel(x) else x
 
 
 def scatter_to_sequence_parallel(x: torch.Tensor) -> torch.Tensor:
-    return _ScatterAlong.apply(x, SEQUENCE_DIM)
+    return _ScatterAlong.apply(x, SEQUENCE_DIM) if _tensor_parallel(x) else x
 
 
 def gather_from_sequence_parallel(x: torch.Tensor) -> torch.Tensor:
-    return _AllGatherAlong.apply(x, SEQUENCE_DIM)
+    return _AllGatherAlong.apply(x, SEQUENCE_DIM) if _tensor_parallel(x) else x
 
 
 def reduce_scatter_to_sequence_parallel(x: torch.Tensor) -> torch.Tensor:
-    return _ReduceScatterAlong.apply(x, SEQUENCE_DIM)
+    return _ReduceScatterAlong.apply(x, SEQUENCE_DIM) if _tensor_parallel(x) else x

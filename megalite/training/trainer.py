@@ -3,7 +3,7 @@ gradient reduction over DP (and the tied-embedding sum across stages) -> optimiz
 parameter gather) -> log; every ``eval_interval`` iterations, the validation loss over ``eval_iters`` global batches
 (the same validation samples each time, so evaluations are comparable).
 
-The loss is normalized by the number of tokens in the whole global batch (counted across DP before backward), so
+The loss is normalized by the number of tokens in the whole global batch (global batch x sequence length), so
 each rank backpropagates its share of the global mean and the DP reduction is a plain sum: the result is the same
 whatever the DP size or micro-batch size, which is what the equivalence tests check.
 """
@@ -157,9 +157,10 @@ class Trainer:
 
         Returns (loss summed over this rank's tokens, token count of the whole global batch, schedule stats)."""
         micro_batches = self._micro_batches(dataset, consumed_samples)
-        # Every token counts (no padding in our samples); the count is summed over DP for the global mean.
+        # Every token counts (our samples have no padding), so the global batch's token count needs no all-reduce.
         loss_masks = [torch.ones_like(b[:, 1:], dtype=torch.float32) for b in micro_batches]
-        global_tokens = _sum_over_data_parallel(torch.stack([m.sum() for m in loss_masks]).sum())
+        global_tokens = torch.tensor(float(self.cfg.training.global_batch_size * self.cfg.model.seq_length),
+                                     device=self.device)
         loss_sums: list[torch.Tensor] = []
         loss_scale = self.optimizer.loss_scale   # 1 unless fp16
 

@@ -15,13 +15,13 @@ No ``transformers`` import: config.json is plain JSON, and the tensors are given
 
 from __future__ import annotations
 
-import dataclasses
 import re
 from typing import Any
 
 import torch
 
 from megalite.checkpoint.errors import CheckpointError
+from megalite.checkpoint.model_specs import check_options_mapped
 from megalite.config import ModelConfig
 
 ARCHITECTURE = "GPT2LMHeadModel"
@@ -71,12 +71,7 @@ def name_map(model: ModelConfig) -> list[tuple[str, str, bool]]:
 
 def check_exportable(model: ModelConfig) -> None:
     """Raise CheckpointError if the model uses an option GPT-2 has no counterpart for."""
-    defaults = ModelConfig()
-    for field in dataclasses.fields(ModelConfig):
-        value = getattr(model, field.name)
-        if field.name not in _MAPPED_FIELDS and value != getattr(defaults, field.name):
-            raise CheckpointError(f"cannot export as {ARCHITECTURE}: model option {field.name}={value!r} has no "
-                                  f"GPT-2 counterpart")
+    check_options_mapped(model, _MAPPED_FIELDS, ARCHITECTURE, "GPT-2")
 
 
 def to_hf(tensors: dict[str, torch.Tensor], model: ModelConfig) -> dict[str, torch.Tensor]:

@@ -22,7 +22,6 @@ either format, with LlamaConfig's defaults for missing keys, and needs no transf
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import re
 from typing import Any
@@ -30,6 +29,7 @@ from typing import Any
 import torch
 
 from megalite.checkpoint.errors import CheckpointError
+from megalite.checkpoint.model_specs import check_options_mapped
 from megalite.config import ModelConfig
 
 ARCHITECTURE = "LlamaForCausalLM"
@@ -90,12 +90,7 @@ def check_exportable(model: ModelConfig) -> None:
             raise CheckpointError(
                 f"cannot export as {ARCHITECTURE}: model option {name}={value!r} (a Llama needs {name}={wanted!r}); "
                 f"a GPT-2-shaped model (learned positions, LayerNorm, GeLU, biases) exports as GPT2LMHeadModel")
-    defaults = ModelConfig()
-    for field in dataclasses.fields(ModelConfig):
-        value = getattr(model, field.name)
-        if field.name not in _MAPPED_FIELDS and value != getattr(defaults, field.name):
-            raise CheckpointError(f"cannot export as {ARCHITECTURE}: model option {field.name}={value!r} has no "
-                                  f"Llama counterpart")
+    check_options_mapped(model, _MAPPED_FIELDS, ARCHITECTURE, "Llama")
 
 
 def to_hf(tensors: dict[str, torch.Tensor], model: ModelConfig) -> dict[str, torch.Tensor]:

@@ -62,3 +62,14 @@ def check_fits(manifest: Manifest, model: ModelConfig, where: Path) -> None:
 # Options that change no parameter: never the reason a checkpoint does not fit.
 _HARMLESS = {"hidden_dropout", "attention_dropout", "init_method_std", "layernorm_epsilon", "seq_length",
              "recompute_granularity", "recompute_method", "recompute_num_layers"}
+
+
+def check_options_mapped(model: ModelConfig, mapped_fields: set[str], architecture: str, family: str) -> None:
+    """Raise CheckpointError naming the first model option a conversion to ``architecture`` does not account for
+    (not in ``mapped_fields``) that differs from its default: the converted model would compute something else."""
+    defaults = ModelConfig()
+    for field in dataclasses.fields(ModelConfig):
+        value = getattr(model, field.name)
+        if field.name not in mapped_fields and value != getattr(defaults, field.name):
+            raise CheckpointError(f"cannot export as {architecture}: model option {field.name}={value!r} has no "
+                                  f"{family} counterpart")

@@ -4,7 +4,6 @@ between steps) reduced as zero."""
 
 from __future__ import annotations
 
-
 import torch
 
 from megalite.distributed import DataParallel

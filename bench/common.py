@@ -9,6 +9,7 @@ machine load, so drift from other work on the machine cancels, and the median ig
 
 from __future__ import annotations
 
+import argparse
 import os
 import statistics
 import sys
@@ -111,6 +112,17 @@ def load_average() -> float:
 # ---------------------------------------------------------------------------------------------------------------------
 # The model and optimizer settings of every comparison
 # ---------------------------------------------------------------------------------------------------------------------
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """The model-size options every bench shares; model_config and training_config read them."""
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--vocab", type=int, default=1024, help="a multiple of 128 x TP: no padding columns")
+    parser.add_argument("--micro-batch", type=int, default=4)
+    parser.add_argument("--seed", type=int, default=1234)
+
 
 def model_config(args) -> ModelConfig:
     """GPT-2 style (learned positions, LayerNorm, GeLU, biases, tied output layer), fp32, dropout off. The vocabulary

@@ -135,22 +135,12 @@ def first_losses(engines: dict) -> dict[str, float]:
     return {label: engine.step() for label, engine in engines.items()}
 
 
-def add_model_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--vocab", type=int, default=1024, help="a multiple of 128 x TP: no padding columns")
-    parser.add_argument("--micro-batch", type=int, default=4)
-    parser.add_argument("--seed", type=int, default=1234)
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iters", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--micro-batches", type=int, default=2, help="micro-batches per DP rank per step")
-    add_model_arguments(parser)
+    common.add_model_arguments(parser)
     args = parser.parse_args()
     dist.init_process_group("gloo")
     common.set_threads(dist.get_world_size())

@@ -79,7 +79,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--micro-batches", type=int, default=2, help="M per step, single process and TP")
     parser.add_argument("--pp-micro-batches", type=int, default=8, help="M per pipeline per step")
     parser.add_argument("--dp-micro-batches", type=int, default=2, help="M per DP rank per step")
-    dp_bench.add_model_arguments(parser)
+    common.add_model_arguments(parser)
     parser.add_argument("--worker", type=int, default=0, help=argparse.SUPPRESS)      # world size of a launch
     parser.add_argument("--result-file", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)

@@ -48,15 +48,9 @@ def data_parallel_elements(trainer: Trainer) -> dict[str, int]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--vocab", type=int, default=1024)
-    parser.add_argument("--micro-batch", type=int, default=4)
+    common.add_model_arguments(parser)
     parser.add_argument("--iters", type=int, default=6)
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--output", default=None, help="also write the table to this file")
     args = parser.parse_args()
     dist.init_process_group("gloo")

@@ -173,40 +173,40 @@ class _ReduceScatterAlong(torch.autograd.Function):
         return all_gather(grad, ctx.dim), None
 
 
-def _tensor_parallel(x: torch.Tensor) -> bool:
+def _tensor_parallel() -> bool:
     """Whether there is a TP group to talk to; at TP=1 every op below is the identity, and skipping its autograd
     Function saves a Python-level node per call in forward and backward (several per layer)."""
     return parallel_state.get_tensor_model_parallel_world_size() > 1
 
 
 def copy_to_tensor_parallel(x: torch.Tensor) -> torch.Tensor:
-    return _CopyToTensorParallel.apply(x) if _tensor_parallel(x) else x
+    return _CopyToTensorParallel.apply(x) if _tensor_parallel() else x
 
 
 def reduce_from_tensor_parallel(x: torch.Tensor) -> torch.Tensor:
-    return _ReduceFromTensorParallel.apply(x) if _tensor_parallel(x) else x
+    return _ReduceFromTensorParallel.apply(x) if _tensor_parallel() else x
 
 
 def scatter_to_tensor_parallel(x: torch.Tensor) -> torch.Tensor:
-    return _ScatterToTensorParallel.apply(x) if _tensor_parallel(x) else x
+    return _ScatterToTensorParallel.apply(x) if _tensor_parallel() else x
 
 
 def gather_from_tensor_parallel(x: torch.Tensor) -> torch.Tensor:
-    return _GatherFromTensorParallel.apply(x) if _tensor_parallel(x) else x
+    return _GatherFromTensorParallel.apply(x) if _tensor_parallel() else x
 
 
 def all_gather_tensor_parallel(x: torch.Tensor, dim: int) -> torch.Tensor:
     """All-gather along ``dim``; backward reduce-scatters (each rank may consume a different part of the result)."""
-    return _AllGatherAlong.apply(x, dim) if _tensor_parallel(x) else x
+    return _AllGatherAlong.apply(x, dim) if _tensor_parallel() else x
 
 
 def scatter_to_sequence_parallel(x: torch.Tensor) -> torch.Tensor:
-    return _ScatterAlong.apply(x, SEQUENCE_DIM) if _tensor_parallel(x) else x
+    return _ScatterAlong.apply(x, SEQUENCE_DIM) if _tensor_parallel() else x
 
 
 def gather_from_sequence_parallel(x: torch.Tensor) -> torch.Tensor:
-    return _AllGatherAlong.apply(x, SEQUENCE_DIM) if _tensor_parallel(x) else x
+    return _AllGatherAlong.apply(x, SEQUENCE_DIM) if _tensor_parallel() else x
 
 
 def reduce_scatter_to_sequence_parallel(x: torch.Tensor) -> torch.Tensor:
-    return _ReduceScatterAlong.apply(x, SEQUENCE_DIM) if _tensor_parallel(x) else x
+    return _ReduceScatterAlong.apply(x, SEQUENCE_DIM) if _tensor_parallel() else x

@@ -62,3 +62,13 @@ def saved(_pristine, tmp_path):
     made once per session, so a test may damage it."""
     shutil.copytree(_pristine, tmp_path / "ckpt")
     return tmp_path / "ckpt"
+
+
+def perturb_and_save(model: torch.nn.Module, directory):
+    """Add small noise to every tensor of a freshly built Hugging Face model (HF initializes biases to 0 and norms to
+    1, which would hide a mixed-up mapping), save it with save_pretrained, and return it."""
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn_like(param) * 0.02)
+    model.save_pretrained(directory)
+    return model

@@ -20,7 +20,7 @@ from megalite.checkpoint.hf_gpt2 import check_exportable
 from megalite.config import ModelConfig
 
 from ..helpers import tiny_config
-from .conftest import train_and_save
+from .conftest import perturb_and_save, train_and_save
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
@@ -38,12 +38,7 @@ def _random_gpt2(directory, tie: bool, activation: str = "gelu"):
     config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=32, n_embd=64, n_layer=2, n_head=4,
                                      activation_function=activation, tie_word_embeddings=tie,
                                      bos_token_id=VOCAB - 1, eos_token_id=VOCAB - 1)
-    model = transformers.GPT2LMHeadModel(config).eval()
-    with torch.no_grad():   # HF zero-initializes biases and sets LayerNorms to 1: make every tensor matter
-        for param in model.parameters():
-            param.add_(torch.randn_like(param) * 0.02)
-    model.save_pretrained(directory)
-    return model
+    return perturb_and_save(transformers.GPT2LMHeadModel(config).eval(), directory)
 
 
 @pytest.mark.parametrize("tie", [True, False])

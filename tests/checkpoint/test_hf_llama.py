@@ -20,7 +20,7 @@ from megalite.checkpoint.hf_llama import check_exportable, model_config_from
 from megalite.config import ModelConfig
 
 from ..helpers import tiny_config
-from .conftest import train_and_save
+from .conftest import perturb_and_save, train_and_save
 from .test_tools import _tool
 
 transformers = pytest.importorskip("transformers")
@@ -50,12 +50,7 @@ def _llama_config(tie: bool = False, **overrides):
 
 def _random_llama(directory, tie: bool):
     torch.manual_seed(7)
-    model = transformers.LlamaForCausalLM(_llama_config(tie)).eval()
-    with torch.no_grad():   # HF sets RMSNorm weights to 1: make every tensor matter
-        for param in model.parameters():
-            param.add_(torch.randn_like(param) * 0.02)
-    model.save_pretrained(directory)
-    return model
+    return perturb_and_save(transformers.LlamaForCausalLM(_llama_config(tie)).eval(), directory)
 
 
 @pytest.mark.parametrize("tie", [True, False])

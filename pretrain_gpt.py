@@ -39,6 +39,9 @@ def main(argv: list[str]) -> int:
             print(format_dry_run(cfg, world_size_from_env()), flush=True)
         return 0
     device = initialize_distributed(cfg.parallel, timeout_s=60 * cfg.training.distributed_timeout_minutes)
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if restart and os.environ.get("RANK", "0") == "0":   # torchrun --max-restarts began this attempt after a failure
+        print(f"megalite: torchrun restart {restart} of {os.environ.get('TORCHELASTIC_MAX_RESTARTS', '?')}", flush=True)
     try:
         trainer = Trainer(cfg, device)
         description = trainer.describe()   # collective: every rank computes it, rank 0 prints it

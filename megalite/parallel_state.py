@@ -20,6 +20,7 @@ import datetime
 from dataclasses import dataclass
 from typing import Iterator, Optional, Sequence
 
+import torch
 import torch.distributed as dist
 
 
@@ -75,8 +76,8 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_mode
 
     Every process of the world must call this with the same arguments (torch's ``new_group`` is collective), except
     when all groups have size 1 (a 1x1x1 layout), which creates nothing and may differ per rank. ``timeout`` bounds
-    every collective on the new groups (torch does not inherit it from the world group: without it, gloo waits 30
-    minutes on a dead rank).
+    every collective on the new groups; by default it is the world group's own (torch's ``new_group`` would not
+    inherit it and falls back to 30 minutes, so a dead rank would strand its peers that long).
     """
     global _STATE
     if _STATE is not None:
@@ -84,6 +85,8 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_mode
     world = dist.get_world_size() if dist.is_initialized() else 1
     me = dist.get_rank() if dist.is_initialized() else 0
     ranks = list(range(world)) if ranks is None else list(ranks)
+    if timeout is None and dist.is_initialized():
+        timeout = world_timeout()
     groups = layout_groups(len(ranks), tensor_model_parallel_size, pipeline_model_parallel_size)
     mine: dict[str, GroupInfo] = {}
     for kind, members_list in groups.items():
@@ -97,6 +100,16 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_mode
         return None
     _STATE = ParallelState(**{"embedding": None, **mine})
     return _STATE
+
+
+def world_timeout() -> Optional[datetime.timedelta]:
+    """The collective timeout the world group was created with (None where this torch does not expose it)."""
+    world = dist.distributed_c10d._get_default_group()
+    device = torch.device("cuda" if dist.get_backend(world) == "nccl" else "cpu")
+    try:
+        return world._get_backend(device).options._timeout
+    except (AttributeError, RuntimeError):
+        return None
 
 
 @dataclass(frozen=True)

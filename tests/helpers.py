@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch
+
 from megalite.config import (DataConfig, LoggingConfig, MegaliteConfig, ModelConfig, OptimizerConfig, ParallelConfig,
                              TrainingConfig)
 
@@ -29,3 +31,17 @@ def tiny_config(tp: int = 1, pp: int = 1, **sections) -> MegaliteConfig:
 
 def max_relative_difference(actual: list[float], expected: list[float]) -> float:
     return max(abs(a - e) / max(abs(e), 1e-12) for a, e in zip(actual, expected, strict=True))
+
+
+# fp32 has a 2**-23 (1.2e-7) relative rounding step. A parallel layer computes the same sums as the serial one in
+# another order (partial sums per TP rank, then an all-reduce), so each element may differ by about one rounding of
+# the largest partial sum per addition. Bounding the difference by REL_TO_SCALE times the tensor's largest magnitude
+# allows ~80 such roundings: more than the terms of any sum in these tests (at most a few dozen), and far below what a
+# wrong shard or a missing reduction gives (order 1 relative).
+REL_TO_SCALE = 1e-5
+
+
+def assert_close_to_scale(actual, expected, rel: float = REL_TO_SCALE) -> None:
+    """``actual`` equals ``expected`` within ``rel`` of ``expected``'s largest magnitude (see REL_TO_SCALE)."""
+    scale = expected.detach().abs().max().item() if expected.numel() else 0.0
+    torch.testing.assert_close(actual, expected, atol=rel * max(scale, 1.0), rtol=0)

@@ -18,7 +18,7 @@ from megalite.tensor_parallel import unshard
 from megalite.training import Trainer
 
 from ..helpers import max_relative_difference
-from .conftest import layout, single_process
+from .groups import layout, single_process
 
 RTOL = 1e-5
 CPU = torch.device("cpu")

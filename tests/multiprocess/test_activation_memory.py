@@ -17,7 +17,7 @@ from megalite.tensor_parallel import TensorParallelRNG
 
 from ..activation_memory import korthikanti_bytes, layer_norm_statistics_bytes, saved_bytes
 from ..helpers import tiny_config
-from .conftest import layout
+from .groups import layout
 
 B, S, TP = 2, 32, 2
 

@@ -24,7 +24,7 @@ from megalite.config import ModelConfig, ParallelConfig
 from megalite.training import Trainer
 
 from ..helpers import max_relative_difference, tiny_config
-from .conftest import layout, requires_world
+from .groups import layout, requires_world
 from .equivalence import CPU
 
 EXACT = 1e-7

@@ -15,7 +15,7 @@ from megalite import parallel_state
 from megalite.kernels import torch_ops
 from megalite.tensor_parallel.cross_entropy import fused_vocab_parallel_cross_entropy
 
-from .conftest import layout
+from .groups import layout
 
 ATOL = 1e-5
 

@@ -18,7 +18,7 @@ from megalite.config import ParallelConfig
 from megalite.training import Trainer
 
 from ..helpers import tiny_config
-from .conftest import layout, requires_world, single_process
+from .groups import layout, requires_world, single_process
 from .equivalence import CPU, check_against_reference, full_parameters
 
 

@@ -14,7 +14,7 @@ from megalite import parallel_state
 from megalite.training import Trainer
 
 from ..helpers import tiny_config
-from .conftest import layout
+from .groups import layout
 from .equivalence import CPU, check_against_reference
 
 BUCKET = 4000

@@ -22,7 +22,7 @@ from megalite.planner import Layout, Numerics, activation_bytes, model_state_byt
 from megalite.training import Trainer
 
 from ..helpers import tiny_config
-from .conftest import layout
+from .groups import layout
 from .equivalence import CPU
 
 ODD = {"hidden_size": 66, "num_attention_heads": 3, "make_vocab_size_divisible_by": 1}

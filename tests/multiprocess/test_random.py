@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from megalite import parallel_state
 from megalite.tensor_parallel import TensorParallelRNG
 
-from .conftest import layout
+from .groups import layout
 
 
 def _gather_over_tp(x: torch.Tensor) -> list[torch.Tensor]:

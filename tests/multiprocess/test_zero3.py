@@ -29,7 +29,7 @@ from megalite.config import validate
 from megalite.training import Trainer
 
 from ..helpers import max_relative_difference, tiny_config
-from .conftest import layout, requires_world, single_process
+from .groups import layout, requires_world, single_process
 from .equivalence import CPU, check_against_reference
 from .test_checkpoint import RESHARD, _losses, _with_checkpoint, directory  # noqa: F401 (fixture)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -79,6 +80,11 @@ def test_killed_rank_restarts_and_resumes_with_uninterrupted_losses(tmp_path):
     finally:
         launcher.kill()
     assert launcher.returncode == 0, err[-3000:]
+    # A second attempt ran, and it resumed from a checkpoint before the last one (iteration 8): the kill landed while
+    # the first attempt was still training, not after it had finished.
+    first, restarted_log = out.split("megalite: torchrun restart 1 of 1\n")
+    resumed_from = re.search(r"loaded checkpoint \S*iter_(\d+)", restarted_log)
+    assert resumed_from and 2 <= int(resumed_from.group(1)) < 8, out
     straight = {r["iteration"]: r["loss"] for r in _records(tmp_path / "straight.jsonl")}
     restarted = {}
     for r in _records(tmp_path / "restarted.jsonl"):   # the restart rewrites iterations after its checkpoint

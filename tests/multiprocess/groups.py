@@ -1,0 +1,34 @@
+"""Layouts for distributed tests: build one over some ranks of the launch, or the single-process reference."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch.distributed as dist
+
+from megalite import parallel_state
+
+
+@contextlib.contextmanager
+def layout(tp: int = 1, pp: int = 1, ranks=None):
+    """Build a layout over ``ranks`` (default: the world); yields True on member ranks, False elsewhere.
+
+    Its groups inherit the world's short test timeout (see lockstep.py)."""
+    state = parallel_state.initialize_model_parallel(tp, pp, ranks)
+    try:
+        yield state is not None
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+@contextlib.contextmanager
+def single_process():
+    """The reference: a 1x1x1 layout on this rank alone (no communication at all)."""
+    with layout(1, 1, ranks=[dist.get_rank()]):
+        yield
+
+
+def requires_world(size: int):
+    """Run the test in the launch of this many ranks (tests/run.sh starts one of 4 and one of 8)."""
+    return pytest.mark.world(size)

@@ -98,8 +98,7 @@ class OurEngine:
         return self.trainer.optimizer.state_bytes()
 
     def grad_bytes(self) -> int:
-        ddp = self.trainer.ddp
-        return (sum(s.numel() for s in ddp.grad_shards) if ddp.zero2 else ddp.grad_buffer.numel()) * 4
+        return self.trainer.engine.held_bytes()[1]
 
 
 # Overlap needs several buckets: 1M elements gives a few for the default model (the default 40M gives one).

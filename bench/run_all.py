@@ -178,7 +178,7 @@ def compare_with_reference(args, tp: int) -> dict:
     comm = gather_counts(counter)
     parallel_state.destroy_model_parallel()
     return {"loss_ours": loss_ours, "loss_peer": loss_peer, "ours_ms": times["ours"], "peer_ms": times["peer"],
-            "comm": comm, "peer_comm": peer_comm, "params": sum(p.numel() for p in trainer.ddp.params)}
+            "comm": comm, "peer_comm": peer_comm, "params": sum(p.numel() for p in trainer.engine.params)}
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -220,7 +220,7 @@ def compare_data_parallel(args) -> dict:
         with count_communication() as counter:
             engines[label].step()
         comm[label] = gather_counts(counter)
-    params = sum(p.numel() for p in engines["ours DP"].trainer.ddp.params)
+    params = sum(p.numel() for p in engines["ours DP"].trainer.engine.params)
     parallel_state.destroy_model_parallel()
     return {"losses": losses, "times": times, "comm": comm, "params": params}
 

@@ -36,7 +36,7 @@ from megalite.training import Trainer
 
 def held_bytes(trainer: Trainer) -> list[float]:
     """(parameter, gradient, optimizer-state) bytes this rank holds."""
-    return [float(b) for b in (*trainer.ddp.held_bytes(), trainer.optimizer.state_bytes())]
+    return [float(b) for b in (*trainer.engine.held_bytes(), trainer.optimizer.state_bytes())]
 
 
 def data_parallel_elements(trainer: Trainer) -> dict[str, int]:
@@ -68,7 +68,7 @@ def main() -> None:
         for name, options in (("ZeRO-1", {"use_distributed_optimizer": True}), ("ZeRO-3", {"zero_stage": 3})):
             cfg = common.training_config(args, micro_batches=micro_batches, dp=dp, **options)
             trainers[name] = Trainer(cfg, common.CPU)
-        parameters = sum(p.numel() for p in trainers["ZeRO-1"].ddp.params)
+        parameters = sum(p.numel() for p in trainers["ZeRO-1"].engine.params)
         times = common.alternate({name: t.train_step for name, t in trainers.items()}, args.warmup, args.iters)
         ratio = common.paired_ratio(times["ZeRO-3"], times["ZeRO-1"])
         held = {name: common.world_sum(held_bytes(t)) for name, t in trainers.items()}   # summed over ranks

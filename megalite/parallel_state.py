@@ -192,10 +192,6 @@ def get_pipeline_model_parallel_world_size() -> int:
     return state().pipeline.size
 
 
-def is_pipeline_first_stage() -> bool:
-    return get_pipeline_model_parallel_rank() == 0
-
-
 def is_pipeline_last_stage() -> bool:
     return get_pipeline_model_parallel_rank() == get_pipeline_model_parallel_world_size() - 1
 
@@ -219,3 +215,13 @@ def get_model_parallel_group() -> GroupInfo:
 def get_embedding_group() -> Optional[GroupInfo]:
     """The group of first and last pipeline stage holding this rank, or None on a middle stage."""
     return state().embedding
+
+
+def any_rank(flag: bool, device: torch.device) -> bool:
+    """True on every rank of the layout if ``flag`` is True on any: a MAX over the model-parallel group (one model
+    replica), then over the data-parallel group (the replicas), which together connect every rank of the layout."""
+    value = torch.tensor([1.0 if flag else 0.0], device=device)
+    for info in (get_model_parallel_group(), get_data_parallel_group()):
+        if info.size > 1:
+            dist.all_reduce(value, op=dist.ReduceOp.MAX, group=info.group)
+    return bool(value.item() > 0)

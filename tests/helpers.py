@@ -1,11 +1,16 @@
-"""Shared test helpers: tiny configurations and tolerances."""
+"""Shared test helpers: tiny configurations, the single-process layout, training records and tolerances."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import json
+from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
+from megalite import parallel_state
 from megalite.config import (DataConfig, LoggingConfig, MegaliteConfig, ModelConfig, OptimizerConfig, ParallelConfig,
                              TrainingConfig)
 
@@ -27,6 +32,32 @@ def tiny_config(tp: int = 1, pp: int = 1, **sections) -> MegaliteConfig:
     for section, values in sections.items():
         setattr(cfg, section, dataclasses.replace(getattr(cfg, section), **values))
     return cfg
+
+
+def with_checkpoint(cfg: MegaliteConfig, **options) -> MegaliteConfig:
+    """``cfg`` with checkpoint options replaced, e.g. ``with_checkpoint(cfg, save=directory, save_interval=4)``."""
+    return dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, **options))
+
+
+@contextlib.contextmanager
+def single_layout():
+    """A 1x1x1 layout of this process alone inside the block (under torchrun: of this rank alone, the single-process
+    reference; it communicates with no one)."""
+    parallel_state.initialize_model_parallel(1, 1, ranks=[dist.get_rank()] if dist.is_initialized() else None)
+    try:
+        yield
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+def losses(records: list[dict]) -> list[float]:
+    """The training losses of Trainer.train's records (or a metrics file's), evaluations left out."""
+    return [r["loss"] for r in records if "loss" in r]
+
+
+def read_metrics(path: Path) -> list[dict]:
+    """The records of a --metrics-file, one JSON object a line."""
+    return [json.loads(line) for line in Path(path).read_text().splitlines()]
 
 
 def max_relative_difference(actual: list[float], expected: list[float]) -> float:

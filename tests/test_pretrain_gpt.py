@@ -13,6 +13,8 @@ import pytest
 
 import pretrain_gpt
 
+from .helpers import losses, read_metrics
+
 ROOT = Path(__file__).resolve().parent.parent
 METRIC_KEYS = {"iteration", "loss", "grad_norm", "lr", "consumed_samples", "elapsed_ms", "tokens_per_sec"}
 
@@ -29,7 +31,7 @@ def test_single_process_run_writes_the_metrics_contract(tmp_path, capsys):
     code = pretrain_gpt.main(["model=gpt_tiny", "--train-iters", "4", "--log-interval", "2", "--eval-interval", "2",
                               "--eval-iters", "1", "--metrics-file", str(metrics), "optimizer.lr=1e-3"])
     assert code == 0
-    lines = [json.loads(line) for line in metrics.read_text().splitlines()]
+    lines = read_metrics(metrics)
     records = [r for r in lines if "loss" in r]
     evaluations = [r for r in lines if "eval_loss" in r]
     assert [r["iteration"] for r in records] == [2, 4]
@@ -57,7 +59,7 @@ def test_deepspeed_config_stage_1_bf16_trains_and_prints_its_settings(tmp_path, 
                  "optimizer.params.lr 0.001 -> --lr 0.001; overridden by the command line: --lr 0.002"]:
         assert head + line in out.splitlines(), out
     assert "bfloat16" in out and "2 micro-batches per step" in out   # 4 = 2 x GA 2 x DP 1
-    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    records = read_metrics(metrics)
     assert [r["iteration"] for r in records] == [1, 2] and records[-1]["consumed_samples"] == 8
     assert all(math.isfinite(r["loss"]) for r in records)
 
@@ -89,8 +91,8 @@ def test_torchrun_tensor_parallel_run_and_bad_layout_on_every_rank(tmp_path):
     good = _torchrun(2, "--tensor-model-parallel-size", "2", "model=gpt_tiny", "--train-iters", "6", "--eval-iters",
                      "1", "--lr", "2e-3", "--metrics-file", str(metrics))
     assert good.returncode == 0, good.stderr[-2000:]
-    losses = [r["loss"] for r in map(json.loads, metrics.read_text().splitlines()) if "loss" in r]
-    assert len(losses) == 6 and losses[-1] < losses[0]
+    good_losses = losses(read_metrics(metrics))
+    assert len(good_losses) == 6 and good_losses[-1] < good_losses[0]
 
     bad = _torchrun(2, "--tensor-model-parallel-size", "2", "--num-attention-heads", "3", "--hidden-size", "96",
                     timeout=60)

@@ -1,7 +1,7 @@
 """Check megalite's fused CUDA kernels on one GPU, time them, and measure bf16 training throughput; a table comes last.
 
     python tools/gpu_check.py                       # on a machine with one NVIDIA GPU, after pip install -e .
-    python tools/gpu_check.py --peak-tflops 989     # a GPU whose bf16 peak is not in PEAK_BF16_TFLOPS
+    python tools/gpu_check.py --peak-tflops 989     # a GPU whose bf16 peak is not in megalite/model/flops.py
 
 1. Build: the extension (csrc/fused_ops.cpp + csrc/cuda/*.cu, sm_80 and sm_90) through the same JIT path as training.
 2. Correctness: every kernel, forward and backward, in fp32, bf16 and fp16, on fresh random inputs (the seed is
@@ -15,8 +15,8 @@
    against q k^T + fused softmax + v, which is why --use-fused-kernels auto keeps SDPA.
 4. Training: GPT 1.3B (configs/model/gpt_1_3b.yaml) in bf16 through megalite's Trainer on mock data, a few
    iterations with the fused kernels (auto) and with torch ops (off): time per iteration, tokens/s, TFLOP/s and MFU,
-   model FLOPs per iteration 72 B L s h^2 (1 + s/(6h) + V/(12 h L)) (Korthikanti et al. 2022; B sequences per
-   iteration, V the padded vocabulary) over the measured time and the GPU's dense bf16 peak.
+   the trainer's model FLOPs per iteration (megalite/model/flops.py: 72 B L s h^2 (1 + s/(6h) + V/(12 h L)) for
+   these GPT shapes, Korthikanti et al. 2022) over the measured time and the GPU's dense bf16 peak.
 
 Meant to finish within 8 minutes on one H200 (the extension build, 1-2 minutes, and torch.compile's compilations
 dominate: once --compile-budget seconds have passed, the remaining compilations are skipped). Exit code 0 when every
@@ -44,14 +44,12 @@ import torch.nn.functional as F  # noqa: E402
 
 from megalite import parallel_state  # noqa: E402
 from megalite.kernels import fused, torch_ops  # noqa: E402
-from megalite.kernels.build import ExtensionUnavailable  # noqa: E402
+from megalite.extensions import ExtensionUnavailable  # noqa: E402
 from megalite.kernels.policy import KernelPolicy, fused_extension  # noqa: E402
+from megalite.model.flops import model_flops_per_iteration, peak_bf16_tflops  # noqa: E402
 from megalite.model.rotary import RotaryEmbedding, rotate_half  # noqa: E402
 from megalite.tensor_parallel.cross_entropy import fused_vocab_parallel_cross_entropy  # noqa: E402
 
-# Dense (no sparsity) bf16 tensor-core peaks in TFLOP/s, from NVIDIA's data sheets; first match in the device name.
-PEAK_BF16_TFLOPS = [("H200", 989.0), ("GH200", 989.0), ("H100 PCIe", 756.0), ("H100", 989.0), ("H800", 989.0),
-                    ("A100", 312.0), ("A800", 312.0)]
 BOUNDS = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}
 DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 EPS = 1e-5
@@ -366,11 +364,6 @@ class TrainRow:
     losses: list[float]
 
 
-def model_flops(batch: int, layers: int, seq: int, hidden: int, vocab: int) -> float:
-    """Model FLOPs of one iteration (forward and backward, no recompute; Korthikanti et al. 2022)."""
-    return 72.0 * batch * layers * seq * hidden**2 * (1 + seq / (6 * hidden) + vocab / (12 * hidden * layers))
-
-
 def train_rows(args, device: torch.device, peak_tflops: float | None, log: Callable[[str], None]) -> list[TrainRow]:
     from megalite.cli import parse_args
     from megalite.config import validate
@@ -395,8 +388,7 @@ def train_rows(args, device: torch.device, peak_tflops: float | None, log: Calla
         description = (f"{model.split('=')[1]} ({m.num_layers} layers, hidden {m.hidden_size}, sequence "
                        f"{m.seq_length}, {t.global_batch_size} sequences per iteration, "
                        f"{'bf16' if t.bf16 else 'fp32'})")
-        flops = model_flops(t.global_batch_size, m.num_layers, m.seq_length, m.hidden_size,
-                            trainer.model[0].padded_vocab_size)
+        flops = model_flops_per_iteration(m, t.global_batch_size)
         for name, policy in [("fused kernels (auto)", KernelPolicy("auto")), ("torch ops (off)", KernelPolicy("off"))]:
             # The Trainer builds its model with the default policy (auto); the modules that read one are switched here.
             for module in trainer.model.modules():
@@ -467,10 +459,6 @@ def report(build: list[str], checks: list[CheckRow], speeds: list[SpeedRow], tra
 
 # ----------------------------------------------------------------------------------------------------------- main
 
-def peak_for(device_name: str) -> float | None:
-    return next((peak for key, peak in PEAK_BF16_TFLOPS if key in device_name), None)
-
-
 def parse(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="gpu_check", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -508,7 +496,7 @@ def main(argv: list[str]) -> int:
             return 2
         device = torch.device("cuda", torch.cuda.current_device())
         name = torch.cuda.get_device_name(device)
-        peak = args.peak_tflops or peak_for(name)
+        peak = args.peak_tflops or peak_bf16_tflops(name)
         log(f"{name}, torch {torch.__version__} (CUDA {torch.version.cuda}); building the fused extension ...")
         try:
             ops = fused_extension(required=True)

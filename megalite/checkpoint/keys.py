@@ -21,7 +21,6 @@ from collections.abc import Iterable
 from megalite.tensor_parallel import Partition
 
 OPTIMIZER_STATES = ("main", "exp_avg", "exp_avg_sq")   # fp32 main parameter and AdamW's two moments
-RNG_STREAMS = ("cpu", "cuda", "tensor_parallel")
 
 _OPTIMIZER_KEY = re.compile(r"optim/(?P<name>[^/]+)/tp(?P<world>\d+)_(?P<rank>\d+)/(?P<lo>\d+)-(?P<hi>\d+)/"
                             r"(?P<state>\w+)")

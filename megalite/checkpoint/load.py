@@ -3,7 +3,7 @@
 For each parameter of this rank (one at a time, to bound memory): read every stored TP slice, merge them into the
 canonical tensor, cut this rank's slice for the current TP size. Optimizer states the same way, after gluing each
 stored slice back together from the ranges the saving DP ranks owned; the current rank then keeps the ranges of its
-own fragments. Reads are per rank (no collective), so any TP/PP/V/DP/distributed-optimizer combination loads from
+own pieces. Reads are per rank (no collective), so any TP/PP/V/DP/distributed-optimizer combination loads from
 any other. RNG states are restored only at the identical layout (elsewhere there is no rank they would belong to).
 
 :func:`check_checkpoint` is the pre-flight ``pretrain_gpt.py`` runs on every rank before any process group exists;
@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 
 from megalite import parallel_state
 from megalite.checkpoint.contents import Checkpoint, open_checkpoint
@@ -80,7 +79,7 @@ def load_checkpoint(cfg: MegaliteConfig, *, parameters: list[tuple[str, torch.nn
             _restore_rng(checkpoint, rng, device)
     except Exception as caught:   # e.g. corrupt tensor bytes, found by this rank alone: tell the others first
         error = caught
-    if not _every_rank_succeeded(error is None, device):
+    if parallel_state.any_rank(error is not None, device):
         raise error or CheckpointError(f"{checkpoint.path}: loading failed on another rank (see its error)")
     notes = _notes(cfg, manifest, layout, with_optimizer, with_rng, rng is not None)
     if c.finetune:
@@ -143,41 +142,41 @@ def _load_parameters(checkpoint: Checkpoint, parameters: list[tuple[str, torch.n
     manifest = checkpoint.manifest
     tp = parallel_state.get_tensor_model_parallel_world_size()
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
-    fragments = defaultdict(list)
-    for fragment in (optimizer.fragments if optimizer is not None else []):
-        fragments[id(fragment.param)].append(fragment)
-    pieces = optimizer_pieces(checkpoint.metadata.state_dict_metadata) if with_optimizer else {}
+    mine = defaultdict(list)   # this rank's optimizer pieces of each parameter
+    for piece in (optimizer.pieces if optimizer is not None else []):
+        mine[id(piece.param)].append(piece)
+    stored = optimizer_pieces(checkpoint.metadata.state_dict_metadata) if with_optimizer else {}
     moments: dict[int, dict[str, torch.Tensor]] = {}
     for name, param in parameters:
         spec = manifest.params[name]
         model_keys = [model_key(name, spec.slices, r) for r in range(spec.slices)]
-        wants_state = with_optimizer and bool(fragments[id(param)])   # this rank updates some of it
+        wants_state = with_optimizer and bool(mine[id(param)])   # this rank updates some of it
         state_keys = {(state, r): [(lo, hi, optimizer_key(name, spec.slices, r, lo, hi, state))
-                                   for lo, hi in pieces[(name, spec.slices, r, state)]]
+                                   for lo, hi in stored[(name, spec.slices, r, state)]]
                       for state in OPTIMIZER_STATES for r in range(spec.slices)} if wants_state else {}
         data = checkpoint.read(model_keys + [key for ranges in state_keys.values() for _, _, key in ranges])
         with torch.no_grad():
             full = merge([data[key] for key in model_keys], spec)
             copy_into_parameter(param, split(full, param.partition, tp_rank, tp))
-            for fragment in fragments[id(param)]:
-                if not with_optimizer and not fragment.aliased:
-                    fragment.main.copy_(fragment.model_view)   # fresh fp32 main copies of the loaded weights
+            for piece in mine[id(param)]:
+                if not with_optimizer and not piece.aliased:
+                    piece.main.copy_(piece.model_view)   # fresh fp32 main copies of the loaded weights
             if not wants_state:
                 continue
             shapes = spec.slice_shapes()
-            param_start = optimizer.ddp.range(param)[0]
+            param_start = optimizer.engine.range(param)[0]
             for state in OPTIMIZER_STATES:
                 slices = [assemble({(lo, hi): data[key] for lo, hi, key in state_keys[(state, r)]},
                                    data[model_keys[r]].numel()).view(shapes[r]) for r in range(spec.slices)]
                 local = split(merge(slices, spec), param.partition, tp_rank, tp).view(-1)
-                for fragment in fragments[id(param)]:
-                    value = local[fragment.start - param_start: fragment.end - param_start]
+                for piece in mine[id(param)]:
+                    value = local[piece.start - param_start: piece.end - param_start]
                     if state == "main":
-                        fragment.main.copy_(value)
-                        if not fragment.aliased:
-                            fragment.model_view.copy_(fragment.main)
+                        piece.main.copy_(value)
+                        if not piece.aliased:
+                            piece.model_view.copy_(piece.main)
                     else:
-                        moments.setdefault(id(fragment.main), {})[state] = value.clone()
+                        moments.setdefault(id(piece.main), {})[state] = value.clone()
     if with_optimizer:
         _install_moments(optimizer, moments, manifest)
 
@@ -208,11 +207,3 @@ def _restore_rng(checkpoint: Checkpoint, rng: TensorParallelRNG, device: torch.d
         torch.cuda.set_rng_state(states["cuda"], device)
     rng.set_states((rng.get_states()[0], states["tensor_parallel"]))   # the default stream was just restored
 
-
-def _every_rank_succeeded(ok: bool, device: torch.device) -> bool:
-    """Agree over the layout (its model-parallel groups, then its data-parallel groups) whether all ranks loaded."""
-    flag = torch.tensor([0.0 if ok else 1.0], device=device)
-    for info in (parallel_state.get_model_parallel_group(), parallel_state.get_data_parallel_group()):
-        if info.size > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=info.group)
-    return flag.item() == 0.0

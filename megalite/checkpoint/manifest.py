@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -65,9 +64,6 @@ class TensorSpec:
         """Shape of each stored slice (computed on the meta device, so it follows ``shard`` exactly)."""
         full = torch.empty(self.full_shape, device="meta")
         return [tuple(shard(full, self.partition, rank, self.slices).shape) for rank in range(self.slices)]
-
-    def slice_numels(self) -> list[int]:
-        return [math.prod(shape) for shape in self.slice_shapes()]
 
     @property
     def torch_dtype(self) -> torch.dtype:

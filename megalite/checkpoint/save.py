@@ -5,7 +5,7 @@ Who writes what, so that every piece is stored exactly once:
 
 - model weights: data-parallel rank 0 (DP replicas are equal; ZeRO-3 shards are gathered), each TP rank its slice (TP rank 0 alone for
   replicated tensors); the last stage's copy of a tied word embedding is the first stage's tensor, and is skipped;
-- optimizer state (fp32 main parameter, Adam moments) per fragment of :class:`MegaliteOptimizer`: with the
+- optimizer state (fp32 main parameter, Adam moments) per piece of :class:`MegaliteOptimizer`: with the
   distributed optimizer every DP rank writes the ranges it owns, without it DP rank 0 writes whole parameters;
 - RNG states: every rank, under its (pp, tp, dp) coordinates;
 - the manifest (and a copy of the tokenizer model, which tools/generate.py uses): rank 0, last.
@@ -126,11 +126,11 @@ def _model_tensors(parameters, at: _Coordinates) -> dict[str, torch.Tensor]:
 
 
 def _adam_step(optimizer: Optional[MegaliteOptimizer]) -> Optional[int]:
-    """Adam's step count (all fragments step together), or None before the first step (nothing to save)."""
+    """Adam's step count (all pieces step together), or None before the first step (nothing to save)."""
     if optimizer is None:
         return None
-    for fragment in optimizer.fragments:
-        state = optimizer.inner.state.get(fragment.main)
+    for piece in optimizer.pieces:
+        state = optimizer.inner.state.get(piece.main)
         if state:
             return int(state["step"])
     return None
@@ -138,19 +138,19 @@ def _adam_step(optimizer: Optional[MegaliteOptimizer]) -> Optional[int]:
 
 def _optimizer_tensors(optimizer: MegaliteOptimizer, at: _Coordinates,
                        names: dict[int, str]) -> dict[str, torch.Tensor]:
-    ddp = optimizer.ddp
-    if not ddp.distributed and at.dp_rank != 0:
+    engine = optimizer.engine
+    if not engine.distributed and at.dp_rank != 0:
         return {}   # plain data parallel: every DP rank holds the same whole states
     tensors = {}
-    for fragment in optimizer.fragments:
-        param = fragment.param
+    for piece in optimizer.pieces:
+        param = piece.param
         if getattr(param, "is_embedding_copy", False) or not stores_slice(param.partition, at.tp_rank):
             continue
         world, rank = slice_of(param.partition, at.tp_rank, at.tp)
-        param_start = ddp.range(param)[0]
-        lo, hi = fragment.start - param_start, fragment.end - param_start
-        state = optimizer.inner.state[fragment.main]
-        for kind, tensor in (("main", fragment.main), ("exp_avg", state["exp_avg"]),
+        param_start = engine.range(param)[0]
+        lo, hi = piece.start - param_start, piece.end - param_start
+        state = optimizer.inner.state[piece.main]
+        for kind, tensor in (("main", piece.main), ("exp_avg", state["exp_avg"]),
                              ("exp_avg_sq", state["exp_avg_sq"])):
             tensors[optimizer_key(names[id(param)], world, rank, lo, hi, kind)] = tensor.detach()
     return tensors

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from megalite.kernels import load_extension
+from megalite.extensions import load_extension
 
 EXTENSION_NAME = "megalite_data_index_builders"
 EXTENSION_SOURCES = ["data_index_builders.cpp"]

@@ -26,16 +26,30 @@ over TP, once the DP reductions are done.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 
 from megalite.distributed.buckets import Bucket, build_layout
+from megalite.distributed.engine import DataParallelEngine, Piece
 from megalite.parallel_state import GroupInfo
 
-DEFAULT_BUCKET_SIZE = 40_000_000
+
+def default_bucket_size(dp: int) -> int:
+    """Elements per bucket unless --ddp-bucket-size says otherwise (Megatron's rule): 40M, or 1M per DP rank when
+    that is more, so each rank's shard of a bucket stays at least 1M elements. The planner sizes buckets with it."""
+    return max(40_000_000, 1_000_000 * dp)
+
+
+def all_reduce_packed(tensors: list[torch.Tensor], group: GroupInfo) -> None:
+    """Sum the 1-D ``tensors`` over ``group`` in place, with one all-reduce of them packed together."""
+    if not tensors or group.size == 1:
+        return
+    packed = torch.cat(tensors)
+    dist.all_reduce(packed, group=group.group)
+    torch._foreach_copy_(tensors, list(packed.split([t.numel() for t in tensors])))
+
 
 # torch 2.13 renamed the flat-tensor collectives (the old names warn); older torch (2.11 on the GPU machines) has
 # only the old ones. Same signatures.
@@ -43,19 +57,7 @@ _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-@dataclass
-class Piece:
-    """The part of one parameter whose update this rank owns (see MegaliteOptimizer): elements [start, end) of the
-    parameter's flat range in the engine (``engine.range(param)`` gives the parameter's own [first, last)), the
-    model's storage of them, and their summed fp32 gradient, both 1-D views."""
-    param: torch.nn.Parameter
-    start: int
-    end: int
-    model_view: torch.Tensor
-    grad: torch.Tensor
-
-
-class DataParallel:
+class DataParallel(DataParallelEngine):
     def __init__(self, modules: list[torch.nn.Module], *, data_group: GroupInfo,
                  embedding_group: Optional[GroupInfo] = None, tied_params: list[torch.nn.Parameter] = (),
                  bucket_size: Optional[int] = None, distributed_optimizer: bool = False, zero_stage: int = 1,
@@ -75,7 +77,7 @@ class DataParallel:
         self.param_dtype = dtypes.pop()
         self.sequence_parallel_params = [p for p in self.params if getattr(p, "sequence_parallel", False)]
         self.device = device = self.params[0].device
-        size = bucket_size or max(DEFAULT_BUCKET_SIZE, 1_000_000 * self.dp)
+        size = bucket_size or default_bucket_size(self.dp)
         self.layout = build_layout(self.params, size, self.dp, tied_params)
         self.buckets = self.layout.buckets
         self.tied_params = list(tied_params)
@@ -142,7 +144,6 @@ class DataParallel:
         return result
 
     def held_bytes(self) -> tuple[int, int]:
-        """(parameter, gradient) bytes this rank holds in the engine's buffers."""
         grads = self.grad_shards if self.zero2 else [self.grad_buffer]
         return (self.param_buffer.numel() * self.param_buffer.element_size(),
                 sum(g.numel() * g.element_size() for g in grads))
@@ -233,24 +234,9 @@ class DataParallel:
         optimizer (ZeRO-2 included, whose per-micro-batch gradients no longer exist). The TP ranks of one DP rank
         have identical bucket layouts, so they hold the same pieces and one all-reduce of the pieces packed
         together sums them."""
-        group = self.tensor_group
-        if group is None or group.size == 1 or not self.sequence_parallel_params:
-            return
-        pieces = []
-        for p in self.sequence_parallel_params:
-            bucket = self.bucket_of(p)
-            start, end = self.range(p)
-            if self.distributed:
-                shard_start, shard_end = self.shard(bucket)
-                start, end = max(start, shard_start), min(end, shard_end)
-                if start >= end:
-                    continue
-            pieces.append(self.reduced_grad(bucket, start, end))
-        if not pieces:
-            return
-        packed = torch.cat(pieces)
-        dist.all_reduce(packed, group=group.group)
-        torch._foreach_copy_(pieces, list(packed.split([piece.numel() for piece in pieces])))
+        if self.tensor_group is not None and self.sequence_parallel_params:
+            wanted = {id(p) for p in self.sequence_parallel_params}
+            all_reduce_packed([piece.grad for piece in self.pieces() if id(piece.param) in wanted], self.tensor_group)
 
     def _sum_tied_gradients(self) -> None:
         group = self.embedding_group

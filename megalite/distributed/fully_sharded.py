@@ -43,14 +43,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from megalite.distributed.data_parallel import Piece
+from megalite.distributed.data_parallel import all_reduce_packed
+from megalite.distributed.engine import DataParallelEngine, Piece
 from megalite.parallel_state import GroupInfo
-
-
-def _custom_attributes(param: torch.nn.Parameter) -> dict:
-    """What megalite marks on a parameter (partition, full_shape, sequence_parallel, ...), which must survive FSDP2
-    replacing every parameter by a new sharded one."""
-    return dict(vars(param))
 
 
 def _shard_modules(module: torch.nn.Module) -> list[torch.nn.Module]:
@@ -68,8 +63,8 @@ def row_range(rows: int, dp: int, dp_rank: int) -> tuple[int, int]:
     return first, min(first + per_rank, rows)
 
 
-class FullyShardedDataParallel:
-    """The ZeRO-3 engine; the same interface as DataParallel for the trainer, the optimizer and checkpoints."""
+class FullyShardedDataParallel(DataParallelEngine):
+    """The ZeRO-3 engine."""
 
     distributed = True   # gradient pieces are disjoint over DP: the global norm sums over DP too
 
@@ -79,8 +74,7 @@ class FullyShardedDataParallel:
                  offload_params: bool = False):
         self.group, self.tensor_group, self.embedding_group = data_group, tensor_group, embedding_group
         self.dp, self.dp_rank = data_group.size, data_group.rank
-        device = next(modules[0].parameters()).device
-        self.device = device
+        self.device = device = next(modules[0].parameters()).device
         # Meshes over the same ranks compare equal unless their names differ, and DTensor caches communication plans
         # by mesh: naming the mesh after its group keeps a later layout (tests build many) off a destroyed group.
         mesh = DeviceMesh.from_group(data_group.group, device.type,
@@ -91,16 +85,16 @@ class FullyShardedDataParallel:
         offload = CPUOffloadPolicy(pin_memory=device.type == "cuda") if offload_params else OffloadPolicy()
         places = {(id(owner), name): (owner, param) for m in modules for owner in m.modules()
                   for name, param in owner.named_parameters(recurse=False)}
-        attributes = {place: _custom_attributes(param) for place, (_, param) in places.items()}
-        # FSDP2 warns that a unit returning a view (our per-token losses and hidden states are views) loses its
-        # pre-backward hook if the caller modifies the view in place; the trainer and the pipeline engine never do.
-        warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
+        # What megalite marks on a parameter (partition, full_shape, sequence_parallel, ...) must survive FSDP2
+        # replacing every parameter by a new sharded one.
+        attributes = {place: dict(vars(param)) for place, (_, param) in places.items()}
         self.units: list[FSDPModule] = []
         for m in modules:
             for unit in _shard_modules(m):
                 fully_shard(unit, mesh=mesh, mp_policy=precision, offload_policy=offload)
                 _reduce_by_sum(unit)
                 self.units.append(unit)
+            _quiet_view_warning(m)
         for m in modules:
             for owner in m.modules():
                 for name, param in owner.named_parameters(recurse=False):
@@ -137,7 +131,6 @@ class FullyShardedDataParallel:
         return result
 
     def held_bytes(self) -> tuple[int, int]:
-        """(parameter, gradient) bytes of this rank's shards."""
         return (sum(p.to_local().numel() * p.element_size() for p in self.params),
                 sum(p.grad.to_local().numel() * p.grad.element_size() for p in self.params))
 
@@ -152,13 +145,8 @@ class FullyShardedDataParallel:
         if self.embedding_group is not None and self.embedding_group.size > 1:
             for p in self.tied_params:
                 dist.all_reduce(p.grad.to_local(), group=self.embedding_group.group)
-        group = self.tensor_group
-        if group is None or group.size == 1 or not self.sequence_parallel_params:
-            return
-        pieces = [p.grad.to_local().view(-1) for p in self.sequence_parallel_params]
-        packed = torch.cat(pieces)
-        dist.all_reduce(packed, group=group.group)
-        torch._foreach_copy_(pieces, list(packed.split([piece.numel() for piece in pieces])))
+        if self.tensor_group is not None:
+            all_reduce_packed([p.grad.to_local().view(-1) for p in self.sequence_parallel_params], self.tensor_group)
 
     def zero_grad(self) -> None:
         for p in self.params:
@@ -173,6 +161,22 @@ class FullyShardedDataParallel:
         evaluation and callers after training must see the shards."""
         for unit in self.units:
             unit.reshard()
+
+
+def _quiet_view_warning(chunk: torch.nn.Module) -> None:
+    """FSDP2 warns at every forward that a unit returning a view (our hidden states and per-token losses are views)
+    would lose its pre-backward hook if the caller modified the view in place, which the trainer and the pipeline
+    engine never do. Ignore that warning within each forward of the chunk (its layers run inside it): a hook before
+    FSDP2's opens a ``catch_warnings`` scope, one after FSDP2's (even when the forward raises) closes it."""
+    scopes = []
+
+    def enter(module, args):
+        scopes.append(warnings.catch_warnings())
+        scopes[-1].__enter__()
+        warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
+
+    chunk.register_forward_pre_hook(enter, prepend=True)
+    chunk.register_forward_hook(lambda *_: scopes.pop().__exit__(None, None, None), always_call=True)
 
 
 def _reduce_by_sum(unit: FSDPModule) -> None:

@@ -1,10 +1,8 @@
-"""Fused ops written in C++ and CUDA (sources in ``csrc/``), built on first use; every one has a plain-torch fallback.
-
-``build`` compiles and caches extensions; ``policy`` decides per op and tensor whether the fused CUDA kernels run
+"""Fused ops written in C++ and CUDA (sources in ``csrc/``, built on first use by megalite.extensions); every one has
+a plain-torch fallback. ``policy`` decides per op and tensor whether the fused CUDA kernels run
 (``--use-fused-kernels``); ``fused`` holds their autograd functions; ``torch_ops`` the kernels' functions in torch ops.
 """
 
-from megalite.kernels.build import ExtensionUnavailable, load_extension
 from megalite.kernels.policy import DEFAULT_POLICY, KernelPolicy, fused_extension
 
-__all__ = ["load_extension", "ExtensionUnavailable", "KernelPolicy", "DEFAULT_POLICY", "fused_extension"]
+__all__ = ["KernelPolicy", "DEFAULT_POLICY", "fused_extension"]

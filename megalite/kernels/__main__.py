@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 import time
 
-from megalite.kernels.build import ExtensionUnavailable, extensions_dir
+from megalite.extensions import ExtensionUnavailable, extensions_dir
 from megalite.kernels.policy import EXTENSION_NAME, fused_extension
 
 

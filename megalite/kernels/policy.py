@@ -1,7 +1,7 @@
 """Which ops run as fused CUDA kernels: ``--use-fused-kernels auto|on|off`` and the per-op off switches.
 
 - ``auto`` (default): an op runs fused when its input is a CUDA tensor and the extension builds here (built on first
-  use, cached: see :mod:`megalite.kernels.build`); otherwise the model's plain torch ops run, with one warning if a
+  use, cached: see :mod:`megalite.extensions`); otherwise the model's plain torch ops run, with one warning if a
   build was tried and failed. CPU tensors never trigger a build, so CPU runs are exactly the torch ops.
 - ``on``: the same, but an extension that cannot be built is an error (with the compiler's or the lock's message),
   raised when the model is built; without a CUDA device ``on`` is already refused by ``megalite.config.validate``.
@@ -27,7 +27,7 @@ import types
 import torch
 
 from megalite.config import KernelConfig
-from megalite.kernels.build import ExtensionUnavailable, load_extension
+from megalite.extensions import ExtensionUnavailable, load_extension
 
 EXTENSION_NAME = "megalite_fused"
 EXTENSION_SOURCES = ["fused_ops.cpp", "cuda/masked_softmax.cu", "cuda/bias_gelu.cu", "cuda/norms.cu",

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from megalite.kernels import load_extension
+from megalite.extensions import load_extension
 
 _EXTENSION = ("cpu_adam", ["cpu_adam.cpp"])
 _GRAD_DTYPES = (torch.float32, torch.bfloat16)

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from megalite.model.flops import PEAK_BF16_TFLOPS
+
 GB = 1e9      # link bandwidths are quoted in decimal units
 GiB = 2**30   # memory in binary ones
 
@@ -28,7 +30,7 @@ class Hardware:
     num_gpus: int = 8
     gpus_per_node: int = 8
     gpu_memory_gib: float = 80.0         # an "80 GB" H100 has 80 GiB of HBM (torch reports 79.1 GiB usable)
-    peak_tflops: float = 989.0           # dense bf16 tensor-core peak
+    peak_tflops: float = PEAK_BF16_TFLOPS["H100"]   # dense bf16 tensor-core peak (H100 SXM)
     intra_node_link: str = "nvlink"      # nvlink | pcie
     intra_node_gbps: float | None = None  # GB/s per direction per GPU; None: the link's default above
     inter_node_network: str = "infiniband"   # infiniband | roce | ethernet

@@ -107,7 +107,7 @@ from typing import Optional
 
 from megalite.config import ModelConfig
 from megalite.distributed.buckets import build_layout
-from megalite.distributed.data_parallel import DEFAULT_BUCKET_SIZE
+from megalite.distributed.data_parallel import default_bucket_size
 from megalite.pipeline.partition import chunks_of_rank
 from megalite.pipeline.schedules import build_schedule
 from megalite.planner.layout import Layout
@@ -127,11 +127,6 @@ def bytes_per_parameter(zero: int, dp: int, dtype_bytes: int = 2) -> float:
     if zero == 1:
         return dtype_bytes + 4 + optimizer / dp
     return dtype_bytes + (4 + optimizer) / dp
-
-
-def zero_paper_bytes_per_parameter(stage: int, n: int) -> float:
-    """The ZeRO paper's mixed-precision Adam (Rajbhandari et al. 2020, K = 12): 16, 4 + 12/N, 2 + 14/N, 16/N."""
-    return {0: 16.0, 1: 4 + 12 / n, 2: 2 + 14 / n, 3: 16 / n}[stage]
 
 
 # ---- model states ---------------------------------------------------------------------------------------------------
@@ -165,11 +160,6 @@ class ModelStates:
     @property
     def host(self) -> float:
         return self.host_weights + self.host_gradients + self.host_optimizer
-
-
-def default_bucket_size(dp: int) -> int:
-    """megalite.distributed.DataParallel's default bucket size."""
-    return max(DEFAULT_BUCKET_SIZE, 1_000_000 * dp)
 
 
 def model_state_bytes(model: ModelConfig, layout: Layout, pp_rank: int = 0, *, dtype_bytes: int = 2,

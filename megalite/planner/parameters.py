@@ -121,10 +121,6 @@ class ParameterCount:
     embedding: int             # word (+ position) embedding, canonical
     per_layer: int             # one transformer layer, canonical
 
-    @property
-    def max_per_rank(self) -> int:
-        return max(self.per_stage)
-
 
 def count_parameters(cfg: ModelConfig, tp: int = 1, pp: int = 1, virtual_stages: int = 1) -> ParameterCount:
     """The model's size and what each rank holds at this layout."""

@@ -1,11 +1,8 @@
 """Step time of a layout: compute, the pipeline bubble, and the communication that does not hide behind compute.
 
-FLOPs. Model FLOPs per iteration (Korthikanti et al. 2022, appendix; Narayanan et al. 2021 eq. 3):
-72 B L s h^2 (1 + s/(6h) + V/(12 h L)) for GPT shapes (f = 4h, no grouping). Written here for the exact
-architecture: 6 B s (L (dense multiply-adds per token per layer) + 2 L s h + V h) - forward 2 FLOPs per
-multiply-add, backward twice the forward, the attention scores over the full s x s square as in the paper - which is
-the formula above when a layer's matrices are 12 h^2. Recompute adds work that MFU does not count: full recompute
-reruns every layer's forward (x 4/3 on the layers), selective only the attention core (4 L s^2 h B).
+FLOPs: the model's (megalite/model/flops.py, Korthikanti et al. 2022 for this architecture), plus recompute, which
+MFU does not count: full recompute reruns every layer's forward (x 4/3 on the layers), selective only the attention
+core (4 L s^2 h B).
 
 Time per micro-batch on a GPU of the slowest pipeline stage: its FLOPs / (TP x peak x efficiency), plus the
 tensor-parallel and pipeline transfers, which megalite does not overlap with compute. A step is M of those plus the
@@ -50,31 +47,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megalite.config import ModelConfig
+from megalite.distributed.data_parallel import default_bucket_size
+from megalite.model.flops import dense_macs_per_token_per_layer, model_flops_per_iteration
 from megalite.pipeline.partition import chunks_of_rank
 from megalite.planner.hardware import Hardware
 from megalite.planner.layout import Layout
-from megalite.planner.memory import default_bucket_size, fully_sharded_units, model_state_bytes, padded_elements
-
-
-def dense_macs_per_token_per_layer(model: ModelConfig) -> int:
-    """Multiply-adds of one layer's matrices per token: QKV, output projection, MLP."""
-    h, f = model.hidden_size, model.ffn_size
-    qkv = h * (h + 2 * model.query_groups * model.head_dim)
-    return qkv + h * h + h * f * (3 if model.swiglu else 2)
-
-
-def model_flops_per_iteration(model: ModelConfig, global_batch_size: int) -> float:
-    """Model FLOPs of one training iteration (forward + backward, no recompute): see the module docstring."""
-    s, L, h = model.seq_length, model.num_layers, model.hidden_size
-    per_token = L * dense_macs_per_token_per_layer(model) + 2 * L * s * h + model.vocab_size * h
-    return 6.0 * global_batch_size * s * per_token
-
-
-def korthikanti_model_flops(global_batch_size: int, num_layers: int, seq_length: int, hidden_size: int,
-                            vocab_size: int) -> float:
-    """72 B L s h^2 (1 + s/(6h) + V/(12 h L)), Korthikanti et al. 2022 (GPT shapes)."""
-    B, L, s, h, V = global_batch_size, num_layers, seq_length, hidden_size, vocab_size
-    return 72.0 * B * L * s * h * h * (1 + s / (6 * h) + V / (12 * h * L))
+from megalite.planner.memory import fully_sharded_units, model_state_bytes, padded_elements
 
 
 def ring_all_reduce_time(num_bytes: float, n: int, bandwidth: float) -> float:

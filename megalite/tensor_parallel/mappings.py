@@ -17,13 +17,13 @@ split along the sequence (dim 1 of [batch, seq, hidden]) and turns each all-redu
 
 | op                                  | forward                  | backward                 |
 |-------------------------------------|--------------------------|--------------------------|
-| scatter_to_sequence_parallel        | keep my slice (seq)      | all-gather (seq)         |
-| gather_from_sequence_parallel       | all-gather (seq)         | reduce-scatter (seq)     |
+| (column-parallel linear's input)    | all-gather (seq)         | reduce-scatter (seq)     |
 | reduce_scatter_to_sequence_parallel | reduce-scatter (seq)     | all-gather (seq)         |
 
-``gather_from_sequence_parallel`` is the sequence case of ``all_gather_tensor_parallel(x, dim)``, the gather whose
-consumers differ per rank (so their gradients must be summed over TP before each rank keeps its slice); grouped-query
-attention uses it on the last dim when there are fewer key/value heads than TP ranks.
+The first is fused into the linear (megalite.tensor_parallel.layers). ``all_gather_tensor_parallel(x, dim)`` is the
+same pair along any dim, for a gather whose consumers differ per rank (so their gradients must be summed over TP
+before each rank keeps its slice): grouped-query attention uses it on the last dim when there are fewer key/value
+heads than TP ranks.
 """
 
 from __future__ import annotations
@@ -85,14 +85,6 @@ def reduce_scatter(x: torch.Tensor, dim: int) -> torch.Tensor:
     return out.movedim(0, dim).contiguous()
 
 
-def _split_last_dim(x: torch.Tensor) -> torch.Tensor:
-    return split(x, -1)
-
-
-def _gather_last_dim(x: torch.Tensor) -> torch.Tensor:
-    return all_gather(x, -1)
-
-
 class _CopyToTensorParallel(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x):
@@ -123,32 +115,21 @@ class _ReduceFromTensorParallel(torch.autograd.Function):
 class _ScatterToTensorParallel(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x):
-        return _split_last_dim(x)
+        return split(x, -1)
 
     @staticmethod
     def backward(ctx, grad):
-        return _gather_last_dim(grad)
+        return all_gather(grad, -1)
 
 
 class _GatherFromTensorParallel(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x):
-        return _gather_last_dim(x)
+        return all_gather(x, -1)
 
     @staticmethod
     def backward(ctx, grad):
-        return _split_last_dim(grad)
-
-
-class _ScatterAlong(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, dim):
-        ctx.dim = dim
-        return split(x, dim)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return all_gather(grad, ctx.dim), None
+        return split(grad, -1)
 
 
 class _AllGatherAlong(torch.autograd.Function):
@@ -198,14 +179,6 @@ def gather_from_tensor_parallel(x: torch.Tensor) -> torch.Tensor:
 def all_gather_tensor_parallel(x: torch.Tensor, dim: int) -> torch.Tensor:
     """All-gather along ``dim``; backward reduce-scatters (each rank may consume a different part of the result)."""
     return _AllGatherAlong.apply(x, dim) if _tensor_parallel() else x
-
-
-def scatter_to_sequence_parallel(x: torch.Tensor) -> torch.Tensor:
-    return _ScatterAlong.apply(x, SEQUENCE_DIM) if _tensor_parallel() else x
-
-
-def gather_from_sequence_parallel(x: torch.Tensor) -> torch.Tensor:
-    return _AllGatherAlong.apply(x, SEQUENCE_DIM) if _tensor_parallel() else x
 
 
 def reduce_scatter_to_sequence_parallel(x: torch.Tensor) -> torch.Tensor:

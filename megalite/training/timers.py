@@ -2,9 +2,9 @@
 
 Timers accumulate wall time per phase over the log interval (synchronizing the GPU at each boundary, so the numbers
 are honest at a small cost, paid only when ``--timing-log-level`` > 0). At each log they are reduced to the min and max
-over all ranks, so a straggler shows as a max far above the min. Throughput uses the model FLOPs of the planner
-(megalite/planner/performance.py, the Korthikanti et al. 2022 count generalized to this architecture), divided by the
-measured time and the number of devices; MFU divides that by the device's peak.
+over all ranks, so a straggler shows as a max far above the min. Throughput uses the model FLOPs
+(megalite/model/flops.py, the Korthikanti et al. 2022 count generalized to this architecture), divided by the
+measured time and the number of devices; MFU divides that by the device's peak (the table there).
 """
 
 from __future__ import annotations
@@ -18,8 +18,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-# Dense bf16 peak TFLOP/s by device name fragment (vendor data sheets).
-_KNOWN_PEAKS = {"H200": 989.0, "H100": 989.0, "A100": 312.0}
+from megalite.model.flops import peak_bf16_tflops
 
 # Which phases each --timing-log-level reports.
 LEVELS = {1: ("forward-backward", "grads-reduce", "optimizer"), 2: ("pipeline-wait",)}
@@ -76,10 +75,7 @@ class Timers:
 def peak_tflops(device: torch.device, configured: Optional[float]) -> Optional[float]:
     if configured is not None:
         return configured
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        return next((peak for key, peak in _KNOWN_PEAKS.items() if key in name), None)
-    return None
+    return peak_bf16_tflops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
 
 
 def peak_memory_gib(device: torch.device) -> float:

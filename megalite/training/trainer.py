@@ -21,12 +21,12 @@ import torch.distributed as dist
 from megalite import checkpoint, parallel_state
 from megalite.config import MegaliteConfig
 from megalite.data import build_datasets, micro_batch_indices
-from megalite.distributed import DataParallel, FullyShardedDataParallel
+from megalite.distributed import DataParallel, DataParallelEngine, FullyShardedDataParallel
 from megalite.kernels import KernelPolicy
 from megalite.model import GPTModel
+from megalite.model.flops import model_flops_per_iteration
 from megalite.optimizer import MegaliteOptimizer, learning_rate
 from megalite.optimizer.clip_grads import counts_toward_norm
-from megalite.planner.performance import model_flops_per_iteration
 from megalite.pipeline import PipelineLinks, build_schedule, chunks_of_rank, run_schedule
 from megalite.tensor_parallel import TensorParallelRNG
 from megalite.training.metrics import MetricsLogger
@@ -83,8 +83,9 @@ class Trainer:
         self.dtype = (torch.bfloat16 if cfg.training.bf16 else torch.float16 if cfg.training.fp16
                       else torch.float32)
         o = cfg.optimizer
+        self.engine: DataParallelEngine
         if o.zero_stage == 3:   # FSDP2 keeps fp32 shards as main parameters and casts the gathered copies itself
-            self.ddp = FullyShardedDataParallel(
+            self.engine = FullyShardedDataParallel(
                 list(self.model), data_group=parallel_state.get_data_parallel_group(),
                 tensor_group=parallel_state.get_tensor_model_parallel_group(),
                 embedding_group=parallel_state.get_embedding_group(),
@@ -92,7 +93,7 @@ class Trainer:
                 compute_dtype=self.dtype, offload_params=o.offload_params)
         else:
             self.model.to(self.dtype)
-            self.ddp = DataParallel(
+            self.engine = DataParallel(
                 list(self.model), data_group=parallel_state.get_data_parallel_group(),
                 embedding_group=parallel_state.get_embedding_group(),
                 tied_params=[w for chunk in self.model for w in chunk.tied_embedding_weights()],
@@ -101,7 +102,7 @@ class Trainer:
                 overlap_param_gather=o.overlap_param_gather,
                 tensor_group=parallel_state.get_tensor_model_parallel_group())
         self.tied_embedding_weights = [w for chunk in self.model for w in chunk.tied_embedding_weights()]
-        self.optimizer = MegaliteOptimizer(self.ddp, o, cfg.training)
+        self.optimizer = MegaliteOptimizer(self.engine, o, cfg.training)
         self.state = TrainState()
         dp = parallel_state.get_data_parallel_world_size()
         self.num_micro_batches = cfg.training.global_batch_size // (cfg.training.micro_batch_size * dp)
@@ -123,7 +124,7 @@ class Trainer:
 
     def describe(self) -> str:
         """One line for the start of a run: layout, schedule, model size, data."""
-        counted = torch.tensor(float(sum(p.numel() for p in self.ddp.params if counts_toward_norm(p))))
+        counted = torch.tensor(float(sum(p.numel() for p in self.engine.params if counts_toward_norm(p))))
         info = parallel_state.get_model_parallel_group()
         if info.size > 1:
             dist.all_reduce(counted, group=info.group)
@@ -183,13 +184,13 @@ class Trainer:
     def train_step(self) -> dict:
         """One optimizer step over one global batch; returns the iteration's metrics."""
         self.model.train()
-        self.ddp.start_iteration(self.num_micro_batches)
+        self.engine.start_iteration(self.num_micro_batches)
         with self.timers("forward-backward"):
             loss_sum, global_tokens, stats = self._run_global_batch(self.data.train, self.state.consumed_samples,
                                                                     forward_only=False)
         self.timers.add("pipeline-wait", stats.total_s - stats.busy_s)
         with self.timers("grads-reduce"):
-            self.ddp.finish_grad_sync()
+            self.engine.finish_grad_sync()
 
         iteration = self.state.iteration + 1
         lr = learning_rate(iteration, self.cfg.optimizer, self.cfg.training.train_iters)
@@ -197,9 +198,8 @@ class Trainer:
             step = self.optimizer.step(lr)
         # Which ranks saw a NaN/Inf (only looked for when the global norm, equal on every rank, is not finite).
         norm_bad = step["grad_norm"] is not None and not math.isfinite(step["grad_norm"])
-        local_bad = not bool(torch.isfinite(loss_sum)) or (
-            norm_bad and any(not bool(torch.isfinite(f.grad).all()) for f in self.optimizer.fragments))
-        self.ddp.zero_grad()
+        local_bad = not bool(torch.isfinite(loss_sum)) or (norm_bad and self.optimizer.has_nonfinite_grads())
+        self.engine.zero_grad()
 
         # Only the last stage has the loss: sum it over DP, then share it (and each stage's schedule statistics)
         # along the pipeline so rank 0 can report it.
@@ -227,7 +227,7 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self) -> float:
         """Mean validation loss over ``eval_iters`` global batches (the first ones of the validation set)."""
-        self.ddp.finish_param_sync()
+        self.engine.finish_param_sync()
         self.model.eval()
         total, tokens = torch.zeros((), device=self.device), torch.zeros((), device=self.device)
         for k in range(self.cfg.data.eval_iters):
@@ -241,7 +241,7 @@ class Trainer:
 
     def save_checkpoint(self, directory: str):
         """Save model, optimizer, data position and RNG states into ``directory`` (collective; megalite.checkpoint)."""
-        self.ddp.finish_param_sync()   # the distributed optimizer's parameter gathers must have landed
+        self.engine.finish_param_sync()   # the distributed optimizer's parameter gathers must have landed
         path = checkpoint.save_checkpoint(
             directory, cfg=self.cfg, iteration=self.state.iteration, consumed_samples=self.state.consumed_samples,
             parameters=list(self.canonical_named_parameters()), optimizer=self.optimizer, rng=self.rng,
@@ -308,6 +308,6 @@ class Trainer:
                 break
         if self.cfg.checkpoint.save and self._checkpointed_iteration != self.state.iteration:
             self.save_checkpoint(self.cfg.checkpoint.save)
-        self.ddp.finish_param_sync()
+        self.engine.finish_param_sync()
         self.logger.close()
         return records

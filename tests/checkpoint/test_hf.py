@@ -20,7 +20,7 @@ from megalite.checkpoint.hf_gpt2 import check_exportable
 from megalite.config import ModelConfig
 
 from ..helpers import tiny_config
-from .conftest import perturb_and_save, train_and_save
+from .helpers import perturb_and_save, train_and_save
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")

@@ -20,7 +20,7 @@ from megalite.checkpoint.hf_llama import check_exportable, model_config_from
 from megalite.config import ModelConfig
 
 from ..helpers import tiny_config
-from .conftest import perturb_and_save, train_and_save
+from .helpers import perturb_and_save, train_and_save
 from .test_tools import _tool
 
 transformers = pytest.importorskip("transformers")

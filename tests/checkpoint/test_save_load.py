@@ -3,7 +3,6 @@ the one-line errors of a partial or corrupt checkpoint (from pretrain_gpt.py, be
 
 from __future__ import annotations
 
-import json
 import pickle
 
 import pytest
@@ -16,8 +15,8 @@ from megalite.checkpoint.directory import POINTER_NAME
 from megalite.checkpoint.storage import read_metadata
 from megalite.training import Trainer
 
-from ..helpers import tiny_config
-from .conftest import CPU, losses, single_layout, train_and_save, with_checkpoint
+from ..helpers import losses, read_metrics, single_layout, tiny_config, with_checkpoint
+from .helpers import CPU, train_and_save
 
 TINY = ["model=gpt_tiny", "data=mock", "--eval-interval", "0", "--train-iters", "4", "--lr", "1e-3"]
 
@@ -72,7 +71,7 @@ def test_pretrain_gpt_save_then_resume_where_load_is_save(tmp_path, capsys):
     assert pretrain_gpt.main(common) == 0           # nothing saved yet: starts from scratch
     assert "starting from scratch" in capsys.readouterr().out
     assert pretrain_gpt.main([*common, "--train-iters", "6"]) == 0
-    iterations = [r["iteration"] for r in map(json.loads, metrics.read_text().splitlines())]
+    iterations = [r["iteration"] for r in read_metrics(metrics)]
     assert iterations == [1, 2, 3, 4, 5, 6]
     assert open_checkpoint(ckpt).manifest.iteration == 6
 

@@ -15,7 +15,7 @@ from megalite.data.indexed_dataset import IndexedDataset
 from megalite.data.preprocess import preprocess
 from megalite.data.tokenizer import NullTokenizer, SentencePieceTokenizer, build_tokenizer
 
-from .conftest import VOCAB_SIZE, generated_documents
+from .helpers import VOCAB_SIZE, generated_documents
 
 TOOLS = Path(__file__).resolve().parents[2] / "tools"
 

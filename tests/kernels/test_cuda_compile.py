@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from megalite.kernels.build import CSRC_DIR, CUDA_ARCH_FLAGS
+from megalite.extensions import CSRC_DIR, CUDA_ARCH_FLAGS
 
 CUDA_SOURCES = sorted((CSRC_DIR / "cuda").glob("*.cu"))
 BINDING = CSRC_DIR / "fused_ops.cpp"

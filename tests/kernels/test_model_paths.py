@@ -14,19 +14,13 @@ import types
 import pytest
 import torch
 
-from megalite import parallel_state
 from megalite.kernels import KernelPolicy, torch_ops
 from megalite.model import GPTModel
 from megalite.tensor_parallel import TensorParallelRNG
 
 from ..helpers import tiny_config
 
-
-@pytest.fixture(autouse=True)
-def single_process_layout():
-    parallel_state.initialize_model_parallel(1, 1)
-    yield
-    parallel_state.destroy_model_parallel()
+pytestmark = pytest.mark.usefixtures("single_process_layout")   # tests/conftest.py
 
 
 def _spy_ops(calls: set[str]) -> types.SimpleNamespace:

@@ -1,33 +1,23 @@
 """Choosing between the fused kernels and torch ops: CPU tensors and ``off`` always get torch ops, a missing GPU,
 CUDA build of torch or compiler falls back with one warning under ``auto`` and is an error under ``on``, the flags
-reach the policy, and a stale build lock fails fast, naming the file to delete."""
+reach the policy."""
 
 from __future__ import annotations
 
-import os
-import threading
-import time
 import types
 import warnings
 
 import pytest
 import torch
 
+from megalite import extensions
 from megalite.cli import parse_args
 from megalite.config import ConfigError, KernelConfig, validate
-from megalite.kernels import build, policy
+from megalite.kernels import policy
 from megalite.kernels.policy import OPS, ExtensionUnavailable, KernelPolicy
 
 FAKE_CUDA = types.SimpleNamespace(is_cuda=True)   # what the policy looks at in a tensor
-
-
-@pytest.fixture(autouse=True)
-def fresh_extension_cache(monkeypatch, tmp_path):
-    """Each test builds (or fails to build) the fused extension afresh, in its own directory."""
-    monkeypatch.setenv(build.DIR_ENV, str(tmp_path / "extensions"))
-    monkeypatch.delenv(build.DISABLE_ENV, raising=False)
-    monkeypatch.setattr(build, "_modules", {})
-    monkeypatch.setattr(build, "_failures", {})
+pytestmark = pytest.mark.usefixtures("fresh_extension_cache")   # tests/conftest.py
 
 
 @pytest.mark.parametrize("mode", ["auto", "on", "off"])
@@ -76,9 +66,9 @@ def test_a_cpu_build_of_torch_says_so():
 
 
 def test_disabled_extensions_mean_torch_ops(monkeypatch):
-    monkeypatch.setenv(build.DISABLE_ENV, "1")
+    monkeypatch.setenv(extensions.DISABLE_ENV, "1")
     assert KernelPolicy("auto").ops("layernorm", FAKE_CUDA) is None
-    with pytest.raises(ExtensionUnavailable, match=build.DISABLE_ENV):
+    with pytest.raises(ExtensionUnavailable, match=extensions.DISABLE_ENV):
         KernelPolicy("on").check()
 
 
@@ -101,41 +91,6 @@ def test_on_without_a_gpu_is_refused_by_validation(monkeypatch):
     validate(parse_args(["--use-fused-kernels", "auto", "--mock-data"]), 1)
     with pytest.raises(ConfigError, match="must be auto, on or off, got 'yes'"):
         validate(parse_args(["--use-fused-kernels", "yes", "--mock-data"]), 1)
-
-
-def test_a_stale_build_lock_fails_fast_naming_the_file(tmp_path, monkeypatch):
-    lock = tmp_path / "lock"
-    lock.touch()
-    old = time.time() - 3600
-    os.utime(lock, (old, old))
-    with pytest.raises(ExtensionUnavailable, match=f"stale build lock: {lock} is 3600 s old.*delete"):
-        build._wait_for_build_lock(tmp_path)
-    # Through load_extension: the fallback, with the same message in its warning; no compiler is started.
-    build_dir = build.extensions_dir() / "stale_test"
-    build_dir.mkdir(parents=True)
-    (build_dir / "lock").touch()
-    os.utime(build_dir / "lock", (old, old))
-    with pytest.warns(RuntimeWarning, match="stale build lock"):
-        assert build.load_extension("stale_test", ["cpu_adam.cpp"]) is None
-
-
-def test_a_live_build_lock_is_waited_for(tmp_path, monkeypatch):
-    monkeypatch.setenv(build.LOCK_TIMEOUT_ENV, "30")
-    lock = tmp_path / "lock"
-    lock.touch()
-    threading.Timer(0.3, lock.unlink).start()   # the other process finishes its build
-    start = time.monotonic()
-    build._wait_for_build_lock(tmp_path)
-    assert 0.2 < time.monotonic() - start < 10
-
-
-def test_a_lock_older_than_the_timeout_is_stale(tmp_path, monkeypatch):
-    monkeypatch.setenv(build.LOCK_TIMEOUT_ENV, "0.5")
-    (tmp_path / "lock").touch()
-    start = time.monotonic()
-    with pytest.raises(ExtensionUnavailable, match="MEGALITE_BUILD_LOCK_TIMEOUT=0.5 s"):
-        build._wait_for_build_lock(tmp_path)
-    assert time.monotonic() - start < 5
 
 
 def test_bad_policies_are_refused():

@@ -11,19 +11,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megalite import parallel_state
 from megalite.kernels import fused, torch_ops
 from megalite.model.rotary import RotaryEmbedding, rotate_half
 from megalite.tensor_parallel.cross_entropy import _FusedVocabParallelCrossEntropy, _VocabParallelCrossEntropy
 
 TOL = dict(rtol=1e-5, atol=1e-6)
 
-
-@pytest.fixture(autouse=True)
-def single_process_layout():
-    parallel_state.initialize_model_parallel(1, 1)
-    yield
-    parallel_state.destroy_model_parallel()
+pytestmark = pytest.mark.usefixtures("single_process_layout")   # tests/conftest.py
 
 
 def _leaves(*tensors):

@@ -12,7 +12,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megalite import parallel_state
 from megalite.model.transformer import TransformerLayer, run_layers
 from megalite.tensor_parallel import TensorParallelRNG
 
@@ -21,12 +20,7 @@ from ..helpers import tiny_config
 
 B, S = 2, 32
 
-
-@pytest.fixture(autouse=True)
-def single_process_layout():
-    parallel_state.initialize_model_parallel(1, 1)
-    yield
-    parallel_state.destroy_model_parallel()
+pytestmark = pytest.mark.usefixtures("single_process_layout")   # tests/conftest.py
 
 
 @pytest.mark.parametrize("recompute", [None, "selective", "full"])

@@ -9,18 +9,12 @@ import math
 import pytest
 import torch
 
-from megalite import parallel_state
 from megalite.model import GPTModel
 from megalite.tensor_parallel import TensorParallelRNG
 
 from ..helpers import tiny_config
 
-
-@pytest.fixture(autouse=True)
-def single_process_layout():
-    parallel_state.initialize_model_parallel(1, 1)
-    yield
-    parallel_state.destroy_model_parallel()
+pytestmark = pytest.mark.usefixtures("single_process_layout")   # tests/conftest.py
 
 
 def _model(**model_overrides) -> GPTModel:

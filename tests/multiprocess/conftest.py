@@ -9,9 +9,12 @@ watchdog that ends a launch which stops making progress. Outside torchrun these 
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from megalite import parallel_state
 
@@ -68,3 +71,14 @@ def pytest_runtest_protocol(item, nextitem):
 def clean_layout():
     yield
     parallel_state.destroy_model_parallel()
+
+
+@pytest.fixture
+def directory():
+    """One temporary directory for every rank (rank 0 makes it and removes it; the ranks share one machine)."""
+    holder = [tempfile.mkdtemp(prefix="megalite-ckpt-") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(holder, src=0)
+    yield holder[0]
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(holder[0], ignore_errors=True)

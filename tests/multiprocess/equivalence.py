@@ -17,8 +17,8 @@ from megalite.distributed import full_local_tensor
 from megalite.tensor_parallel import unshard
 from megalite.training import Trainer
 
-from ..helpers import max_relative_difference
-from .groups import layout, single_process
+from ..helpers import max_relative_difference, single_layout
+from .groups import layout
 
 RTOL = 1e-5
 CPU = torch.device("cpu")
@@ -55,7 +55,7 @@ def reference(cfg):
     optimizer = dataclasses.replace(cfg.optimizer, use_distributed_optimizer=False, zero_stage=1,
                                     overlap_grad_reduce=False, overlap_param_gather=False,
                                     optimizer_cpu_offload=False, offload_params=False, ddp_bucket_size=None)
-    with single_process():
+    with single_layout():
         trainer = Trainer(dataclasses.replace(cfg, parallel=ParallelConfig(), optimizer=optimizer), CPU)
         return trainer.train(), full_parameters(trainer)
 

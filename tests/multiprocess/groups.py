@@ -1,11 +1,11 @@
-"""Layouts for distributed tests: build one over some ranks of the launch, or the single-process reference."""
+"""Layouts for distributed tests: build one over some ranks of the launch (the single-process reference is
+tests/helpers.py's ``single_layout``)."""
 
 from __future__ import annotations
 
 import contextlib
 
 import pytest
-import torch.distributed as dist
 
 from megalite import parallel_state
 
@@ -20,13 +20,6 @@ def layout(tp: int = 1, pp: int = 1, ranks=None):
         yield state is not None
     finally:
         parallel_state.destroy_model_parallel()
-
-
-@contextlib.contextmanager
-def single_process():
-    """The reference: a 1x1x1 layout on this rank alone (no communication at all)."""
-    with layout(1, 1, ranks=[dist.get_rank()]):
-        yield
 
 
 def requires_world(size: int):

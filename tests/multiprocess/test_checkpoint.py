@@ -14,8 +14,6 @@
 from __future__ import annotations
 
 import dataclasses
-import shutil
-import tempfile
 
 import pytest
 import torch.distributed as dist
@@ -23,31 +21,12 @@ import torch.distributed as dist
 from megalite.config import ModelConfig, ParallelConfig
 from megalite.training import Trainer
 
-from ..helpers import max_relative_difference, tiny_config
+from ..helpers import losses, max_relative_difference, tiny_config, with_checkpoint
 from .groups import layout, requires_world
 from .equivalence import CPU
 
 EXACT = 1e-7
 RESHARD = 1e-5
-
-
-@pytest.fixture
-def directory():
-    """One temporary directory for every rank (rank 0 makes it and removes it; the ranks share one machine)."""
-    holder = [tempfile.mkdtemp(prefix="megalite-ckpt-") if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(holder, src=0)
-    yield holder[0]
-    dist.barrier()
-    if dist.get_rank() == 0:
-        shutil.rmtree(holder[0], ignore_errors=True)
-
-
-def _with_checkpoint(cfg, **options):
-    return dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, **options))
-
-
-def _losses(records: list[dict]) -> list[float]:
-    return [r["loss"] for r in records if "loss" in r]
 
 
 @pytest.mark.parametrize("label, tp, pp, model, optimizer", [
@@ -64,15 +43,15 @@ def test_exact_resume_same_layout(directory, label, tp, pp, model, optimizer):
         cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel,
                                                                     num_virtual_stages_per_pipeline_rank=2))
     with layout(tp, pp):
-        straight = _losses(Trainer(cfg, CPU).train())
+        straight = losses(Trainer(cfg, CPU).train())
     with layout(tp, pp):
         trainer = Trainer(cfg, CPU)
         first = [trainer.train_step()["loss"] for _ in range(5)]   # train_iters stays 10: the same LR schedule
         trainer.save_checkpoint(directory)
     with layout(tp, pp):
-        resumed = Trainer(_with_checkpoint(cfg, load=directory), CPU)
+        resumed = Trainer(with_checkpoint(cfg, load=directory), CPU)
         assert resumed.state.iteration == 5 and resumed.state.consumed_samples == 40
-        second = _losses(resumed.train())
+        second = losses(resumed.train())
     difference = max_relative_difference(first + second, straight)
     print(f"exact resume {label}, with dropout: max rel loss diff {difference:.1e}")
     assert len(second) == 5 and difference <= EXACT
@@ -85,8 +64,8 @@ def test_reshard_to_other_layouts(directory):
                       training={"train_iters": 6}, data={"eval_interval": 0})
     cfg = dataclasses.replace(cfg, optimizer=dataclasses.replace(cfg.optimizer, adam_eps=1e-5))   # see equivalence
     with layout(2, 2):
-        uninterrupted = _losses(Trainer(_with_checkpoint(cfg, save=directory, save_interval=4), CPU).train())
-    resumed_cfg = _with_checkpoint(cfg, load=f"{directory}/iter_0000004")   # the end of training saved 6 too
+        uninterrupted = losses(Trainer(with_checkpoint(cfg, save=directory, save_interval=4), CPU).train())
+    resumed_cfg = with_checkpoint(cfg, load=f"{directory}/iter_0000004")   # the end of training saved 6 too
     for label, tp, pp, ranks, optimizer in [
         ("TP=1 x PP=1 x DP=1", 1, 1, [0], {"use_distributed_optimizer": False}),
         ("TP=4 x PP=1 x DP=2", 4, 1, None, {}),
@@ -101,8 +80,8 @@ def test_reshard_to_other_layouts(directory):
                 continue
             trainer = Trainer(run_cfg, CPU)
             assert trainer.state.iteration == 4
-            losses = _losses(trainer.train())
-        difference = max_relative_difference(losses, uninterrupted[4:])
+            resumed = losses(trainer.train())
+        difference = max_relative_difference(resumed, uninterrupted[4:])
         print(f"saved at TP=2 x PP=2 x DP=2 ZeRO-1 after 4 iterations, resumed at {label}: iterations 5-6 max rel "
               f"loss diff {difference:.1e}")
         assert difference < RESHARD
@@ -122,14 +101,14 @@ def test_imported_hugging_face_model_loads_at_a_parallel_layout(directory):
         torch_model.save_pretrained(f"{directory}/hf")
         import_hf(f"{directory}/hf", f"{directory}/ckpt")
     dist.barrier()
-    cfg = _with_checkpoint(tiny_config(model={"num_layers": 4}, training={"train_iters": 2},
+    cfg = with_checkpoint(tiny_config(model={"num_layers": 4}, training={"train_iters": 2},
                                        data={"eval_interval": 0}), load=f"{directory}/ckpt", finetune=True)
     with layout(1, 1, ranks=[dist.get_rank()]):
-        expected = _losses(Trainer(cfg, CPU).train())
+        expected = losses(Trainer(cfg, CPU).train())
     parallel = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, tensor_model_parallel_size=2,
                                                                      pipeline_model_parallel_size=2))
     with layout(2, 2):
-        actual = _losses(Trainer(parallel, CPU).train())
+        actual = losses(Trainer(parallel, CPU).train())
     difference = max_relative_difference(actual, expected)
     print(f"imported GPT-2 fine-tuned at TP=2 x PP=2 vs one process: max rel loss diff {difference:.1e}")
     assert difference < RESHARD
@@ -150,13 +129,13 @@ def test_reshard_llama_style_model(directory):
     if "sequence_parallel" in {f.name for f in dataclasses.fields(ParallelConfig)}:
         cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, sequence_parallel=True))
     with layout(2, 2):
-        uninterrupted = _losses(Trainer(_with_checkpoint(cfg, save=directory, save_interval=3), CPU).train())
-    resumed = dataclasses.replace(
-        _with_checkpoint(cfg, load=f"{directory}/iter_0000003"),
+        uninterrupted = losses(Trainer(with_checkpoint(cfg, save=directory, save_interval=3), CPU).train())
+    resumed_cfg = dataclasses.replace(
+        with_checkpoint(cfg, load=f"{directory}/iter_0000003"),
         parallel=dataclasses.replace(ParallelConfig(), pipeline_model_parallel_size=4))
     with layout(1, 4):
-        losses = _losses(Trainer(resumed, CPU).train())
-    difference = max_relative_difference(losses, uninterrupted[3:])
+        resumed = losses(Trainer(resumed_cfg, CPU).train())
+    difference = max_relative_difference(resumed, uninterrupted[3:])
     print(f"Llama-style model saved at TP=2 x PP=2 (ZeRO-1), resumed at PP=4: iteration 4 rel loss diff "
           f"{difference:.1e}")
     assert difference < RESHARD

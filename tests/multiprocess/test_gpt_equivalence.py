@@ -17,8 +17,8 @@ from megalite import parallel_state
 from megalite.config import ParallelConfig
 from megalite.training import Trainer
 
-from ..helpers import tiny_config
-from .groups import layout, requires_world, single_process
+from ..helpers import single_layout, tiny_config
+from .groups import layout, requires_world
 from .equivalence import CPU, check_against_reference, full_parameters
 
 
@@ -76,7 +76,7 @@ def test_tied_embedding_copies_stay_identical_across_stages():
 @pytest.mark.parametrize("untie", [False, True])
 def test_initial_weights_are_layout_independent(untie):
     cfg = tiny_config(tp=2, pp=2, model={"untie_embeddings_and_output_weights": untie})
-    with single_process():
+    with single_layout():
         expected = full_parameters(Trainer(dataclasses.replace(cfg, parallel=ParallelConfig()), CPU))
     with layout(2, 2):
         actual = full_parameters(Trainer(cfg, CPU))
@@ -88,7 +88,7 @@ def test_initial_weights_are_layout_independent(untie):
 @requires_world(4)
 def test_bf16_stays_close_to_fp32():
     cfg = tiny_config(tp=2, training={"bf16": True, "train_iters": 20})
-    with single_process():
+    with single_layout():
         fp32 = Trainer(tiny_config(training={"train_iters": 20}), CPU).train()
     with layout(2):
         bf16 = Trainer(cfg, CPU).train()

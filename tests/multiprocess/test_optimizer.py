@@ -43,7 +43,7 @@ def test_matches_single_process(label, tp, pp, ranks, options):
 def _state_bytes(cfg) -> int:
     trainer = Trainer(cfg, CPU)
     trainer.train()     # Adam states exist after the first step
-    return trainer.optimizer.state_bytes(), len(trainer.ddp.buckets)
+    return trainer.optimizer.state_bytes(), len(trainer.engine.buckets)
 
 
 def test_optimizer_state_bytes_are_one_over_dp():
@@ -66,20 +66,20 @@ def test_fp16_overflow_on_one_rank_skips_the_step_everywhere():
                       training={"fp16": True, "micro_batch_size": 1, "train_iters": 8})
     with layout(1, 1):
         trainer = Trainer(cfg, CPU)
-        finish = trainer.ddp.finish_grad_sync
+        finish = trainer.engine.finish_grad_sync
         inject_at = {2, 5, 6}   # iterations whose gradients get an inf on DP rank 1's own shard only
 
         def finish_with_overflow():
             finish()
             if trainer.state.iteration + 1 in inject_at and parallel_state.get_data_parallel_rank() == 1:
-                trainer.optimizer.fragments[0].grad[0] = float("inf")
+                trainer.optimizer.pieces[0].grad[0] = float("inf")
 
-        trainer.ddp.finish_grad_sync = finish_with_overflow
+        trainer.engine.finish_grad_sync = finish_with_overflow
         records, weights = [], []
         for _ in range(cfg.training.train_iters):
-            before = trainer.ddp.param_buffer.clone()
+            before = trainer.engine.param_buffer.clone()
             records.append(trainer.train_step())
-            weights.append(torch.equal(before, trainer.ddp.param_buffer))
+            weights.append(torch.equal(before, trainer.engine.param_buffer))
     skipped = [r["iteration"] for r in records if r.get("skipped")]
     scales = [r["loss_scale"] for r in records]
     assert skipped == [2, 5, 6]                       # on every rank, although only rank 1 overflowed

@@ -33,7 +33,7 @@ LLAMA = {"position_embedding_type": "rope", "normalization": "RMSNorm", "swiglu"
 
 def _held(trainer: Trainer) -> dict[str, int]:
     """Bytes of this rank's parameter and gradient shards, and of its optimizer states (Adam, main copies)."""
-    params = trainer.ddp.params
+    params = trainer.engine.params
     return {"weights": sum(p.to_local().numel() * p.to_local().element_size() for p in params),
             "gradients": sum(p.grad.to_local().numel() * p.grad.to_local().element_size() for p in params),
             "optimizer": trainer.optimizer.state_bytes()}

@@ -28,10 +28,9 @@ from megalite.cli import parse_command_line
 from megalite.config import validate
 from megalite.training import Trainer
 
-from ..helpers import max_relative_difference, tiny_config
-from .groups import layout, requires_world, single_process
-from .equivalence import CPU, check_against_reference
-from .test_checkpoint import RESHARD, _losses, _with_checkpoint, directory  # noqa: F401 (fixture)
+from ..helpers import losses, max_relative_difference, single_layout, tiny_config, with_checkpoint
+from .groups import layout, requires_world
+from .equivalence import CPU, RTOL, check_against_reference
 
 ZERO3 = {"zero_stage": 3}
 LLAMA = {"position_embedding_type": "rope", "normalization": "RMSNorm", "swiglu": True, "group_query_attention": True,
@@ -62,13 +61,13 @@ def test_three_dimensional_layout_matches_single_process():
 
 def _bytes(trainer: Trainer) -> torch.Tensor:
     """(parameter, gradient, Adam state) bytes this rank holds."""
-    params, grads = trainer.ddp.held_bytes()
+    params, grads = trainer.engine.held_bytes()
     return torch.tensor([params, grads, trainer.optimizer.state_bytes()], dtype=torch.float64)
 
 
 def test_bytes_per_rank_are_one_over_dp():
     cfg = tiny_config(training={"train_iters": 1}, data={"eval_interval": 0})
-    with single_process():
+    with single_layout():
         trainer = Trainer(cfg, CPU)
         trainer.train()
         unsharded = _bytes(trainer)
@@ -78,7 +77,7 @@ def test_bytes_per_rank_are_one_over_dp():
         mine = _bytes(trainer)
         # Rows are cut ceil(rows / DP) at a time: the most a rank can hold.
         dp = parallel_state.get_data_parallel_world_size()
-        bound = sum(-(-p.shape[0] // dp) * (p.numel() // p.shape[0]) * 4 for p in trainer.ddp.params)
+        bound = sum(-(-p.shape[0] // dp) * (p.numel() // p.shape[0]) * 4 for p in trainer.engine.params)
     total, largest = mine.clone(), mine.clone()
     dist.all_reduce(total)
     dist.all_reduce(largest, op=dist.ReduceOp.MAX)
@@ -98,22 +97,22 @@ def test_mixed_precision_follows_stage_one(precision, tolerance):
         with layout(1, 1):
             runs[stage] = Trainer(dataclasses.replace(cfg, optimizer=dataclasses.replace(cfg.optimizer, **optimizer)),
                                   CPU).train()
-    difference = max_relative_difference(_losses(runs[3]), _losses(runs[1]))
+    difference = max_relative_difference(losses(runs[3]), losses(runs[1]))
     print(f"{precision}: ZeRO-3 vs ZeRO-1 at DP=4, max rel loss diff {difference:.1e}")
     assert difference < tolerance
     assert sum(not r.get("skipped", False) for r in runs[3]) >= 5
     assert [r.get("loss_scale") for r in runs[3]] == [r.get("loss_scale") for r in runs[1]]
 
 
-def test_checkpoints_move_between_stages(directory):  # noqa: F811 (the fixture)
+def test_checkpoints_move_between_stages(directory):
     cfg = tiny_config(optimizer={"adam_eps": 1e-5}, data={"eval_interval": 0})   # adam_eps: see equivalence.py
     stage1 = dataclasses.replace(cfg, optimizer=dataclasses.replace(cfg.optimizer, use_distributed_optimizer=True))
     stage3 = dataclasses.replace(cfg, optimizer=dataclasses.replace(cfg.optimizer, **ZERO3))
     with layout(1, 1):
-        straight = _losses(Trainer(_with_checkpoint(stage1, save=f"{directory}/s1", save_interval=5), CPU).train())
+        straight = losses(Trainer(with_checkpoint(stage1, save=f"{directory}/s1", save_interval=5), CPU).train())
     with layout(1, 1):
-        zero3 = _losses(Trainer(_with_checkpoint(stage3, save=f"{directory}/s3", save_interval=5), CPU).train())
-    assert max_relative_difference(zero3, straight) < RESHARD
+        zero3 = losses(Trainer(with_checkpoint(stage3, save=f"{directory}/s3", save_interval=5), CPU).train())
+    assert max_relative_difference(zero3, straight) < RTOL
     for label, run_cfg, saved, ranks in [
         ("saved at ZeRO-3, resumed at ZeRO-1", stage1, "s3", None),
         ("saved at ZeRO-3, resumed in one process, unsharded", cfg, "s3", [0]),
@@ -122,15 +121,15 @@ def test_checkpoints_move_between_stages(directory):  # noqa: F811 (the fixture)
         with layout(1, 1, ranks=ranks) as member:
             if not member:
                 continue
-            trainer = Trainer(_with_checkpoint(run_cfg, load=f"{directory}/{saved}/iter_0000005"), CPU)
+            trainer = Trainer(with_checkpoint(run_cfg, load=f"{directory}/{saved}/iter_0000005"), CPU)
             assert trainer.state.iteration == 5
-            losses = _losses(trainer.train())
-        difference = max_relative_difference(losses, straight[5:])
+            resumed = losses(trainer.train())
+        difference = max_relative_difference(resumed, straight[5:])
         print(f"{label} (DP=4, after 5 of 10 iterations): max rel loss diff {difference:.1e}")
-        assert difference < RESHARD
+        assert difference < RTOL
 
 
-def test_deepspeed_zero3_offload_example_config(directory):  # noqa: F811 (the fixture)
+def test_deepspeed_zero3_offload_example_config(directory):
     """DeepSpeed's common ZeRO-3 offload example, through the command line, equals the single-process run."""
     path = f"{directory}/ds_config.json"
     if dist.get_rank() == 0:

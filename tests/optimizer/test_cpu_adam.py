@@ -15,7 +15,8 @@ import warnings
 import pytest
 import torch
 
-from megalite.kernels import build, load_extension
+from megalite import extensions
+from megalite.extensions import load_extension
 from megalite.optimizer.cpu_adam import CPUAdamW, adamw_step_torch
 
 SIZES = (1, 7, 1000, 4099)
@@ -26,7 +27,7 @@ TOL = dict(rtol=1e-6, atol=1e-7)
 def _kernel():
     ext = load_extension("cpu_adam", ["cpu_adam.cpp"])
     if ext is None:
-        reason = "MEGALITE_DISABLE_EXTENSIONS=1" if os.environ.get(build.DISABLE_ENV) == "1" else "see the warning"
+        reason = "MEGALITE_DISABLE_EXTENSIONS=1" if os.environ.get(extensions.DISABLE_ENV) == "1" else "see the warning"
         pytest.skip(f"the cpu_adam extension cannot be built here ({reason})")
     return ext
 
@@ -185,13 +186,13 @@ def test_fallback_is_torch_adamw_op_for_op():
 
 
 def test_disabled_extensions_and_failed_builds_give_none(monkeypatch):
-    monkeypatch.setenv(build.DISABLE_ENV, "1")
+    monkeypatch.setenv(extensions.DISABLE_ENV, "1")
     assert load_extension("cpu_adam", ["cpu_adam.cpp"]) is None
     assert CPUAdamW([torch.zeros(3)]).use_kernel is False
-    monkeypatch.delenv(build.DISABLE_ENV)
+    monkeypatch.delenv(extensions.DISABLE_ENV)
     with pytest.warns(RuntimeWarning, match=r"cannot build C\+\+ extension 'missing_op'.*source not found"):
         assert load_extension("missing_op", ["missing_op.cpp"]) is None
     with warnings.catch_warnings():
         warnings.simplefilter("error")   # cached: no second warning, no second try
         assert load_extension("missing_op", ["missing_op.cpp"]) is None
-    monkeypatch.delitem(build._modules, "missing_op")
+    monkeypatch.delitem(extensions._modules, "missing_op")

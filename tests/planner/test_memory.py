@@ -29,11 +29,16 @@ from megalite.pipeline.partition import chunks_of_rank
 from megalite.planner import (Layout, Numerics, bytes_per_parameter, count_parameters, load_model_config,
                               model_state_bytes, stage_memory)
 from megalite.planner.memory import (_chunk_activation_bytes, activation_bytes, layer_activation_bytes,
-                                     peak_in_flight_bytes, zero_paper_bytes_per_parameter)
+                                     peak_in_flight_bytes)
 from megalite.tensor_parallel import TensorParallelRNG, mappings
 
 from ..activation_memory import korthikanti_bytes, layer_norm_statistics_bytes, saved_bytes
 from ..helpers import tiny_config
+
+def zero_paper_bytes_per_parameter(stage: int, n: int) -> float:
+    """The ZeRO paper's mixed-precision Adam (Rajbhandari et al. 2020, K = 12): 16, 4 + 12/N, 2 + 14/N, 16/N."""
+    return {0: 16.0, 1: 4 + 12 / n, 2: 2 + 14 / n, 3: 16 / n}[stage]
+
 
 LLAMA = {"position_embedding_type": "rope", "normalization": "RMSNorm", "swiglu": True, "ffn_hidden_size": 176,
          "group_query_attention": True, "num_query_groups": 2, "disable_bias_linear": True,
@@ -48,20 +53,20 @@ def _measured_states(model, layout: Layout, pp_rank: int, dtype: torch.dtype, bu
             GPTModel(model, None, pre_process=c.is_first, post_process=c.is_last, layer_offset=c.first_layer,
                      num_layers=c.num_layers)
             for c in chunks_of_rank(model.num_layers, layout.pp, layout.virtual_stages, pp_rank)).to(dtype)
-        ddp = DataParallel(list(chunks), data_group=parallel_state.get_data_parallel_group(),
-                           embedding_group=parallel_state.get_embedding_group(),
-                           tied_params=[w for c in chunks for w in c.tied_embedding_weights()],
-                           bucket_size=bucket_size, distributed_optimizer=layout.distributed_optimizer,
-                           zero_stage=layout.zero_stage)
-        optimizer = MegaliteOptimizer(ddp, OptimizerConfig(use_distributed_optimizer=layout.distributed_optimizer,
+        engine = DataParallel(list(chunks), data_group=parallel_state.get_data_parallel_group(),
+                              embedding_group=parallel_state.get_embedding_group(),
+                              tied_params=[w for c in chunks for w in c.tied_embedding_weights()],
+                              bucket_size=bucket_size, distributed_optimizer=layout.distributed_optimizer,
+                              zero_stage=layout.zero_stage)
+        optimizer = MegaliteOptimizer(engine, OptimizerConfig(use_distributed_optimizer=layout.distributed_optimizer,
                                                            zero_stage=layout.zero_stage),
                                       TrainingConfig(bf16=dtype == torch.bfloat16))
-        for fragment in optimizer.fragments:   # Adam allocates its states on the first step
-            fragment.main.grad = torch.zeros_like(fragment.main)
+        for piece in optimizer.pieces:   # Adam allocates its states on the first step
+            piece.main.grad = torch.zeros_like(piece.main)
         optimizer.inner.step()
-        weights = ddp.param_buffer.untyped_storage().nbytes()
-        grads = (sum(s.untyped_storage().nbytes() for s in ddp.grad_shards) if ddp.zero2
-                 else ddp.grad_buffer.untyped_storage().nbytes())
+        weights = engine.param_buffer.untyped_storage().nbytes()
+        grads = (sum(s.untyped_storage().nbytes() for s in engine.grad_shards) if engine.zero2
+                 else engine.grad_buffer.untyped_storage().nbytes())
         return weights, grads, optimizer.state_bytes()
 
 

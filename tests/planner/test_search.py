@@ -14,7 +14,6 @@ from megalite.cli import parse_args
 from megalite.config import validate
 from megalite.planner import Hardware, Layout, command_line, load_model_config, search, step_time, to_json
 from megalite.planner.memory import fully_sharded_units, padded_elements
-from megalite.planner.performance import korthikanti_model_flops, model_flops_per_iteration
 from megalite.planner.report import hydra_overrides
 from megalite.planner.search import _variants
 from megalite.planner.search import estimate as estimate_layout
@@ -151,12 +150,6 @@ def test_the_command_line_tool(capsys):
 
 
 # ---- the step-time model ---------------------------------------------------------------------------------------------
-
-def test_model_flops_are_korthikanti_s_for_gpt_shapes():
-    model = load_model_config("gpt2_medium")
-    assert model_flops_per_iteration(model, 512) == pytest.approx(
-        korthikanti_model_flops(512, model.num_layers, model.seq_length, model.hidden_size, model.vocab_size))
-
 
 def test_tensor_parallel_traffic_is_8bsh_times_t_minus_1_over_t():
     model = load_model_config("gpt2_medium", num_layers=1)

@@ -3,7 +3,6 @@ whose losses equal the single-process run: what a two-node launch does, on one m
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import subprocess
@@ -11,6 +10,8 @@ import sys
 from pathlib import Path
 
 import pretrain_gpt
+
+from ..helpers import losses, read_metrics
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 TINY = ["model=gpt_tiny", "data=mock", "--num-layers", "4", "--train-iters", "4", "--micro-batch-size", "1",
@@ -21,10 +22,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _losses(path: Path) -> list[float]:
-    return [r["loss"] for r in map(json.loads, path.read_text().splitlines()) if "loss" in r]
 
 
 def test_two_launchers_on_loopback_match_the_single_process_run(tmp_path):
@@ -40,6 +37,6 @@ def test_two_launchers_on_loopback_match_the_single_process_run(tmp_path):
         for node in (0, 1)]
     outputs = [p.communicate(timeout=300)[0] for p in launchers]
     assert all(p.returncode == 0 for p in launchers), outputs[0][-3000:] + outputs[1][-3000:]
-    single, two_nodes = _losses(tmp_path / "single.jsonl"), _losses(tmp_path / "two_nodes.jsonl")
+    single, two_nodes = (losses(read_metrics(tmp_path / name)) for name in ("single.jsonl", "two_nodes.jsonl"))
     assert len(two_nodes) == 4
     assert max(abs(a - b) / b for a, b in zip(two_nodes, single)) < 1e-5

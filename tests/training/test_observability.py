@@ -3,11 +3,11 @@ TensorBoard's own reader), including throughput, MFU, peak memory, loss scale an
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 import pretrain_gpt
+
+from ..helpers import read_metrics
 
 event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
 
@@ -26,7 +26,7 @@ def test_tensorboard_and_metrics_file_hold_the_scalars(tmp_path, capsys):
                 "time_grads_reduce_ms_max", "time_optimizer_ms_max", "time_pipeline_wait_ms_max"}
     assert expected <= tags, expected - tags
     assert [e.step for e in events.Scalars("loss")] == [2, 4]
-    record = json.loads((tmp_path / "m.jsonl").read_text().splitlines()[0])
+    record = read_metrics(tmp_path / "m.jsonl")[0]
     assert record["mfu"] == pytest.approx(record["tflops_per_device"] / 1.0)
     assert record["time_forward_backward_ms_min"] <= record["time_forward_backward_ms_max"]
     assert "tflops per device" in capsys.readouterr().out

@@ -4,7 +4,6 @@ checkpoint, a NaN stops training naming the iteration and rank, and a rank kille
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
@@ -14,6 +13,7 @@ from pathlib import Path
 
 import pretrain_gpt
 
+from ..helpers import read_metrics
 from .test_failures import _worker_pid
 
 ROOT = Path(__file__).resolve().parent.parent.parent
@@ -22,7 +22,7 @@ TINY = ["model=gpt_tiny", "data=mock", "--hidden-dropout", "0", "--attention-dro
 
 
 def _records(path: Path) -> list[dict]:
-    return [r for r in map(json.loads, path.read_text().splitlines()) if "loss" in r]
+    return [r for r in read_metrics(path) if "loss" in r]
 
 
 def _launch(*args: str, restarts: int = 0) -> subprocess.Popen:

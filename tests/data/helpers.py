@@ -1,4 +1,4 @@
-"""A small generated corpus, its tokenizer and its indexed dataset, built once per test session."""
+"""A small generated corpus, its tokenizer and its indexed dataset (the ``corpus`` fixture of tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -6,8 +6,6 @@ import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
-
-import pytest
 
 from megalite.data.documents import iter_documents
 from megalite.data.preprocess import preprocess
@@ -59,9 +57,9 @@ def write_jsonl(path: Path, documents: list[str], blanks: bool = True) -> None:
             handle.write(json.dumps({"text": text, "id": i}) + "\n")
 
 
-@pytest.fixture(scope="session")
-def corpus(tmp_path_factory) -> Corpus:
-    directory = tmp_path_factory.mktemp("corpus")
+def build_corpus(directory: Path) -> Corpus:
+    """400 generated documents as JSON lines in ``directory``, a SentencePiece tokenizer trained on them and their
+    preprocessed .bin/.idx."""
     documents = generated_documents(400)
     jsonl = directory / "docs.jsonl"
     write_jsonl(jsonl, documents)

@@ -1,7 +1,9 @@
 """Build a C++ or CUDA extension from ``csrc/`` on first use, once per process; ``None`` when it cannot be built.
 
-Every fused op has a plain-torch fallback, so a missing compiler or ninja costs speed, never a crash: the caller gets
-``None`` and one warning saying why. ``MEGALITE_DISABLE_EXTENSIONS=1`` skips building altogether.
+Its users: the fused kernels (megalite.kernels), the CPU AdamW (megalite.optimizer.cpu_adam) and the data index
+builders (megalite.data.index_builders). Each has a plain-torch or numpy fallback, so a missing compiler or ninja
+costs speed, never a crash: the caller gets ``None`` and one warning saying why. ``MEGALITE_DISABLE_EXTENSIONS=1``
+skips building altogether.
 
 Where: ``$MEGALITE_EXTENSIONS_DIR`` (default ``~/.cache/megalite/extensions``), one folder per Python and torch
 version and extension name, because a module built against one torch does not import into another and a home
@@ -11,7 +13,7 @@ one machine type runs on any other of the same architecture.
 CUDA sources (``.cu``, plain CUDA, see ``csrc/cuda/``) are compiled by nvcc for sm_80 and sm_90 (A100, H100/H200:
 ``CUDA_ARCH_FLAGS``) with ``-O3`` and no fast math; they need a CUDA build of torch and the CUDA toolkit
 (``CUDA_HOME`` or nvcc on the PATH, of the CUDA major version torch was built with), not a GPU, so
-``python -m megalite.kernels`` builds them ahead of time, on a machine with or without one.
+``python -m megalite.kernels`` builds the fused kernels ahead of time, on a machine with or without one.
 
 Several ranks building at once are safe: ``torch.utils.cpp_extension.load`` lets the first process that creates
 ``<build dir>/lock`` (``O_CREAT | O_EXCL``) run ninja while the others wait for the file to go away and then import
@@ -37,7 +39,7 @@ DISABLE_ENV = "MEGALITE_DISABLE_EXTENSIONS"
 DIR_ENV = "MEGALITE_EXTENSIONS_DIR"
 LOCK_TIMEOUT_ENV = "MEGALITE_BUILD_LOCK_TIMEOUT"
 DEFAULT_LOCK_TIMEOUT_S = 300.0
-CSRC_DIR = Path(__file__).parent.parent.parent / "csrc"   # the repository's, next to megalite/
+CSRC_DIR = Path(__file__).parent.parent / "csrc"   # the repository's, next to megalite/
 
 # -fno-math-errno: otherwise std::sqrt must be able to set errno, which keeps gcc from vectorizing any loop calling it
 # (results are unchanged). -ffp-contract=off: no fusing of a*b+c into an FMA where the target has one (an AVX-512

@@ -1,0 +1,39 @@
+"""The two halves of MFU: the model's FLOPs per iteration, and the peak FLOP/s of the device that runs it.
+
+Model FLOPs per iteration (Korthikanti et al. 2022, appendix; Narayanan et al. 2021 eq. 3):
+72 B L s h^2 (1 + s/(6h) + V/(12 h L)) for GPT shapes (f = 4h, no grouping). Written here for the exact
+architecture: 6 B s (L (dense multiply-adds per token per layer) + 2 L s h + V h) - forward 2 FLOPs per
+multiply-add, backward twice the forward, the attention scores over the full s x s square as in the paper - which is
+the formula above when a layer's matrices are 12 h^2. Recompute is work that MFU does not count.
+
+The trainer (MFU in the metrics), the planner (step time) and tools/gpu_check.py all use these.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from megalite.config import ModelConfig
+
+# Dense (no sparsity) bf16 tensor-core peaks in TFLOP/s, from NVIDIA's data sheets, keyed by a fragment of the device
+# name; the first key found in the name wins, so "H100 PCIe" must come before the "H100" of the SXM part.
+PEAK_BF16_TFLOPS = {"H200": 989.0, "H100 PCIe": 756.0, "H100": 989.0, "H800": 989.0, "A100": 312.0, "A800": 312.0}
+
+
+def peak_bf16_tflops(device_name: str) -> Optional[float]:
+    """The dense bf16 peak of the device called ``device_name`` (torch.cuda.get_device_name), None if unknown."""
+    return next((peak for key, peak in PEAK_BF16_TFLOPS.items() if key in device_name), None)
+
+
+def dense_macs_per_token_per_layer(model: ModelConfig) -> int:
+    """Multiply-adds of one layer's matrices per token: QKV, output projection, MLP."""
+    h, f = model.hidden_size, model.ffn_size
+    qkv = h * (h + 2 * model.query_groups * model.head_dim)
+    return qkv + h * h + h * f * (3 if model.swiglu else 2)
+
+
+def model_flops_per_iteration(model: ModelConfig, global_batch_size: int) -> float:
+    """Model FLOPs of one training iteration (forward + backward, no recompute): see the module docstring."""
+    s, L, h = model.seq_length, model.num_layers, model.hidden_size
+    per_token = L * dense_macs_per_token_per_layer(model) + 2 * L * s * h + model.vocab_size * h
+    return 6.0 * global_batch_size * s * per_token

@@ -15,8 +15,8 @@ from typing import Optional
 
 from megalite.config import ModelConfig
 
-# Dense (no sparsity) bf16 tensor-core peaks in TFLOP/s, from NVIDIA's data sheets, keyed by a fragment of the device
-# name; the first key found in the name wins, so "H100 PCIe" must come before the "H100" of the SXM part.
+# Dense (no sparsity) bf16 tensor-core peaks in TFLOP/s, from NVIDIA's data sheets, keyed by a part of the device name;
+# the first key found in the name wins, so "H100 PCIe" must come before the "H100" of the SXM part.
 PEAK_BF16_TFLOPS = {"H200": 989.0, "H100 PCIe": 756.0, "H100": 989.0, "H800": 989.0, "A100": 312.0, "A800": 312.0}
 
 

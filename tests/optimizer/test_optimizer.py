@@ -1,0 +1,34 @@
+"""The optimizer reports its own non-finite gradients, and the trainer names the rank that had them."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from megalite.training import Trainer
+from megalite.training.stopping import TrainingError
+
+from ..helpers import single_layout, tiny_config
+
+
+def test_a_nan_gradient_is_reported_skips_the_step_and_stops_training_naming_the_rank():
+    with single_layout():
+        trainer = Trainer(tiny_config(data={"eval_interval": 0}), torch.device("cpu"))
+        optimizer = trainer.optimizer
+        assert not optimizer.has_nonfinite_grads()
+        optimizer.pieces[-1].grad[0] = float("nan")
+        assert optimizer.has_nonfinite_grads()
+        step = optimizer.step(1e-3)
+        assert step["skipped"] and math.isnan(step["grad_norm"])
+
+        finish = trainer.engine.finish_grad_sync
+
+        def finish_with_nan():
+            finish()
+            optimizer.pieces[0].grad[0] = float("nan")
+
+        trainer.engine.finish_grad_sync = finish_with_nan
+        with pytest.raises(TrainingError, match=r"iteration 1: gradient norm is nan .*rank\(s\) \[0\]"):
+            trainer.train_step()

@@ -17,6 +17,7 @@ from megalite.kernels import policy
 from megalite.kernels.policy import OPS, ExtensionUnavailable, KernelPolicy
 
 FAKE_CUDA = types.SimpleNamespace(is_cuda=True)   # what the policy looks at in a tensor
+
 pytestmark = pytest.mark.usefixtures("fresh_extension_cache")   # tests/conftest.py
 
 

@@ -11,7 +11,7 @@ import os
 import sys
 
 from megalite.checkpoint import check_checkpoint
-from megalite.cli import parse_command_line
+from megalite.config.cli import parse_command_line
 from megalite.config import ConfigError, validate
 from megalite.data import check_data_files
 from megalite.planner.doctor import is_out_of_memory, out_of_memory_message

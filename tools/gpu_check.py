@@ -372,7 +372,7 @@ def model_flops(batch: int, layers: int, seq: int, hidden: int, vocab: int) -> f
 
 
 def train_rows(args, device: torch.device, peak_tflops: float | None, log: Callable[[str], None]) -> list[TrainRow]:
-    from megalite.cli import parse_args
+    from megalite.config.cli import parse_args
     from megalite.config import validate
     from megalite.training import Trainer, initialize_distributed, shutdown_distributed
 

@@ -20,7 +20,7 @@ from typing import Any, Optional
 import torch
 
 from megalite.checkpoint.errors import CheckpointError
-from megalite.config import MegaliteConfig, sections
+from megalite.config import MegaliteConfig, from_dict
 from megalite.tensor_parallel import Partition, shard
 
 MANIFEST_NAME = "manifest.json"
@@ -142,21 +142,12 @@ class Manifest:
 
 
 def config_from_dict(data: dict[str, Any]) -> MegaliteConfig:
-    values, unknown = {}, []
-    for section, cls in sections():
-        given = dict(data.get(section) or {})
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown += [f"{section}.{key}" for key in given if key not in names]
-        values[section] = cls(**{key: value for key, value in given.items() if key in names})
-    unknown += [key for key in data if key not in values]
+    """The saved config; options this megalite does not know are left out with a warning."""
+    cfg, unknown = from_dict(data)
     if unknown:
         warnings.warn(f"checkpoint config options unknown to this megalite are ignored: {', '.join(unknown)}",
                       stacklevel=2)
-    return MegaliteConfig(**values)
+    return cfg
 
 
-def config_to_dict(cfg: MegaliteConfig) -> dict[str, Any]:
-    return dataclasses.asdict(cfg)
-
-
-__all__ = ["MANIFEST_NAME", "Manifest", "SavedLayout", "TensorSpec", "config_from_dict", "config_to_dict"]
+__all__ = ["MANIFEST_NAME", "Manifest", "SavedLayout", "TensorSpec", "config_from_dict"]

@@ -25,10 +25,10 @@ from megalite import parallel_state
 from megalite.checkpoint import directory as ckpt_dir
 from megalite.checkpoint.errors import CheckpointError
 from megalite.checkpoint.keys import model_key, optimizer_key, rng_key, slice_of, stores_slice
-from megalite.checkpoint.manifest import MANIFEST_NAME, Manifest, SavedLayout, TensorSpec, config_to_dict
+from megalite.checkpoint.manifest import MANIFEST_NAME, Manifest, SavedLayout, TensorSpec
 from megalite.checkpoint.model_specs import model_parameters
 from megalite.checkpoint.storage import world_size, write_tensors
-from megalite.config import MegaliteConfig
+from megalite.config import MegaliteConfig, to_dict
 from megalite.data.tokenizer import NullTokenizer, SentencePieceTokenizer, Tokenizer
 from megalite.distributed import full_local_tensor
 from megalite.optimizer import MegaliteOptimizer
@@ -83,7 +83,7 @@ def save_checkpoint(root: str | Path, *, cfg: MegaliteConfig, iteration: int, co
 
     def finish() -> None:
         manifest = Manifest(
-            iteration=iteration, consumed_samples=consumed_samples, layout=_layout(cfg, at), config=config_to_dict(cfg),
+            iteration=iteration, consumed_samples=consumed_samples, layout=_layout(cfg, at), config=to_dict(cfg),
             params=_specs(cfg, parameters), adam_step=adam_step,
             loss_scaler=optimizer.scaler.state_dict() if optimizer is not None and optimizer.scaler else None,
             rng_streams=sorted(streams), tokenizer=_save_tokenizer(tokenizer, temporary))

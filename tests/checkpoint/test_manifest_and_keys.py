@@ -8,7 +8,8 @@ import pytest
 
 from megalite.checkpoint import CheckpointError, Manifest, SavedLayout, TensorSpec
 from megalite.checkpoint.keys import model_key, optimizer_key, optimizer_pieces, rng_key, slice_of
-from megalite.checkpoint.manifest import config_from_dict, config_to_dict
+from megalite.checkpoint.manifest import config_from_dict
+from megalite.config import to_dict
 from megalite.config import MegaliteConfig
 from megalite.tensor_parallel import Partition
 
@@ -22,7 +23,7 @@ def _manifest() -> Manifest:
               "layers.0.gqa.weight": TensorSpec((96, 64), Partition(dim=0, fused=(64, 16, 16)), 2, "float32"),
               "final_norm.weight": TensorSpec((64,), Partition(), 1, "float32")}
     return Manifest(iteration=5, consumed_samples=40, layout=SavedLayout(2, 2, 1, 2, True, 1),
-                    config=config_to_dict(tiny_config()), params=params, adam_step=5,
+                    config=to_dict(tiny_config()), params=params, adam_step=5,
                     loss_scaler={"scale": 1024.0, "clean_steps": 3, "hysteresis_left": 2},
                     rng_streams=["cpu", "tensor_parallel"], tokenizer=None)
 
@@ -61,7 +62,7 @@ def test_bad_manifests_are_one_line_errors(tmp_path, content, message):
 
 
 def test_config_from_dict_drops_unknown_options_and_defaults_missing_ones():
-    data = config_to_dict(tiny_config())
+    data = to_dict(tiny_config())
     data["model"]["from_the_future"] = 1
     del data["training"]["seed"]
     with pytest.warns(UserWarning, match="model.from_the_future"):

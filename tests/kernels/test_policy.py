@@ -13,7 +13,7 @@ import warnings
 import pytest
 import torch
 
-from megalite.cli import parse_args
+from megalite.config.cli import parse_args
 from megalite.config import ConfigError, KernelConfig, validate
 from megalite.kernels import build, policy
 from megalite.kernels.policy import OPS, ExtensionUnavailable, KernelPolicy

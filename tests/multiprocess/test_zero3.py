@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from megalite import parallel_state
-from megalite.cli import parse_command_line
+from megalite.config.cli import parse_command_line
 from megalite.config import validate
 from megalite.training import Trainer
 

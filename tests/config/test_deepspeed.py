@@ -1,4 +1,4 @@
-"""megalite.deepspeed_config: a DeepSpeed JSON config read as megalite options, through megalite.cli as users run it.
+"""megalite.config.deepspeed: a DeepSpeed JSON config read as megalite options, through megalite.config.cli as users run it.
 
 Each test writes a small JSON file and parses a command line naming it (``--deepspeed-config``); the world size is
 passed explicitly, as pretrain_gpt.py does, because the batch arithmetic needs the data-parallel size.
@@ -11,10 +11,10 @@ import math
 
 import pytest
 
-from megalite import cli
-from megalite.cli import parse_args, parse_command_line
+from megalite.config import cli, flags
+from megalite.config.cli import parse_args, parse_command_line
 from megalite.config import ConfigError, MegaliteConfig, validate
-from megalite.deepspeed_config import translate
+from megalite.config.deepspeed import translate
 from megalite.optimizer.lr_schedule import learning_rate
 
 ZERO3_OFFLOAD = {"train_batch_size": 32, "zero_optimization": {
@@ -328,7 +328,7 @@ def test_precedence_yaml_then_file_then_overrides_then_flags(ds, tmp_path, monke
     configs.mkdir()
     (configs / "config.yaml").write_text("defaults:\n  - megalite_schema\n  - _self_\n"
                                          "optimizer:\n  lr: 7.0\n  weight_decay: 0.3\n  adam_eps: 0.125\n")
-    monkeypatch.setenv(cli.CONFIG_DIR_ENV, str(configs))
+    monkeypatch.setenv(flags.CONFIG_DIR_ENV, str(configs))
     optimizer = {"type": "AdamW", "params": {"lr": 0.5, "weight_decay": 0.2, "eps": 0.25}}
     o = ds({"optimizer": optimizer}).config.optimizer
     assert (o.lr, o.weight_decay, o.adam_eps) == (0.5, 0.2, 0.25)     # the file beats the YAML

@@ -83,7 +83,8 @@ def save_checkpoint(root: str | Path, *, cfg: MegaliteConfig, iteration: int, co
 
     def finish() -> None:
         manifest = Manifest(
-            iteration=iteration, consumed_samples=consumed_samples, layout=_layout(cfg, at), config=to_dict(cfg),
+            iteration=iteration, consumed_samples=consumed_samples, layout=SavedLayout.of(cfg, at.dp),
+            config=to_dict(cfg),
             params=_specs(cfg, parameters), adam_step=adam_step,
             loss_scaler=optimizer.scaler.state_dict() if optimizer is not None and optimizer.scaler else None,
             rng_streams=sorted(streams), tokenizer=_save_tokenizer(tokenizer, temporary))
@@ -164,12 +165,6 @@ def _rng_states(rng: Optional[TensorParallelRNG], device: torch.device) -> dict[
         states["cuda"] = torch.cuda.get_rng_state(device)
     states["tensor_parallel"] = rng.get_states()[1].clone()   # the per-TP-rank dropout stream
     return states
-
-
-def _layout(cfg: MegaliteConfig, at: _Coordinates) -> SavedLayout:
-    o = cfg.optimizer
-    return SavedLayout(at.tp, at.pp, cfg.parallel.virtual_stages(cfg.model.num_layers), at.dp,
-                       o.use_distributed_optimizer, o.zero_stage)
 
 
 def _specs(cfg: MegaliteConfig, parameters) -> dict[str, TensorSpec]:

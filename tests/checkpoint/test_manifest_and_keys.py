@@ -22,7 +22,7 @@ def _manifest() -> Manifest:
                                                                        "bfloat16"),
               "layers.0.gqa.weight": TensorSpec((96, 64), Partition(dim=0, fused=(64, 16, 16)), 2, "float32"),
               "final_norm.weight": TensorSpec((64,), Partition(), 1, "float32")}
-    return Manifest(iteration=5, consumed_samples=40, layout=SavedLayout(2, 2, 1, 2, True, 1),
+    return Manifest(iteration=5, consumed_samples=40, layout=SavedLayout(2, 2, 1, 2, zero=1),
                     config=to_dict(tiny_config()), params=params, adam_step=5,
                     loss_scaler={"scale": 1024.0, "clean_steps": 3, "hysteresis_left": 2},
                     rng_streams=["cpu", "tensor_parallel"], tokenizer=None)
@@ -76,3 +76,10 @@ def test_keys_are_unique_per_piece_and_parse_back():
     keys += [model_key("final_norm.bias", 1, 0), rng_key(1, 0, 1, "cpu")]
     assert optimizer_pieces(keys) == {("layers.0.mlp.linear_fc1.weight", 2, 1, "exp_avg"): [(0, 64), (64, 128)]}
     assert json.dumps(keys)   # plain strings
+
+
+def test_a_layout_written_before_the_zero_level_reads_as_its_level():
+    old = {"tp": 1, "pp": 1, "virtual_stages": 1, "dp": 4}
+    assert SavedLayout.from_json({**old, "distributed_optimizer": True, "zero_stage": 2}).zero == 2
+    assert SavedLayout.from_json({**old, "distributed_optimizer": False, "zero_stage": 3}).zero == 3
+    assert SavedLayout.from_json({**old, "distributed_optimizer": False, "zero_stage": 1}).zero == 0

@@ -1,8 +1,8 @@
 """``--deepspeed-config ds.json``: a DeepSpeed JSON config read as megalite options.
 
 People arrive with the DeepSpeed config of an earlier run. Each key megalite can honour becomes the megalite option
-that does the same thing: a ``section.field`` setting, which :mod:`megalite.config.cli` applies after the YAML groups and
-before the command line's own overrides and flags (so those win). Every key megalite cannot honour is refused by
+that does the same thing: a ``section.field`` setting, which :mod:`megalite.config.cli` applies after the YAML groups
+and before the command line's own overrides and flags (so those win). Every key megalite cannot honour is refused by
 name, all of them in one error: a run that silently differs from the DeepSpeed run it claims to reproduce is worse
 than no run. docs/zero_and_deepspeed.md has the table, and why each refused key is refused.
 

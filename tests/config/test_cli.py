@@ -1,4 +1,5 @@
-"""megalite.config.cli: Megatron flags and Hydra overrides resolve into one typed MegaliteConfig; errors are ConfigErrors."""
+"""megalite.config.cli: Megatron flags and Hydra overrides resolve into one typed MegaliteConfig; errors are
+ConfigErrors."""
 
 import dataclasses
 from pathlib import Path

@@ -1,4 +1,5 @@
-"""megalite.config.deepspeed: a DeepSpeed JSON config read as megalite options, through megalite.config.cli as users run it.
+"""megalite.config.deepspeed: a DeepSpeed JSON config read as megalite options, through megalite.config.cli as users
+run it.
 
 Each test writes a small JSON file and parses a command line naming it (``--deepspeed-config``); the world size is
 passed explicitly, as pretrain_gpt.py does, because the batch arithmetic needs the data-parallel size.

@@ -32,7 +32,7 @@ def main(argv: list[str]) -> int:
         print(f"megalite: error: {error}", file=sys.stderr, flush=True)
         return 2
     if os.environ.get("RANK", "0") == "0":
-        for line in command_line.describe():   # what a --deepspeed-config file set, and what the flags overrode
+        for line in command_line.deepspeed_settings():   # what a --deepspeed-config file set, and what the flags overrode
             print(line, flush=True)
     if cfg.training.dry_run:   # the planner's memory estimate for this layout; no process group, no training
         if os.environ.get("RANK", "0") == "0":

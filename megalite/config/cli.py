@@ -110,9 +110,9 @@ class CommandLine:
     deepspeed: Optional[deepspeed.Translation] = None
     user_keys: frozenset = frozenset()   # keys the command line itself sets (they win over the DeepSpeed file)
 
-    def describe(self) -> list[str]:
+    def deepspeed_settings(self) -> list[str]:
         """The DeepSpeed file's mappings, one line each, for the start of a run (empty without a file)."""
-        return self.deepspeed.describe(self.config, self.user_keys) if self.deepspeed else []
+        return self.deepspeed.settings_lines(self.config, self.user_keys) if self.deepspeed else []
 
 
 def parse_command_line(argv: list[str], world_size: Optional[int] = None) -> CommandLine:

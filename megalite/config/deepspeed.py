@@ -57,7 +57,7 @@ class Translation:
         """The settings as Hydra overrides ``section.field=value``."""
         return [override(key, value) for key, value in self.settings().items()]
 
-    def describe(self, cfg: MegaliteConfig, user_keys: Iterable[str] = ()) -> list[str]:
+    def settings_lines(self, cfg: MegaliteConfig, user_keys: Iterable[str] = ()) -> list[str]:
         """One line per DeepSpeed key mapped (noting the settings the command line overrode), then the notes."""
         user_keys = set(user_keys)
         head = f"deepspeed config {self.name}: "

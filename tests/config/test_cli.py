@@ -186,7 +186,7 @@ def test_architecture_and_memory_flags():
 
 def test_without_a_deepspeed_config_nothing_is_described(capsys):
     command_line = cli.parse_command_line(["--lr", "2"], world_size=4)
-    assert command_line.deepspeed is None and command_line.describe() == []
+    assert command_line.deepspeed is None and command_line.deepspeed_settings() == []
     assert command_line.config == parse_args(["--lr", "2"])
     with pytest.raises(SystemExit):
         parse_args(["--help"])

@@ -11,7 +11,7 @@ import os
 import sys
 
 from megalite.checkpoint import check_checkpoint
-from megalite.cli import parse_command_line
+from megalite.config.cli import parse_command_line
 from megalite.config import ConfigError, validate
 from megalite.data import check_data_files
 from megalite.planner.doctor import is_out_of_memory, out_of_memory_message
@@ -32,7 +32,7 @@ def main(argv: list[str]) -> int:
         print(f"megalite: error: {error}", file=sys.stderr, flush=True)
         return 2
     if os.environ.get("RANK", "0") == "0":
-        for line in command_line.describe():   # what a --deepspeed-config file set, and what the flags overrode
+        for line in command_line.deepspeed_settings():   # what a --deepspeed-config file set, and what the flags overrode
             print(line, flush=True)
     if cfg.training.dry_run:   # the planner's memory estimate for this layout; no process group, no training
         if os.environ.get("RANK", "0") == "0":

@@ -74,8 +74,8 @@ def test_deepspeed_config_refusal_fails_with_one_line(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--num-attention-heads", "3", "--hidden-size", "64"], "hidden-size 64 is not divisible by num-attention-heads 3"),
-    (["--tensor-model-parallel-size", "2"], "world size 1 is not divisible by tensor-model-parallel-size 2"),
+    (["--num-attention-heads", "3", "--hidden-size", "64"], "--hidden-size 64 is not divisible by --num-attention-heads 3"),
+    (["--tensor-model-parallel-size", "2"], "world size 1 is not divisible by --tensor-model-parallel-size 2"),
     (["--no-such-flag", "1"], "unknown flag --no-such-flag"),
     (["--num-layers", "two"], "argument --num-layers: invalid int value: 'two'"),
     (["model.num_layer=2"], "bad override"),
@@ -99,4 +99,4 @@ def test_torchrun_tensor_parallel_run_and_bad_layout_on_every_rank(tmp_path):
     assert bad.returncode != 0
     lines = [l for l in bad.stderr.splitlines() if "megalite: error:" in l]
     assert len(lines) == 2   # one per rank
-    assert all("num-attention-heads 3 is not divisible by tensor-model-parallel-size 2" in l for l in lines)
+    assert all("--num-attention-heads 3 is not divisible by --tensor-model-parallel-size 2" in l for l in lines)

@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 
 import torch  # noqa: E402
 
-from megalite.checkpoint.convert import describe, export_hf, import_hf  # noqa: E402
+from megalite.checkpoint.convert import export_hf, import_hf, inspect  # noqa: E402
 from megalite.config import ConfigError  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -60,7 +60,7 @@ def main(argv: list[str]) -> int:
             path = import_hf(args.input, args.save, args.allow_approximate_gelu)
             print(f"wrote {path}")
         else:
-            print(describe(args.load))
+            print(inspect(args.load))
     except ConfigError as error:
         print(f"convert_checkpoint: error: {error}", file=sys.stderr)
         return 2

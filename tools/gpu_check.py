@@ -365,7 +365,7 @@ class TrainRow:
 
 
 def train_rows(args, device: torch.device, peak_tflops: float | None, log: Callable[[str], None]) -> list[TrainRow]:
-    from megalite.cli import parse_args
+    from megalite.config.cli import parse_args
     from megalite.config import validate
     from megalite.training import Trainer, initialize_distributed, shutdown_distributed
 

@@ -21,6 +21,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
 from megalite.config import ConfigError  # noqa: E402
+from megalite.config.flags import BY_KEY  # noqa: E402
 from megalite.planner import (  # noqa: E402
     Hardware,
     format_plan,
@@ -46,7 +47,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     model.add_argument("--model", metavar="NAME",
                        help=f"A configs/model file: {', '.join(model_names())} (sizes below override it).")
     for name in _SIZES:
-        model.add_argument("--" + name.replace("_", "-"), type=int, dest=name)
+        model.add_argument(BY_KEY[f"model.{name}"].flag, type=int, dest=name)
     model.add_argument("--swiglu", action="store_true", default=None, help="SwiGLU MLP (Llama).")
     model.add_argument("--seq-length", type=int, help="Tokens per sample (default: the model config's).")
     model.add_argument("overrides", nargs="*", metavar="key=value", help="Any other ModelConfig field.")

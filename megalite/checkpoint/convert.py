@@ -131,7 +131,7 @@ def import_hf(source: str | os.PathLike, save: str | os.PathLike, allow_approxim
         return save_checkpoint(save, cfg=cfg, iteration=0, consumed_samples=0, parameters=parameters)
 
 
-def describe(load: str | os.PathLike) -> str:
+def inspect(load: str | os.PathLike) -> str:
     """A human-readable summary: where, iteration, layout, what state is included, config, tensors."""
     checkpoint = open_checkpoint(load)
     m = checkpoint.manifest

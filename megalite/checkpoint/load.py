@@ -51,7 +51,7 @@ def check_checkpoint(cfg: MegaliteConfig, world_size: int) -> None:
     if checkpoint is None:
         return
     tp, pp = cfg.parallel.tensor_model_parallel_size, cfg.parallel.pipeline_model_parallel_size
-    layout = _layout_now(cfg, world_size // (tp * pp))
+    layout = SavedLayout.of(cfg, world_size // (tp * pp))
     checkpoint.verify(optimizer=_loads_optimizer(cfg, checkpoint.manifest),
                       rng=_loads_rng(cfg, checkpoint.manifest, layout, torch.cuda.is_available()))
 
@@ -67,7 +67,7 @@ def load_checkpoint(cfg: MegaliteConfig, *, parameters: list[tuple[str, torch.nn
         return None
     manifest = checkpoint.manifest
     dp = parallel_state.get_data_parallel_world_size()
-    layout = _layout_now(cfg, dp)
+    layout = SavedLayout.of(cfg, dp)
     with_optimizer = optimizer is not None and _loads_optimizer(cfg, manifest)
     with_rng = rng is not None and _loads_rng(cfg, manifest, layout, device.type == "cuda")
     checkpoint.verify(optimizer=with_optimizer, rng=with_rng)
@@ -95,12 +95,6 @@ def load_weights(checkpoint: Checkpoint, parameters: list[tuple[str, torch.nn.Pa
 # ---- what to load -------------------------------------------------------------------------------------------------
 def _same_directory(load: Optional[str], save: Optional[str]) -> bool:
     return load is not None and save is not None and os.path.abspath(load) == os.path.abspath(save)
-
-
-def _layout_now(cfg: MegaliteConfig, dp: int) -> SavedLayout:
-    p, o = cfg.parallel, cfg.optimizer
-    return SavedLayout(p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
-                       p.virtual_stages(cfg.model.num_layers), dp, o.use_distributed_optimizer, o.zero_stage)
 
 
 def _loads_optimizer(cfg: MegaliteConfig, manifest: Manifest) -> bool:

@@ -19,7 +19,7 @@ from typing import Any, Optional
 import torch
 
 from megalite.checkpoint.errors import CheckpointError
-from megalite.config import MegaliteConfig, sections
+from megalite.config import MegaliteConfig, OptimizerConfig, from_dict
 from megalite.tensor_parallel import Partition, shard
 
 MANIFEST_NAME = "manifest.json"
@@ -33,18 +33,32 @@ class SavedLayout:
     pp: int = 1
     virtual_stages: int = 1
     dp: int = 1
-    distributed_optimizer: bool = False
-    zero_stage: int = 1
+    zero: int = 0      # OptimizerConfig.zero_level
+
+    @classmethod
+    def of(cls, cfg: MegaliteConfig, dp: int) -> "SavedLayout":
+        """The layout ``cfg`` runs at this data-parallel size."""
+        p = cfg.parallel
+        return cls(p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
+                   p.virtual_stages(cfg.model.num_layers), dp, cfg.optimizer.zero_level)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> "SavedLayout":
+        data = dict(data)
+        if "zero_stage" in data:   # written before the ZeRO level was one field
+            data["zero"] = OptimizerConfig(use_distributed_optimizer=data.pop("distributed_optimizer"),
+                                           zero_stage=data.pop("zero_stage")).zero_level
+        return cls(**data)
 
     def describe(self) -> str:
         text = f"TP={self.tp} x PP={self.pp}"
         if self.virtual_stages > 1:
             text += f" (V={self.virtual_stages})"
         text += f" x DP={self.dp}"
-        if self.zero_stage == 3:
+        if self.zero == 3:
             text += ", fully sharded (ZeRO-3)"
-        elif self.distributed_optimizer:
-            text += f", distributed optimizer (ZeRO-{self.zero_stage})"
+        elif self.zero:
+            text += f", distributed optimizer (ZeRO-{self.zero})"
         return text
 
     def ranks(self) -> list[tuple[int, int, int]]:
@@ -123,7 +137,7 @@ class Manifest:
             raise CheckpointError(f"{path}: format version {data.get('version')} (this megalite reads {VERSION})")
         try:
             return cls(iteration=int(data["iteration"]), consumed_samples=int(data["consumed_samples"]),
-                       layout=SavedLayout(**data["layout"]), config=dict(data["config"]),
+                       layout=SavedLayout.from_json(data["layout"]), config=dict(data["config"]),
                        params={name: TensorSpec.from_json(spec) for name, spec in data["params"].items()},
                        adam_step=None if data["adam_step"] is None else int(data["adam_step"]),
                        loss_scaler=data["loss_scaler"], rng_streams=list(data["rng_streams"]),
@@ -138,21 +152,12 @@ class Manifest:
 
 
 def config_from_dict(data: dict[str, Any]) -> MegaliteConfig:
-    values, unknown = {}, []
-    for section, cls in sections():
-        given = dict(data.get(section) or {})
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown += [f"{section}.{key}" for key in given if key not in names]
-        values[section] = cls(**{key: value for key, value in given.items() if key in names})
-    unknown += [key for key in data if key not in values]
+    """The saved config; options this megalite does not know are left out with a warning."""
+    cfg, unknown = from_dict(data)
     if unknown:
         warnings.warn(f"checkpoint config options unknown to this megalite are ignored: {', '.join(unknown)}",
                       stacklevel=2)
-    return MegaliteConfig(**values)
+    return cfg
 
 
-def config_to_dict(cfg: MegaliteConfig) -> dict[str, Any]:
-    return dataclasses.asdict(cfg)
-
-
-__all__ = ["MANIFEST_NAME", "Manifest", "SavedLayout", "TensorSpec", "config_from_dict", "config_to_dict"]
+__all__ = ["MANIFEST_NAME", "Manifest", "SavedLayout", "TensorSpec", "config_from_dict"]

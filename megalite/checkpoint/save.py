@@ -25,10 +25,10 @@ from megalite import parallel_state
 from megalite.checkpoint import directory as ckpt_dir
 from megalite.checkpoint.errors import CheckpointError
 from megalite.checkpoint.keys import model_key, optimizer_key, rng_key, slice_of, stores_slice
-from megalite.checkpoint.manifest import MANIFEST_NAME, Manifest, SavedLayout, TensorSpec, config_to_dict
+from megalite.checkpoint.manifest import MANIFEST_NAME, Manifest, SavedLayout, TensorSpec
 from megalite.checkpoint.model_specs import model_parameters
 from megalite.checkpoint.storage import world_size, write_tensors
-from megalite.config import MegaliteConfig
+from megalite.config import MegaliteConfig, to_dict
 from megalite.data.tokenizer import NullTokenizer, SentencePieceTokenizer, Tokenizer
 from megalite.distributed import full_local_tensor
 from megalite.optimizer import MegaliteOptimizer
@@ -83,7 +83,8 @@ def save_checkpoint(root: str | Path, *, cfg: MegaliteConfig, iteration: int, co
 
     def finish() -> None:
         manifest = Manifest(
-            iteration=iteration, consumed_samples=consumed_samples, layout=_layout(cfg, at), config=config_to_dict(cfg),
+            iteration=iteration, consumed_samples=consumed_samples, layout=SavedLayout.of(cfg, at.dp),
+            config=to_dict(cfg),
             params=_specs(cfg, parameters), adam_step=adam_step,
             loss_scaler=optimizer.scaler.state_dict() if optimizer is not None and optimizer.scaler else None,
             rng_streams=sorted(streams), tokenizer=_save_tokenizer(tokenizer, temporary))
@@ -164,12 +165,6 @@ def _rng_states(rng: Optional[TensorParallelRNG], device: torch.device) -> dict[
         states["cuda"] = torch.cuda.get_rng_state(device)
     states["tensor_parallel"] = rng.get_states()[1].clone()   # the per-TP-rank dropout stream
     return states
-
-
-def _layout(cfg: MegaliteConfig, at: _Coordinates) -> SavedLayout:
-    o = cfg.optimizer
-    return SavedLayout(at.tp, at.pp, cfg.parallel.virtual_stages(cfg.model.num_layers), at.dp,
-                       o.use_distributed_optimizer, o.zero_stage)
 
 
 def _specs(cfg: MegaliteConfig, parameters) -> dict[str, TensorSpec]:

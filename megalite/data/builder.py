@@ -44,7 +44,7 @@ class DataBundle:
     train: Optional[Dataset]
     valid: Optional[Dataset]     # None when the split leaves it no documents or it was asked for no samples
     test: Optional[Dataset]
-    vocab_size: int              # the tokenizer's (the model's --vocab-size for mock data): set the model's from it
+    vocab_size: int              # run_vocab_size: set the model's from it
     tokenizer: Optional[Tokenizer]
 
 
@@ -57,15 +57,29 @@ class _Sources:
     blend_cache_dir: Path
 
 
+def run_tokenizer(cfg: MegaliteConfig) -> Optional[Tokenizer]:
+    """The tokenizer the run reads its data with: --tokenizer-model's, the built-in corpus's, or None (mock data)."""
+    d = cfg.data
+    if d.mock_data:
+        return None
+    if d.data_path is None:
+        return build_tokenizer("SentencePieceTokenizer", ensure_default_corpus().tokenizer_model, cfg.model.vocab_size)
+    return build_tokenizer(d.tokenizer_type, d.tokenizer_model, cfg.model.vocab_size)
+
+
+def run_vocab_size(cfg: MegaliteConfig) -> int:
+    """The vocabulary the model is built for: the tokenizer's (as in Megatron), or --vocab-size for mock data."""
+    tokenizer = run_tokenizer(cfg)
+    return cfg.model.vocab_size if tokenizer is None else tokenizer.vocab_size
+
+
 def _sources(cfg: MegaliteConfig) -> _Sources:
     d = cfg.data
+    tokenizer = run_tokenizer(cfg)
     if d.data_path is None:
-        corpus = ensure_default_corpus()
-        prefixes, weights = [corpus.prefix], None
-        tokenizer = build_tokenizer("SentencePieceTokenizer", corpus.tokenizer_model, cfg.model.vocab_size)
+        prefixes, weights = [ensure_default_corpus().prefix], None
     else:
         prefixes, weights = d.blend()
-        tokenizer = build_tokenizer(d.tokenizer_type, d.tokenizer_model, cfg.model.vocab_size)
     if d.data_cache_path is not None:
         cache_dirs = [Path(d.data_cache_path)] * len(prefixes)
     else:

@@ -21,7 +21,9 @@ import torch
 
 from megalite import parallel_state
 from megalite.config import MegaliteConfig
-from megalite.planner.dry_run import dtype_bytes, numerics_for, run_vocab_size
+from megalite.config.flags import FLAG
+from megalite.data import run_vocab_size
+from megalite.planner.dry_run import dtype_bytes, numerics_for
 from megalite.planner.hardware import GiB, Hardware
 from megalite.planner.layout import Layout
 from megalite.planner.memory import StageMemory, stage_memory
@@ -93,17 +95,17 @@ def diagnose_out_of_memory(cfg: MegaliteConfig, error: BaseException, *, world_s
         b = layout.micro_batch_size
         if b > 1:
             smaller = dataclasses.replace(layout, micro_batch_size=b // 2)
-            options.append(f"--micro-batch-size {b // 2} (more accumulation, same global batch: "
+            options.append(f"{FLAG.micro_batch_size} {b // 2} (more accumulation, same global batch: "
                            f"{_gib(memory(smaller).activations)})")
         for granularity in ("selective", "full"):
             if layout.recompute != "full" and layout.recompute != granularity:
                 lay = dataclasses.replace(layout, recompute=granularity)
-                flag = "selective" if granularity == "selective" else "full --recompute-method uniform"
+                flag = "selective" if granularity == "selective" else f"full {FLAG.recompute_method} uniform"
                 after = memory(lay, lay.model_config(model)).activations
                 if after < 0.9 * mem.activations:   # selective saves nothing s^2-sized under flash attention
-                    options.append(f"--recompute-granularity {flag} ({_gib(after)})")
+                    options.append(f"{FLAG.recompute_granularity} {flag} ({_gib(after)})")
         if layout.tp > 1 and not layout.sequence_parallel:
-            options.append(f"--sequence-parallel "
+            options.append(f"{FLAG.sequence_parallel} "
                            f"({_gib(memory(dataclasses.replace(layout, sequence_parallel=True)).activations)})")
         lines.append("  Shrink them: " + (", ".join(options) if options else "more tensor/pipeline parallelism")
                      + ".")
@@ -131,17 +133,16 @@ def _sharding_options(layout: Layout, memory) -> list[str]:
             options.append(f"{flags} ({_gib(after)}{what})")
 
     if layout.zero == 0 and layout.dp > 1:
-        offer("--use-distributed-optimizer", " of states", distributed_optimizer=True)
+        offer(FLAG.use_distributed_optimizer, " of states", zero=1)
     elif layout.zero == 1:
-        offer("--zero-stage 2", "", zero_stage=2)
+        offer(f"{FLAG.zero_stage} 2", "", zero=2)
     if layout.zero < 3 and layout.pp == 1 and layout.dp > 1:   # the planner models ZeRO-3 at PP 1 only
-        drop = " without --use-distributed-optimizer" if layout.distributed_optimizer else ""
-        offer(f"--zero-stage 3{drop}", " of states and gathered layers: parameters sharded too",
-              distributed_optimizer=False, zero_stage=3)
+        drop = f" without {FLAG.use_distributed_optimizer}" if layout.zero in (1, 2) else ""
+        offer(f"{FLAG.zero_stage} 3{drop}", " of states and gathered layers: parameters sharded too", zero=3)
     if not layout.optimizer_cpu_offload:
-        offer("--optimizer-cpu-offload", " on the device", optimizer_cpu_offload=True)
+        offer(FLAG.optimizer_cpu_offload, " on the device", optimizer_cpu_offload=True)
     if layout.zero == 3 and not layout.offload_params:
-        offer("--optimizer-cpu-offload --offload-params", " on the device: the gathered layers only",
+        offer(f"{FLAG.optimizer_cpu_offload} {FLAG.offload_params}", " on the device: the gathered layers only",
               optimizer_cpu_offload=True, offload_params=True)
     return options
 
@@ -154,12 +155,12 @@ def _suggestion(cfg: MegaliteConfig, model, layout: Layout, world_size: int, dev
     plan = search(model, hardware, cfg.training.global_batch_size, dtype_bytes=nbytes, numerics=numerics)
     if plan.winner is None:
         return (f"The planner finds no layout of {world_size} GPUs that fits: more GPUs, or "
-                f"--optimizer-cpu-offload (with --zero-stage 3, also --offload-params).")
+                f"{FLAG.optimizer_cpu_offload} (with {FLAG.zero_stage} 3, also {FLAG.offload_params}).")
     w = plan.winner
     if w.layout == layout:
         return "The planner's best layout for these GPUs is this one: the estimate misses what ran over."
     return (f"The planner suggests {w.layout.describe()} ({_gib(w.peak.total)} per GPU): "
-            f"{' '.join(w.layout.flags())} (tools/plan_parallelism.py shows the whole table).")
+            f"{' '.join(w.layout.argv(cfg))} (tools/plan_parallelism.py shows the whole table).")
 
 
 def out_of_memory_message(cfg: MegaliteConfig, error: BaseException) -> str:

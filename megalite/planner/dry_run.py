@@ -11,23 +11,11 @@ import dataclasses
 import torch
 
 from megalite.config import MegaliteConfig
-from megalite.data.default_corpus import ensure_default_corpus
-from megalite.data.tokenizer import build_tokenizer
+from megalite.data import run_vocab_size
 from megalite.planner.hardware import GiB
 from megalite.planner.layout import Layout
 from megalite.planner.memory import Numerics, StageMemory, memory_per_stage
 from megalite.planner.parameters import count_parameters
-
-
-def run_vocab_size(cfg: MegaliteConfig) -> int:
-    """The vocabulary the trainer will use: the tokenizer's, or --vocab-size with mock data."""
-    d = cfg.data
-    if d.mock_data:
-        return cfg.model.vocab_size
-    if d.data_path is None:
-        return build_tokenizer("SentencePieceTokenizer", ensure_default_corpus().tokenizer_model,
-                               cfg.model.vocab_size).vocab_size
-    return build_tokenizer(d.tokenizer_type, d.tokenizer_model, cfg.model.vocab_size).vocab_size
 
 
 def dtype_bytes(cfg: MegaliteConfig) -> int:

@@ -3,59 +3,41 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import shlex
 from typing import Optional
 
-from megalite.cli import FLAGS
-from megalite.config import ModelConfig
+from megalite.config import MegaliteConfig, flags
+from megalite.config.flags import compose
 from megalite.planner.hardware import GiB
 from megalite.planner.memory import StageMemory
-from megalite.planner.models import load_model_config
 from megalite.planner.parameters import count_parameters
 from megalite.planner.search import Estimate, Plan
 
-_RECOMPUTE_FIELDS = {"recompute_granularity", "recompute_method", "recompute_num_layers"}
+@functools.lru_cache(maxsize=8)
+def _base_config(model_name: Optional[str]) -> MegaliteConfig:
+    """What ``pretrain_gpt.py model=NAME`` runs with no other option (the YAML groups' values included)."""
+    return compose([f"model={model_name}"] if model_name else [])
 
 
-def model_flags(model: ModelConfig, model_name: Optional[str]) -> list[str]:
-    """``model=NAME`` plus a flag per field that differs from that file (or the dataclass defaults)."""
-    base = load_model_config(model_name) if model_name else ModelConfig()
-    argv = [f"model={model_name}"] if model_name else []
-    for f in dataclasses.fields(ModelConfig):
-        value = getattr(model, f.name)
-        if f.name in _RECOMPUTE_FIELDS or value == getattr(base, f.name):
-            continue
-        if isinstance(value, bool) or value is None:   # a switch only turns on; anything else is an override
-            argv.append("--" + f.name.replace("_", "-") if value is True
-                        else f"model.{f.name}={'null' if value is None else 'false'}")
-        else:
-            argv += ["--" + f.name.replace("_", "-"), str(value)]
-    return argv
+def pretrain_settings(plan: Plan, estimate: Estimate) -> dict[str, object]:
+    """The options (``section.field`` -> value) that run ``estimate``'s layout, beyond ``model=NAME``'s defaults."""
+    base = _base_config(plan.model_name)
+    run = dataclasses.replace(base, model=plan.model, training=dataclasses.replace(
+        base.training, global_batch_size=plan.global_batch_size, bf16=plan.dtype_bytes == 2))
+    return flags.differences(estimate.layout.apply(run), base)
 
 
 def pretrain_argv(plan: Plan, estimate: Estimate) -> list[str]:
     """pretrain_gpt.py's arguments for ``estimate``'s layout (data options are the user's to add)."""
-    argv = model_flags(plan.model, plan.model_name)
-    argv += ["--global-batch-size", str(plan.global_batch_size)]
-    argv += ["--bf16"] if plan.dtype_bytes == 2 else []
-    return argv + estimate.layout.flags()
+    group = [f"model={plan.model_name}"] if plan.model_name else []
+    return group + flags.argv(pretrain_settings(plan, estimate))
 
 
-def hydra_overrides(argv: list[str]) -> list[str]:
-    """The same arguments as Hydra overrides (``parallel.tensor_model_parallel_size=8``)."""
-    by_flag = {f.flag: f for f in FLAGS}
-    result, i = [], 0
-    while i < len(argv):
-        flag = by_flag.get(argv[i])
-        if flag is None:
-            result.append(argv[i])
-        elif flag.is_switch:
-            result.append(f"{flag.key}=true")
-        else:
-            i += 1
-            result.append(f"{flag.key}={argv[i]}")
-        i += 1
-    return result
+def hydra_overrides(plan: Plan, estimate: Estimate) -> list[str]:
+    """The same options as Hydra overrides (``parallel.tensor_model_parallel_size=8``)."""
+    group = [f"model={plan.model_name}"] if plan.model_name else []
+    return group + [flags.override(key, value) for key, value in pretrain_settings(plan, estimate).items()]
 
 
 def command_line(plan: Plan, estimate: Optional[Estimate] = None) -> str:
@@ -153,7 +135,7 @@ def estimate_json(e: Estimate, plan: Plan) -> dict:
             "communication_s": {"tp": t.tp, "pp": t.pp, "dp": t.dp, "dp_exposed": t.dp_exposed},
             "compute_s": t.compute, "recompute_s": t.recompute, "bubble": t.bubble, "bubble_s": t.bubble_time,
             "step_s": t.step, "tokens_per_s": e.tokens_per_second, "mfu": e.mfu(plan.hardware),
-            "model_flops_per_step": t.model_flops, "pretrain_args": argv, "hydra_overrides": hydra_overrides(argv)}
+            "model_flops_per_step": t.model_flops, "pretrain_args": argv, "hydra_overrides": hydra_overrides(plan, e)}
 
 
 def to_json(plan: Plan) -> dict:

@@ -26,8 +26,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Optional
 
-from megalite.config import (ConfigError, MegaliteConfig, ModelConfig, OptimizerConfig, ParallelConfig, TrainingConfig,
-                             validate)
+from megalite.config import ConfigError, MegaliteConfig, ModelConfig, TrainingConfig, validate
 from megalite.planner.hardware import GiB, Hardware
 from megalite.planner.layout import Layout
 from megalite.planner.memory import Numerics, StageMemory, bytes_per_parameter, memory_per_stage, model_state_bytes
@@ -106,23 +105,6 @@ class Plan:
         return self.ranked[0] if self.ranked else None
 
 
-def layout_config(model: ModelConfig, layout: Layout, global_batch_size: int, bf16: bool = True) -> MegaliteConfig:
-    """The megalite config that runs ``layout`` (what pretrain_gpt.py would build from the proposed flags)."""
-    return MegaliteConfig(
-        model=layout.model_config(model),
-        parallel=ParallelConfig(tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
-                                sequence_parallel=layout.sequence_parallel,
-                                num_virtual_stages_per_pipeline_rank=(layout.virtual_stages
-                                                                      if layout.virtual_stages > 1 else None)),
-        optimizer=OptimizerConfig(use_distributed_optimizer=layout.distributed_optimizer,
-                                  zero_stage=layout.zero_stage, overlap_grad_reduce=layout.dp > 1 and layout.zero != 3,
-                                  overlap_param_gather=layout.distributed_optimizer,
-                                  optimizer_cpu_offload=layout.optimizer_cpu_offload,
-                                  offload_params=layout.offload_params),
-        training=TrainingConfig(micro_batch_size=layout.micro_batch_size, global_batch_size=global_batch_size,
-                                bf16=bf16))
-
-
 def estimate(model: ModelConfig, layout: Layout, hardware: Hardware, global_batch_size: int,
              dtype_bytes: int = 2, numerics: Optional[Numerics] = None) -> Estimate:
     """Memory per stage and step time of one layout (activations as CUDA keeps them unless ``numerics`` says)."""
@@ -147,9 +129,8 @@ def _variants(tp: int, pp: int, v: int, dp: int, global_batch_size: int):
             continue
         for zero in ((0, 1, 2) + ((3,) if pp == 1 else ()) if dp > 1 else (0,)):
             for recompute in RECOMPUTE:
-                yield Layout(tp=tp, pp=pp, dp=dp, virtual_stages=v, micro_batch_size=mbs,
-                             distributed_optimizer=zero in (1, 2), zero_stage=max(zero, 1), sequence_parallel=tp > 1,
-                             recompute=recompute)
+                yield Layout(tp=tp, pp=pp, dp=dp, virtual_stages=v, micro_batch_size=mbs, zero=zero,
+                             sequence_parallel=tp > 1, recompute=recompute)
 
 
 def search(model: ModelConfig, hardware: Hardware, global_batch_size: int, *, model_name: Optional[str] = None,
@@ -172,9 +153,11 @@ def search(model: ModelConfig, hardware: Hardware, global_batch_size: int, *, mo
                 continue
             for v in ((1, 2) if pp > 1 and layers % (2 * pp) == 0 else (1,)):
                 error, smallest = None, None
+                run = MegaliteConfig(model=model, training=TrainingConfig(global_batch_size=global_batch_size,
+                                                                          bf16=dtype_bytes == 2))
                 for layout in _variants(tp, pp, v, dp, global_batch_size):
                     try:
-                        validate(layout_config(model, layout, global_batch_size, dtype_bytes == 2), n)
+                        validate(layout.apply(run), n)
                     except ConfigError as e:
                         error = error or str(e)
                         continue
@@ -241,7 +224,7 @@ def _why_not_pure_data_parallel(plan: Plan) -> str:
     if pure:
         return f"Pure data parallelism fits but is {_percent(pure[0].time.step, plan.winner.time.step)} slower"
     hw, n = plan.hardware, plan.hardware.num_gpus
-    sharded = Layout(dp=n, zero_stage=3 if n > 1 else 1)   # the least memory data parallelism alone can hold
+    sharded = Layout(dp=n, zero=3 if n > 1 else 0)   # the least memory data parallelism alone can hold
     states = model_state_bytes(plan.model, sharded, dtype_bytes=plan.dtype_bytes)
     held = states.total + states.gathered
     gathered = " and gathered layers" if states.gathered else ""

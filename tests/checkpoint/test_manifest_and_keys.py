@@ -8,7 +8,8 @@ import pytest
 
 from megalite.checkpoint import CheckpointError, Manifest, SavedLayout, TensorSpec
 from megalite.checkpoint.keys import model_key, optimizer_key, optimizer_pieces, rng_key, slice_of
-from megalite.checkpoint.manifest import config_from_dict, config_to_dict
+from megalite.checkpoint.manifest import config_from_dict
+from megalite.config import to_dict
 from megalite.config import MegaliteConfig
 from megalite.tensor_parallel import Partition
 
@@ -21,8 +22,8 @@ def _manifest() -> Manifest:
                                                                        "bfloat16"),
               "layers.0.gqa.weight": TensorSpec((96, 64), Partition(dim=0, fused=(64, 16, 16)), 2, "float32"),
               "final_norm.weight": TensorSpec((64,), Partition(), 1, "float32")}
-    return Manifest(iteration=5, consumed_samples=40, layout=SavedLayout(2, 2, 1, 2, True, 1),
-                    config=config_to_dict(tiny_config()), params=params, adam_step=5,
+    return Manifest(iteration=5, consumed_samples=40, layout=SavedLayout(2, 2, 1, 2, zero=1),
+                    config=to_dict(tiny_config()), params=params, adam_step=5,
                     loss_scaler={"scale": 1024.0, "clean_steps": 3, "hysteresis_left": 2},
                     rng_streams=["cpu", "tensor_parallel"], tokenizer=None)
 
@@ -61,7 +62,7 @@ def test_bad_manifests_are_one_line_errors(tmp_path, content, message):
 
 
 def test_config_from_dict_drops_unknown_options_and_defaults_missing_ones():
-    data = config_to_dict(tiny_config())
+    data = to_dict(tiny_config())
     data["model"]["from_the_future"] = 1
     del data["training"]["seed"]
     with pytest.warns(UserWarning, match="model.from_the_future"):
@@ -75,3 +76,10 @@ def test_keys_are_unique_per_piece_and_parse_back():
     keys += [model_key("final_norm.bias", 1, 0), rng_key(1, 0, 1, "cpu")]
     assert optimizer_pieces(keys) == {("layers.0.mlp.linear_fc1.weight", 2, 1, "exp_avg"): [(0, 64), (64, 128)]}
     assert json.dumps(keys)   # plain strings
+
+
+def test_a_layout_written_before_the_zero_level_reads_as_its_level():
+    old = {"tp": 1, "pp": 1, "virtual_stages": 1, "dp": 4}
+    assert SavedLayout.from_json({**old, "distributed_optimizer": True, "zero_stage": 2}).zero == 2
+    assert SavedLayout.from_json({**old, "distributed_optimizer": False, "zero_stage": 3}).zero == 3
+    assert SavedLayout.from_json({**old, "distributed_optimizer": False, "zero_stage": 1}).zero == 0

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from megalite import extensions
-from megalite.cli import parse_args
+from megalite.config.cli import parse_args
 from megalite.config import ConfigError, KernelConfig, validate
 from megalite.kernels import policy
 from megalite.kernels.policy import OPS, ExtensionUnavailable, KernelPolicy

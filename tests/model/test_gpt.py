@@ -127,7 +127,7 @@ def test_recompute_with_dropout_gives_identical_losses_and_gradients(recompute):
     ("llama3_1b", 1.24), ("llama2_7b", 6.74), ("llama2_13b", 13.0),
 ])
 def test_model_configs_have_their_sizes(config, billions):
-    from megalite.cli import parse_args
+    from megalite.config.cli import parse_args
     cfg = parse_args([f"model={config}", "data=mock"]).model
     with torch.device("meta"):   # shapes only: no memory, no initialization
         model = GPTModel(cfg)

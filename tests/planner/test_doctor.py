@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import pretrain_gpt
-from megalite.cli import parse_args
+from megalite.config.cli import parse_args
 from megalite.planner import Layout, diagnose_out_of_memory, is_out_of_memory, stage_memory
 from megalite.planner.doctor import device_memory_bytes
 from megalite.planner.dry_run import numerics_for

@@ -56,10 +56,9 @@ def _measured_states(model, layout: Layout, pp_rank: int, dtype: torch.dtype, bu
         engine = DataParallel(list(chunks), data_group=parallel_state.get_data_parallel_group(),
                               embedding_group=parallel_state.get_embedding_group(),
                               tied_params=[w for c in chunks for w in c.tied_embedding_weights()],
-                              bucket_size=bucket_size, distributed_optimizer=layout.distributed_optimizer,
-                              zero_stage=layout.zero_stage)
-        optimizer = MegaliteOptimizer(engine, OptimizerConfig(use_distributed_optimizer=layout.distributed_optimizer,
-                                                           zero_stage=layout.zero_stage),
+                              bucket_size=bucket_size, distributed_optimizer=layout.zero in (1, 2),
+                              zero_stage=max(layout.zero, 1))
+        optimizer = MegaliteOptimizer(engine, OptimizerConfig(**OptimizerConfig.zero_settings(layout.zero)),
                                       TrainingConfig(bf16=dtype == torch.bfloat16))
         for piece in optimizer.pieces:   # Adam allocates its states on the first step
             piece.main.grad = torch.zeros_like(piece.main)
@@ -73,10 +72,10 @@ def _measured_states(model, layout: Layout, pp_rank: int, dtype: torch.dtype, bu
 @pytest.mark.parametrize("arch", ["gpt", "llama"])
 @pytest.mark.parametrize("layout, bucket_size", [
     (Layout(), None),
-    (Layout(dp=4, distributed_optimizer=True), None),
-    (Layout(dp=4, distributed_optimizer=True, zero_stage=2), 3000),          # several buckets, each padded
-    (Layout(tp=2, pp=2, dp=2, distributed_optimizer=True), None),           # tied embedding copy on the last stage
-    (Layout(pp=2, dp=3, virtual_stages=2, distributed_optimizer=True, zero_stage=2), 5000),
+    (Layout(dp=4, zero=1), None),
+    (Layout(dp=4, zero=2), 3000),          # several buckets, each padded
+    (Layout(tp=2, pp=2, dp=2, zero=1), None),           # tied embedding copy on the last stage
+    (Layout(pp=2, dp=3, virtual_stages=2, zero=2), 5000),
     (Layout(tp=4, dp=2), None),
 ])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -102,7 +101,7 @@ def test_bytes_per_parameter_are_the_published_numbers_with_fp32_gradients():
     model = load_model_config("gpt2_medium")
     params = 354_823_168
     for zero in (0, 1, 2, 3):
-        layout = Layout(dp=8, distributed_optimizer=zero in (1, 2), zero_stage=max(zero, 1))
+        layout = Layout(dp=8, zero=zero)
         total = model_state_bytes(model, layout).total
         assert abs(total / params / bytes_per_parameter(zero, 8) - 1) < 0.002, zero
 
@@ -114,20 +113,20 @@ def test_zero3_holds_the_paper_s_16_over_n_as_fp32_shards():
         assert bytes_per_parameter(3, n) == bytes_per_parameter(3, n, dtype_bytes=4) == 16 / n
         assert bytes_per_parameter(3, n) == zero_paper_bytes_per_parameter(3, n)
     model = load_model_config("gpt2_medium")
-    bf16, fp32 = (model_state_bytes(model, Layout(dp=8, zero_stage=3), dtype_bytes=d) for d in (2, 4))
+    bf16, fp32 = (model_state_bytes(model, Layout(dp=8, zero=3), dtype_bytes=d) for d in (2, 4))
     assert (bf16.weights, bf16.gradients, bf16.optimizer) == (fp32.weights, fp32.gradients, fp32.optimizer)
     assert bf16.weights == bf16.gradients == bf16.optimizer / 2
     # The last DP rank holds fewer rows where a dimension does not divide by DP (at DP 7 the 50304-row embedding is
     # cut 6 x 7187 + 7182): no rank holds more than DP rank 0, and all ranks together hold the whole model.
-    ranks = [model_state_bytes(model, Layout(dp=7, zero_stage=3), dp_rank=r).weights for r in range(7)]
+    ranks = [model_state_bytes(model, Layout(dp=7, zero=3), dp_rank=r).weights for r in range(7)]
     assert max(ranks) == ranks[0] > ranks[-1] and sum(ranks) == 4 * count_parameters(model).per_stage[0]
 
 
 def test_zero3_offload_moves_the_states_to_the_host_and_leaves_the_gathered_layers():
     model = load_model_config("gpt2_medium")
-    plain = model_state_bytes(model, Layout(dp=8, zero_stage=3))
-    optimizer = model_state_bytes(model, Layout(dp=8, zero_stage=3, optimizer_cpu_offload=True))
-    everything = model_state_bytes(model, Layout(dp=8, zero_stage=3, optimizer_cpu_offload=True, offload_params=True))
+    plain = model_state_bytes(model, Layout(dp=8, zero=3))
+    optimizer = model_state_bytes(model, Layout(dp=8, zero=3, optimizer_cpu_offload=True))
+    everything = model_state_bytes(model, Layout(dp=8, zero=3, optimizer_cpu_offload=True, offload_params=True))
     shard = plain.weights
     assert (optimizer.weights, optimizer.gradients, optimizer.optimizer) == (shard, shard, 0)
     assert optimizer.host_optimizer == 3 * shard                 # Adam and an fp32 main copy of the device shard
@@ -144,14 +143,14 @@ def test_zero3_working_memory_is_the_root_unit_and_a_layer_three_times_plus_fp32
     layer = 12 * h * h + 13 * h
     root = v * h + positions * h + 2 * h
     expected = 2 * root + 2 * (v * h + 2 * h) + (3 * 2 + 4) * layer
-    states = model_state_bytes(model, Layout(dp=8, zero_stage=3))
+    states = model_state_bytes(model, Layout(dp=8, zero=3))
     assert states.gathered == expected
     # It does not shrink with DP, nor grow with the number of layers: one layer at a time (and one prefetched).
-    assert model_state_bytes(model, Layout(dp=64, zero_stage=3)).gathered == pytest.approx(expected, rel=1e-3)
+    assert model_state_bytes(model, Layout(dp=64, zero=3)).gathered == pytest.approx(expected, rel=1e-3)
     deeper = dataclasses.replace(model, num_layers=2 * model.num_layers)
-    assert model_state_bytes(deeper, Layout(dp=8, zero_stage=3)).gathered == expected
+    assert model_state_bytes(deeper, Layout(dp=8, zero=3)).gathered == expected
     # The stage's total counts it once, beside the states and the activations.
-    stage = stage_memory(model, Layout(dp=8, zero_stage=3), 0, 8)
+    stage = stage_memory(model, Layout(dp=8, zero=3), 0, 8)
     assert stage.gathered == expected and stage.total == stage.states + stage.gathered + stage.activations
 
 
@@ -250,7 +249,7 @@ def test_pipeline_holds_pp_micro_batches_on_the_first_stage_and_megatron_s_inter
 
 
 def test_the_fused_masked_softmax_core_keeps_the_attention_square():
-    from megalite.cli import parse_args
+    from megalite.config.cli import parse_args
     from megalite.planner.dry_run import numerics_for
     model = load_model_config("llama2_7b")   # no dropout
     s, a = model.seq_length, model.num_attention_heads

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from megalite.cli import parse_args
+from megalite.config import flags
+from megalite.config.cli import parse_args
 from megalite.config import validate
 from megalite.planner import Hardware, Layout, command_line, load_model_config, search, step_time, to_json
 from megalite.planner.memory import fully_sharded_units, padded_elements
-from megalite.planner.report import hydra_overrides
 from megalite.planner.search import _variants
 from megalite.planner.search import estimate as estimate_layout
 
@@ -51,7 +51,7 @@ def test_a_70b_model_on_64_nvlink_gpus_uses_tensor_parallelism_inside_the_node(l
     # DP alone fits only with ZeRO-3 (and full recompute), and is slower: its traffic crosses the network.
     pure = [e for e in plan.ranked if e.layout.tp == 1 and e.layout.pp == 1]
     assert [e.layout.zero for e in pure] == [3] and pure[0].time.step > plan.winner.time.step
-    zero2 = estimate_layout(plan.model, Layout(dp=64, distributed_optimizer=True, zero_stage=2, recompute="full"),
+    zero2 = estimate_layout(plan.model, Layout(dp=64, zero=2, recompute="full"),
                             plan.hardware, 1024)
     assert zero2.peak.states > plan.hardware.usable_memory_bytes
     assert any(r.tp == 1 and r.pp == 2 and "model states alone" in r.reason for r in plan.rejected)
@@ -86,22 +86,23 @@ def test_zero3_is_a_candidate_only_without_pipelining():
 
 
 @pytest.mark.parametrize("layout", [
-    Layout(dp=4, zero_stage=3),
-    Layout(tp=2, dp=2, zero_stage=3, sequence_parallel=True, recompute="full", micro_batch_size=2),
-    Layout(dp=4, zero_stage=3, optimizer_cpu_offload=True),
-    Layout(dp=4, zero_stage=3, optimizer_cpu_offload=True, offload_params=True),
-    Layout(dp=4, distributed_optimizer=True, zero_stage=2, optimizer_cpu_offload=True),
-    Layout(pp=2, dp=2, distributed_optimizer=True),
+    Layout(dp=4, zero=3),
+    Layout(tp=2, dp=2, zero=3, sequence_parallel=True, recompute="full", micro_batch_size=2),
+    Layout(dp=4, zero=3, optimizer_cpu_offload=True),
+    Layout(dp=4, zero=3, optimizer_cpu_offload=True, offload_params=True),
+    Layout(dp=4, zero=2, optimizer_cpu_offload=True),
+    Layout(pp=2, dp=2, zero=1),
 ])
-def test_flags_round_trip_through_megalite_s_parser(layout):
-    """flags() -> pretrain_gpt.py's parser and validation -> from_config gives the layout back (and the same config
+def test_a_layout_round_trips_through_megalite_s_parser(layout):
+    """argv() -> pretrain_gpt.py's parser and validation -> from_config gives the layout back (and the same config
     spelled as Hydra overrides)."""
-    argv = ["model=gpt_tiny", "data=mock", "--global-batch-size", "16", *layout.flags()]
-    cfg = parse_args(argv)
+    words = ["model=gpt_tiny", "data=mock", "--global-batch-size", "16"]
+    base = parse_args(words)
+    cfg = parse_args(words + layout.argv(base))
     validate(cfg, layout.world_size)
     assert Layout.from_config(cfg, layout.world_size) == layout
-    assert parse_args(hydra_overrides(argv)) == cfg
-    assert ("--overlap-grad-reduce" in layout.flags()) == (layout.zero in (0, 1, 2))
+    assert parse_args(words + [flags.override(k, v) for k, v in flags.differences(cfg, base).items()]) == cfg
+    assert cfg.optimizer.overlap_grad_reduce == (layout.zero in (0, 1, 2))
 
 
 @pytest.mark.parametrize("plan_name", ["gpt_350m_on_8", "llama_70b_on_64_nvlink", "llama_70b_on_64_pcie"])
@@ -174,13 +175,13 @@ def test_zero3_moves_the_parameters_three_times_per_micro_batch():
     root = sum(padded_elements(u, 8) for u in units.roots)
     layers = sum(padded_elements(u, 8) for u in units.layers)
     per_micro_batch = (2 * (root + layers) + 2 * layers + 4 * (root + layers)) * 7 / 8 / 1e9
-    zero3 = step_time(model, Layout(dp=8, zero_stage=3), hardware, 8 * 4)    # 4 micro-batches
+    zero3 = step_time(model, Layout(dp=8, zero=3), hardware, 8 * 4)    # 4 micro-batches
     assert zero3.dp == pytest.approx(4 * per_micro_batch)
-    zero1 = step_time(model, Layout(dp=8, distributed_optimizer=True), hardware, 8 * 4)
+    zero1 = step_time(model, Layout(dp=8, zero=1), hardware, 8 * 4)
     assert 5 < zero3.dp / zero1.dp < 4 * 8 / 6                              # M x (2p + 4) / (p + 4), less the root
     # On a slow link little hides; on a fast one only the ends of each micro-batch show.
     assert 0.5 * zero3.dp < zero3.dp_exposed <= zero3.dp
-    fast = step_time(model, Layout(dp=8, zero_stage=3), Hardware(num_gpus=8), 8 * 4)
+    fast = step_time(model, Layout(dp=8, zero=3), Hardware(num_gpus=8), 8 * 4)
     assert fast.dp_exposed < 0.3 * fast.dp and fast.step < zero3.step
 
 

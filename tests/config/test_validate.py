@@ -6,7 +6,7 @@ import pytest
 
 from megalite.config import ConfigError, validate
 
-from .helpers import tiny_config
+from ..helpers import tiny_config
 
 
 def test_tiny_config_is_valid_on_several_world_sizes():
@@ -15,26 +15,27 @@ def test_tiny_config_is_valid_on_several_world_sizes():
 
 
 @pytest.mark.parametrize("cfg, world, message", [
-    (tiny_config(tp=3), 4, "world size 4 is not divisible by tensor-model-parallel-size 3"),
-    (tiny_config(tp=8), 8, "num-attention-heads 4 is not divisible by tensor-model-parallel-size 8"),
-    (tiny_config(pp=3), 3, "num-layers 2 is not divisible by pipeline-model-parallel-size 3 x virtual stages 1"),
+    (tiny_config(tp=3), 4, "world size 4 is not divisible by --tensor-model-parallel-size 3"),
+    (tiny_config(tp=8), 8, "--num-attention-heads 4 is not divisible by --tensor-model-parallel-size 8"),
+    (tiny_config(pp=3), 3, "--num-layers 2 is not divisible by --pipeline-model-parallel-size 3 x virtual stages 1"),
     (tiny_config(pp=2, model={"num_layers": 8}, parallel={"num_virtual_stages_per_pipeline_rank": 2},
                  training={"global_batch_size": 6}), 2,
-     "number of micro-batches (global-batch-size 6 / (micro-batch-size 2 x data-parallel size 1) = 3) to be a "
-     "multiple of pipeline-model-parallel-size 2: use a global batch size that is a multiple of 4, e.g. 8"),
+     "number of micro-batches (--global-batch-size 6 / (--micro-batch-size 2 x data-parallel size 1) = 3) to be a "
+     "multiple of --pipeline-model-parallel-size 2: use a global batch size that is a multiple of 4, e.g. 8"),
     (tiny_config(pp=2, model={"num_layers": 8}, parallel={"num_layers_per_virtual_pipeline_stage": 3}), 2,
-     "num-layers 8 is not divisible by num-layers-per-virtual-pipeline-stage 3 x pipeline-model-parallel-size 2"),
+     "--num-layers 8 is not divisible by --num-layers-per-virtual-pipeline-stage 3 x --pipeline-model-parallel-size 2"),
     (tiny_config(pp=2, model={"num_layers": 8}, parallel={"num_layers_per_virtual_pipeline_stage": 2,
                                                           "num_virtual_stages_per_pipeline_rank": 3}), 2,
-     "num-virtual-stages-per-pipeline-rank 3 disagrees with num-layers-per-virtual-pipeline-stage 2"),
+     "--num-virtual-stages-per-pipeline-rank 3 disagrees with --num-layers-per-virtual-pipeline-stage 2"),
     (tiny_config(model={"num_layers": 8}, parallel={"num_virtual_stages_per_pipeline_rank": 2}), 1,
      "virtual pipeline stages (2) need --pipeline-model-parallel-size > 1"),
     (tiny_config(training={"global_batch_size": 6}), 2,
-     "global-batch-size 6 is not divisible by micro-batch-size 2 x data-parallel size 2 = 4"),
-    (tiny_config(model={"hidden_size": 66}), 1, "hidden-size 66 is not divisible by num-attention-heads 4"),
-    (tiny_config(model={"max_position_embeddings": 16}), 1, "max-position-embeddings 16 is smaller than seq-length 32"),
+     "--global-batch-size 6 is not divisible by --micro-batch-size 2 x data-parallel size 2 = 4"),
+    (tiny_config(model={"hidden_size": 66}), 1, "--hidden-size 66 is not divisible by --num-attention-heads 4"),
+    (tiny_config(model={"max_position_embeddings": 16}), 1,
+     "--max-position-embeddings 16 is smaller than --seq-length 32"),
     (tiny_config(optimizer={"lr_decay_style": "exp"}), 1, "--lr-decay-style must be cosine, linear or constant"),
-    (tiny_config(optimizer={"min_lr": 1.0}), 1, "need 0 <= min-lr <= lr"),
+    (tiny_config(optimizer={"min_lr": 1.0}), 1, "need 0 <= --min-lr <= --lr"),
     (tiny_config(model={"hidden_dropout": 1.0}), 1, "--hidden-dropout must be in [0, 1)"),
     (tiny_config(training={"micro_batch_size": 0}), 1, "--micro-batch-size must be >= 1, got 0"),
     (tiny_config(data={"data_path": "a"}), 1, "--mock-data and --data-path exclude each other"),
@@ -50,24 +51,24 @@ def test_tiny_config_is_valid_on_several_world_sizes():
     (tiny_config(data={"split": "90,10,0,1"}), 1, "--split '90,10,0,1' must be up to three proportions"),
     (tiny_config(data={"split": "a,b"}), 1, "--split 'a,b'"),
     (tiny_config(data={"tokenizer_type": "GPT2BPETokenizer"}), 1, "--tokenizer-type must be SentencePieceTokenizer"),
-    (tiny_config(data={"eval_iters": -1}), 1, "--eval-interval and --eval-iters must be >= 0"),
+    (tiny_config(data={"eval_iters": -1}), 1, "--eval-iters must be >= 0"),
     (tiny_config(tp=2, model={"hidden_size": 96, "num_attention_heads": 12, "group_query_attention": True,
                               "num_query_groups": 3}), 2,
-     "num-query-groups 3 is not divisible by tensor-model-parallel-size 2, nor 2 by 3: one must divide the other; "
+     "--num-query-groups 3 is not divisible by --tensor-model-parallel-size 2, nor 2 by 3: one must divide the other; "
      "tensor-model-parallel sizes that work: 1, 3, 6, 12"),
     (tiny_config(tp=4, model={"num_attention_heads": 32, "group_query_attention": True}), 4,
-     "with num-query-groups 1 over tensor-model-parallel-size 4, each key/value head is split over 4 ranks, which "
+     "with --num-query-groups 1 over --tensor-model-parallel-size 4, each key/value head is split over 4 ranks, which "
      "head dimension 2 does not allow; tensor-model-parallel sizes that work: 1, 2"),
     (tiny_config(model={"group_query_attention": True, "num_query_groups": 3}), 1,
-     "num-attention-heads 4 is not divisible by num-query-groups 3"),
+     "--num-attention-heads 4 is not divisible by --num-query-groups 3"),
     (tiny_config(model={"hidden_size": 60, "position_embedding_type": "rope"}), 1,
-     "rope needs an even head dimension, got hidden-size 60 / num-attention-heads 4 = 15"),
+     "rope needs an even head dimension, got --hidden-size 60 / --num-attention-heads 4 = 15"),
     (tiny_config(model={"position_embedding_type": "alibi"}), 1, "--position-embedding-type must be learned_absolute"),
     (tiny_config(model={"normalization": "rmsnorm"}), 1, "--normalization must be LayerNorm or RMSNorm"),
     (tiny_config(parallel={"sequence_parallel": True}), 1,
      "--sequence-parallel needs --tensor-model-parallel-size > 1"),
     (tiny_config(tp=4, model={"seq_length": 30}, parallel={"sequence_parallel": True}), 4,
-     "with --sequence-parallel, seq-length 30 must be divisible by tensor-model-parallel-size 4"),
+     "with --sequence-parallel, --seq-length 30 must be divisible by --tensor-model-parallel-size 4"),
     (tiny_config(model={"recompute_granularity": "full"}), 1,
      "--recompute-granularity full needs --recompute-method uniform|block"),
     (tiny_config(model={"recompute_granularity": "selective", "recompute_method": "block"}), 1,

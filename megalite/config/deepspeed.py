@@ -1,8 +1,8 @@
 """``--deepspeed-config ds.json``: a DeepSpeed JSON config read as megalite options.
 
 People arrive with the DeepSpeed config of an earlier run. Each key megalite can honour becomes the megalite option
-that does the same thing: a ``section.field`` setting, which :mod:`megalite.cli` applies after the YAML groups and
-before the command line's own overrides and flags (so those win). Every key megalite cannot honour is refused by
+that does the same thing: a ``section.field`` setting, which :mod:`megalite.config.cli` applies after the YAML groups
+and before the command line's own overrides and flags (so those win). Every key megalite cannot honour is refused by
 name, all of them in one error: a run that silently differs from the DeepSpeed run it claims to reproduce is worse
 than no run. docs/zero_and_deepspeed.md has the table, and why each refused key is refused.
 
@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
-from megalite.config import ConfigError, MegaliteConfig
+from megalite.config.flags import argv, get, override
+from megalite.config.schema import ConfigError, MegaliteConfig, OptimizerConfig
 
 AUTO = "auto"
 _MISSING = object()   # "the file does not give this key" (None is JSON's null, a value)
@@ -54,20 +55,20 @@ class Translation:
 
     def overrides(self) -> list[str]:
         """The settings as Hydra overrides ``section.field=value``."""
-        return [f"{key}={_hydra_value(value)}" for key, value in self.settings().items()]
+        return [override(key, value) for key, value in self.settings().items()]
 
-    def describe(self, cfg: MegaliteConfig, user_keys: Iterable[str] = ()) -> list[str]:
+    def settings_lines(self, cfg: MegaliteConfig, user_keys: Iterable[str] = ()) -> list[str]:
         """One line per DeepSpeed key mapped (noting the settings the command line overrode), then the notes."""
         user_keys = set(user_keys)
         head = f"deepspeed config {self.name}: "
         lines = []
         for m in self.mappings:
             note = f" ({m.note})" if m.note else ""
-            target = " ".join(_spell(key, value) for key, value in m.settings) or "nothing to set"
+            target = " ".join(argv(dict(m.settings))) or "nothing to set"
             line = f"{head}{m.key} {_show(m.value)}{note} -> {target}"
             overridden = [key for key, _ in m.settings if key in user_keys]
             if overridden:
-                line += "; overridden by the command line: " + " ".join(_spell(k, _get(cfg, k)) for k in overridden)
+                line += "; overridden by the command line: " + " ".join(argv({k: get(cfg, k) for k in overridden}))
             lines.append(line)
         return lines + [head + note for note in self.notes]
 
@@ -196,7 +197,7 @@ class _Reader:
         self.refused.append(f"{shown} ({why})" if why else shown)
 
     def current_value(self, key: str) -> Any:
-        return _get(self.current, key)
+        return get(self.current, key)
 
     def effective(self, key: str) -> Any:
         """The value ``key`` will have: the command line's if it sets it, else the file's so far, else megalite's."""
@@ -394,17 +395,14 @@ def _zero(r: _Reader) -> None:
         raise ConfigError(f"--deepspeed-config {r.name}: {z}.stage must be 0, 1, 2 or 3, got {stage}")
     if stage is not _MISSING:
         note = "not given: DeepSpeed's default" if r.peek(f"{z}.stage") is _MISSING else ""
-        if stage in (1, 2):
-            settings = {"optimizer.use_distributed_optimizer": True, "optimizer.zero_stage": stage}
-        else:   # 0: no distributed optimizer (zero_stage 1 then means plain DP); 3: zero_stage 3 without it
-            main, other = ((("optimizer.use_distributed_optimizer", False), ("optimizer.zero_stage", 1)) if stage == 0
-                           else (("optimizer.zero_stage", 3), ("optimizer.use_distributed_optimizer", False)))
-            # the second setting only where it does not hold already: "--zero-stage 3", not also "...=false"
-            settings = dict([main] + ([other] if r.effective(other[0]) != other[1] else []))
+        wanted = {f"optimizer.{name}": value for name, value in OptimizerConfig.zero_settings(stage).items()}
+        # The option that names the stage, and the other only where it does not hold already: "--zero-stage 3",
+        # not also "optimizer.use_distributed_optimizer=false".
+        main = {0: ("optimizer.use_distributed_optimizer",), 3: ("optimizer.zero_stage",)}.get(stage, tuple(wanted))
+        settings = {key: value for key, value in wanted.items() if key in main or r.effective(key) != value}
         r.map(f"{z}.stage", stage, settings, note)
     else:   # "auto": the stage megalite is configured for decides what the other keys mean
-        o = r.current.optimizer
-        stage = 3 if o.zero_stage == 3 else o.zero_stage if o.use_distributed_optimizer else 0
+        stage = r.current.optimizer.zero_level
     for block, setting in [("offload_optimizer", "optimizer.optimizer_cpu_offload"),
                            ("offload_param", "optimizer.offload_params")]:
         if r.block(f"{z}.{block}") is None:
@@ -564,11 +562,6 @@ def _inert(r: _Reader) -> None:
 
 # --- helpers ------------------------------------------------------------------------------------------------------
 
-def _get(cfg: MegaliteConfig, key: str) -> Any:
-    section, name = key.split(".")
-    return getattr(getattr(cfg, section), name)
-
-
 def _show(value: Any) -> str:
     """A JSON value as written in messages: strings bare (device=nvme), the rest as JSON."""
     if value is _MISSING:
@@ -578,24 +571,3 @@ def _show(value: Any) -> str:
     if isinstance(value, float) and value.is_integer() and abs(value) < 1e16:
         return str(int(value)) if abs(value) >= 1e4 else repr(value)
     return json.dumps(value)
-
-
-def _spell(key: str, value: Any) -> str:
-    """A megalite setting as the flag that sets it (--zero-stage 3, --bf16), or its Hydra key where no flag can."""
-    flag = "--" + key.split(".")[1].replace("_", "-")
-    if value is True:
-        return flag
-    if value is False or value is None:
-        return f"{key}={'false' if value is False else 'null'}"
-    return f"{flag} {_show(value)}"
-
-
-def _hydra_value(value: Any) -> str:
-    """A setting's value as the right-hand side of a Hydra override (the types the rules produce)."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (int, float)):   # finite: check() refuses the rest
-        return repr(value)
-    return "'" + str(value) + "'"   # the rules produce only fixed words: constant, linear, cosine

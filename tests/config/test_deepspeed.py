@@ -1,4 +1,5 @@
-"""megalite.deepspeed_config: a DeepSpeed JSON config read as megalite options, through megalite.cli as users run it.
+"""megalite.config.deepspeed: a DeepSpeed JSON config read as megalite options, through megalite.config.cli as users
+run it.
 
 Each test writes a small JSON file and parses a command line naming it (``--deepspeed-config``); the world size is
 passed explicitly, as pretrain_gpt.py does, because the batch arithmetic needs the data-parallel size.
@@ -11,10 +12,10 @@ import math
 
 import pytest
 
-from megalite import cli
-from megalite.cli import parse_args, parse_command_line
+from megalite.config import cli, flags
+from megalite.config.cli import parse_args, parse_command_line
 from megalite.config import ConfigError, MegaliteConfig, validate
-from megalite.deepspeed_config import translate
+from megalite.config.deepspeed import translate
 from megalite.optimizer.lr_schedule import learning_rate
 
 ZERO3_OFFLOAD = {"train_batch_size": 32, "zero_optimization": {
@@ -49,7 +50,7 @@ def test_zero3_offload_example_parses_and_validates(ds):
                                                                                                       True)
     assert (t.global_batch_size, t.micro_batch_size) == (32, 8)   # DeepSpeed: GA 1, micro = 32 / DP 4
     validate(cfg, 4)
-    lines = command_line.describe()
+    lines = command_line.deepspeed_settings()
     assert any(line.endswith("zero_optimization.stage 3 -> --zero-stage 3") for line in lines), lines
     assert all(line.startswith("deepspeed config ") for line in lines)
 
@@ -268,7 +269,7 @@ def test_batch_sizes_on_the_command_line_win_and_enter_the_arithmetic(ds):
     t = command_line.config.training
     assert (t.global_batch_size, t.micro_batch_size) == (32, 2)
     validate(command_line.config, 4)
-    lines = command_line.describe()
+    lines = command_line.deepspeed_settings()
     assert any("train_micro_batch_size_per_gpu 8 -> --micro-batch-size 8; overridden by the command line: "
                "--micro-batch-size 2" in line for line in lines), lines
     assert any("gradient_accumulation_steps 4" in line for line in lines), lines
@@ -294,7 +295,7 @@ def test_world_size_defaults_to_the_environment(tmp_path, monkeypatch):
 def test_logging_and_clipping_keys(ds):
     cfg = ds({"steps_per_print": 5, "wall_clock_breakdown": True, "gradient_clipping": 0.5}).config
     assert (cfg.logging.log_interval, cfg.logging.timing_log_level, cfg.optimizer.clip_grad) == (5, 1, 0.5)
-    lines = ds({"train_batch_size": 8}).describe()
+    lines = ds({"train_batch_size": 8}).deepspeed_settings()
     assert any("gradient_clipping not given" in line for line in lines)
 
 
@@ -318,7 +319,7 @@ def test_auto_keeps_megalite_values_and_disabled_blocks_are_accepted(ds):
     assert (cfg.training.global_batch_size, cfg.optimizer.lr, cfg.optimizer.weight_decay, cfg.training.bf16) == \
         (16, 0.02, MegaliteConfig().optimizer.weight_decay, True)
     assert cfg.optimizer.clip_grad == MegaliteConfig().optimizer.clip_grad
-    text = "\n".join(command_line.describe())
+    text = "\n".join(command_line.deepspeed_settings())
     assert "auto, so megalite's own value is kept: " in text and "zero_optimization.stage3_prefetch_bucket_size" in text
     assert "tensorboard disabled" in text
 
@@ -328,7 +329,7 @@ def test_precedence_yaml_then_file_then_overrides_then_flags(ds, tmp_path, monke
     configs.mkdir()
     (configs / "config.yaml").write_text("defaults:\n  - megalite_schema\n  - _self_\n"
                                          "optimizer:\n  lr: 7.0\n  weight_decay: 0.3\n  adam_eps: 0.125\n")
-    monkeypatch.setenv(cli.CONFIG_DIR_ENV, str(configs))
+    monkeypatch.setenv(flags.CONFIG_DIR_ENV, str(configs))
     optimizer = {"type": "AdamW", "params": {"lr": 0.5, "weight_decay": 0.2, "eps": 0.25}}
     o = ds({"optimizer": optimizer}).config.optimizer
     assert (o.lr, o.weight_decay, o.adam_eps) == (0.5, 0.2, 0.25)     # the file beats the YAML
@@ -337,7 +338,7 @@ def test_precedence_yaml_then_file_then_overrides_then_flags(ds, tmp_path, monke
     assert (o.lr, o.weight_decay, o.adam_eps) == (2.0, 0.05, 0.25)    # the command line beats the file
     o = ds({"optimizer": optimizer}, "optimizer.lr=3", "--lr", "4").config.optimizer
     assert o.lr == 4.0                                                # and a flag beats an override
-    lines = command_line.describe()
+    lines = command_line.deepspeed_settings()
     assert any(line.endswith("optimizer.params.lr 0.5 -> --lr 0.5; overridden by the command line: --lr 2.0")
                for line in lines), lines
 

@@ -1,4 +1,5 @@
-"""megalite.cli: Megatron flags and Hydra overrides resolve into one typed MegaliteConfig; errors are ConfigErrors."""
+"""megalite.config.cli: Megatron flags and Hydra overrides resolve into one typed MegaliteConfig; errors are
+ConfigErrors."""
 
 import dataclasses
 from pathlib import Path
@@ -6,11 +7,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from megalite import cli
-from megalite.cli import config_to_dict, parse_args
-from megalite.config import ConfigError, MegaliteConfig, sections
+from megalite.config import cli, flags
+from megalite.config.cli import parse_args
+from megalite.config import ConfigError, MegaliteConfig, sections, to_dict
 
-CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 
 def all_fields():
@@ -110,16 +111,6 @@ def test_errors_are_one_line_config_errors(argv, fragment):
     assert fragment in message and "\n" not in message
 
 
-def test_every_field_has_a_flag_and_help():
-    table = {f.key: f for f in cli.FLAGS}
-    assert len(table) == len(all_fields())
-    for section, field in all_fields():
-        flag = table[f"{section}.{field.name}"]
-        assert flag.flag == "--" + field.name.replace("_", "-")
-        assert field.metadata["help"].strip() and flag.help == field.metadata["help"]
-    assert len({f.flag for f in cli.FLAGS}) == len(cli.FLAGS)
-
-
 def test_help_lists_every_flag(capsys):
     with pytest.raises(SystemExit) as info:
         parse_args(["--help"])
@@ -143,15 +134,15 @@ def test_group_files_only_set_values_that_differ_from_the_dataclasses():
 
 def test_config_dir_env_var(tmp_path, monkeypatch):
     (tmp_path / "config.yaml").write_text("defaults:\n  - megalite_schema\n  - _self_\nmodel:\n  num_layers: 7\n")
-    monkeypatch.setenv(cli.CONFIG_DIR_ENV, str(tmp_path))
+    monkeypatch.setenv(flags.CONFIG_DIR_ENV, str(tmp_path))
     assert parse_args([]).model.num_layers == 7
-    monkeypatch.setenv(cli.CONFIG_DIR_ENV, str(tmp_path / "missing"))
+    monkeypatch.setenv(flags.CONFIG_DIR_ENV, str(tmp_path / "missing"))
     with pytest.raises(ConfigError):
         parse_args([])
 
 
 def test_config_to_dict_is_plain_and_nested():
-    d = config_to_dict(parse_args(["--lr", "0.5"]))
+    d = to_dict(parse_args(["--lr", "0.5"]))
     assert type(d) is dict and type(d["optimizer"]) is dict
     assert d["optimizer"]["lr"] == 0.5 and d["data"]["mock_data"] is False
     assert set(d) == {section for section, _ in sections()}
@@ -195,7 +186,7 @@ def test_architecture_and_memory_flags():
 
 def test_without_a_deepspeed_config_nothing_is_described(capsys):
     command_line = cli.parse_command_line(["--lr", "2"], world_size=4)
-    assert command_line.deepspeed is None and command_line.describe() == []
+    assert command_line.deepspeed is None and command_line.deepspeed_settings() == []
     assert command_line.config == parse_args(["--lr", "2"])
     with pytest.raises(SystemExit):
         parse_args(["--help"])
@@ -204,7 +195,7 @@ def test_without_a_deepspeed_config_nothing_is_described(capsys):
 
 
 def test_deepspeed_config_sits_between_yaml_and_overrides(tmp_path):
-    # (the mapping itself is tested in tests/test_deepspeed_config.py)
+    # (the mapping itself is tested in tests/config/test_deepspeed.py)
     path = tmp_path / "ds.json"
     path.write_text('{"gradient_clipping": 0.25, "steps_per_print": 3}')
     cfg = parse_args(["training.deepspeed_config=" + str(path), "optimizer.clip_grad=0.5"])

@@ -1,11 +1,8 @@
-"""Typed configuration: the one source of truth for every option.
+"""The typed schema: the one source of truth for every option.
 
-Each option is one dataclass field whose ``help`` metadata is its one-line docstring. The Megatron-style flag
-(``--tensor-model-parallel-size``) is derived from the field name by ``megalite.cli``, and the Hydra key
-(``parallel.tensor_model_parallel_size``) is the section name plus the field name, so neither is written twice.
-
-Cross-field rules live in :func:`validate`, which runs before any process group exists so that a bad layout fails
-on every rank with one line instead of hanging in a collective.
+Each option is one dataclass field whose ``help`` metadata is its one-line docstring. Its Megatron flag
+(``--tensor-model-parallel-size``) and Hydra key (``parallel.tensor_model_parallel_size``) are derived from the field
+by :mod:`megalite.config.flags`; cross-field rules live in :mod:`megalite.config.validate`.
 """
 
 from __future__ import annotations
@@ -14,7 +11,7 @@ import dataclasses
 import math
 import typing
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 
 class ConfigError(ValueError):
@@ -143,6 +140,19 @@ class OptimizerConfig:
     loss_scale_window: int = option(1000, "With --fp16: steps without overflow before the scale doubles.")
     hysteresis: int = option(2, "With --fp16: overflowing steps tolerated before the scale halves.")
 
+    @property
+    def zero_level(self) -> int:
+        """What is sharded over the data-parallel ranks: 0 nothing (plain data parallelism), 1 optimizer states, 2
+        gradients too (both with the distributed optimizer), 3 parameters too (FSDP2, without it)."""
+        if self.zero_stage == 3:
+            return 3
+        return self.zero_stage if self.use_distributed_optimizer else 0
+
+    @staticmethod
+    def zero_settings(level: int) -> dict[str, object]:
+        """The two options that select ZeRO ``level`` (the inverse of :attr:`zero_level`)."""
+        return {"use_distributed_optimizer": level in (1, 2), "zero_stage": max(level, 1)}
+
 
 @dataclass
 class DataConfig:
@@ -163,32 +173,36 @@ class DataConfig:
 
     def blend(self) -> tuple[list[str], Optional[list[float]]]:
         """(prefixes, weights) of data_path: 'A B' -> ([A, B], None), '0.3 A 0.7 B' -> ([A, B], [0.3, 0.7])."""
+        from megalite.config.flags import FLAG   # noqa: PLC0415 - flags import this module
+
         words = (self.data_path or "").split()
         if not words:
-            raise ConfigError("--data-path is empty")
+            raise ConfigError(f"{FLAG.data_path} is empty")
         try:
             float(words[0])
         except ValueError:  # the first word is a prefix: no weights
             return words, None
         if len(words) % 2:
-            raise ConfigError(f"--data-path {self.data_path!r}: weights and prefixes must come in pairs")
+            raise ConfigError(f"{FLAG.data_path} {self.data_path!r}: weights and prefixes must come in pairs")
         weights, prefixes = words[0::2], words[1::2]
         try:
             values = [float(w) for w in weights]
         except ValueError as error:
-            raise ConfigError(f"--data-path {self.data_path!r}: bad weight ({error})") from None
+            raise ConfigError(f"{FLAG.data_path} {self.data_path!r}: bad weight ({error})") from None
         if any(not math.isfinite(w) or w < 0 for w in values) or sum(values) <= 0:
-            raise ConfigError(f"--data-path {self.data_path!r}: weights must be >= 0 with a positive sum")
+            raise ConfigError(f"{FLAG.data_path} {self.data_path!r}: weights must be >= 0 with a positive sum")
         return prefixes, values
 
     def split_fractions(self) -> list[float]:
         """The three split proportions normalized to sum 1 ('99,1' means '99,1,0'; '/' separates like ',')."""
+        from megalite.config.flags import FLAG   # noqa: PLC0415 - flags import this module
+
         try:
             parts = [float(x) for x in self.split.replace("/", ",").split(",")]
         except ValueError:
             parts = []
         if not 1 <= len(parts) <= 3 or any(not math.isfinite(x) or x < 0 for x in parts) or sum(parts) <= 0:
-            raise ConfigError(f"--split {self.split!r} must be up to three proportions >= 0 with a positive sum, "
+            raise ConfigError(f"{FLAG.split} {self.split!r} must be up to three proportions >= 0 with a positive sum, "
                               f"e.g. 969,30,1")
         parts += [0.0] * (3 - len(parts))
         return [x / sum(parts) for x in parts]
@@ -287,214 +301,19 @@ def sections() -> list[tuple[str, type]]:
     return [(f.name, hints[f.name]) for f in dataclasses.fields(MegaliteConfig)]
 
 
-def _require(condition: bool, message: str) -> None:
-    if not condition:
-        raise ConfigError(message)
+def to_dict(cfg: MegaliteConfig) -> dict[str, Any]:
+    """The config as a plain nested dict (section -> field -> value), for checkpoints and logs."""
+    return dataclasses.asdict(cfg)
 
 
-def validate(cfg: MegaliteConfig, world_size: int) -> None:
-    """Check every cross-field rule; raise ConfigError naming the offending values."""
-    m, p, o, t = cfg.model, cfg.parallel, cfg.optimizer, cfg.training
-    for name, value in [("num-layers", m.num_layers), ("hidden-size", m.hidden_size),
-                        ("num-attention-heads", m.num_attention_heads), ("seq-length", m.seq_length),
-                        ("vocab-size", m.vocab_size), ("make-vocab-size-divisible-by", m.make_vocab_size_divisible_by),
-                        ("tensor-model-parallel-size", p.tensor_model_parallel_size),
-                        ("pipeline-model-parallel-size", p.pipeline_model_parallel_size),
-                        ("micro-batch-size", t.micro_batch_size), ("global-batch-size", t.global_batch_size),
-                        ("log-interval", cfg.logging.log_interval)]:
-        _require(value >= 1, f"--{name} must be >= 1, got {value}")
-    _require(t.train_iters >= 0, f"--train-iters must be >= 0, got {t.train_iters}")
-    _require(cfg.logging.timing_log_level in (0, 1, 2),
-             f"--timing-log-level must be 0, 1 or 2, got {cfg.logging.timing_log_level}")
-    _require(t.exit_interval is None or t.exit_interval >= 1, f"--exit-interval must be >= 1, got {t.exit_interval}")
-    _require(t.exit_duration_in_mins is None or t.exit_duration_in_mins > 0,
-             f"--exit-duration-in-mins must be > 0, got {t.exit_duration_in_mins}")
-    _require(t.distributed_timeout_minutes > 0,
-             f"--distributed-timeout-minutes must be > 0, got {t.distributed_timeout_minutes}")
-    tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
-    _require(world_size % (tp * pp) == 0,
-             f"world size {world_size} is not divisible by tensor-model-parallel-size {tp} x "
-             f"pipeline-model-parallel-size {pp} = {tp * pp}")
-    dp = world_size // (tp * pp)
-    _check_pipeline(cfg, dp)
-    _require(m.hidden_size % m.num_attention_heads == 0,
-             f"hidden-size {m.hidden_size} is not divisible by num-attention-heads {m.num_attention_heads}")
-    _require(m.num_attention_heads % tp == 0,
-             f"num-attention-heads {m.num_attention_heads} is not divisible by tensor-model-parallel-size {tp}")
-    _require(m.ffn_size % tp == 0,
-             f"ffn-hidden-size {m.ffn_size} is not divisible by tensor-model-parallel-size {tp}")
-    _check_architecture(cfg)
-    _require(t.global_batch_size % (t.micro_batch_size * dp) == 0,
-             f"global-batch-size {t.global_batch_size} is not divisible by micro-batch-size {t.micro_batch_size} x "
-             f"data-parallel size {dp} = {t.micro_batch_size * dp}")
-    _require(m.max_positions >= m.seq_length,
-             f"max-position-embeddings {m.max_positions} is smaller than seq-length {m.seq_length}")
-    for name, value in [("hidden-dropout", m.hidden_dropout), ("attention-dropout", m.attention_dropout)]:
-        _require(0.0 <= value < 1.0, f"--{name} must be in [0, 1), got {value}")
-    _require(o.lr_decay_style in ("cosine", "linear", "constant"),
-             f"--lr-decay-style must be cosine, linear or constant, got {o.lr_decay_style!r}")
-    _require(o.lr >= 0 and o.min_lr >= 0 and o.min_lr <= o.lr,
-             f"need 0 <= min-lr <= lr, got lr {o.lr} and min-lr {o.min_lr}")
-    _require(o.lr_warmup_iters >= 0, f"--lr-warmup-iters must be >= 0, got {o.lr_warmup_iters}")
-    _require(o.lr_decay_iters is None or o.lr_decay_iters >= 0,
-             f"--lr-decay-iters must be >= 0, got {o.lr_decay_iters}")
-    _require(o.clip_grad >= 0, f"--clip-grad must be >= 0, got {o.clip_grad}")
-    _check_optimizer(cfg, dp)
-    _require(0 <= o.adam_beta1 < 1 and 0 <= o.adam_beta2 < 1,
-             f"Adam betas must be in [0, 1), got {o.adam_beta1}, {o.adam_beta2}")
-    _check_data(cfg)
-    _check_checkpoint(cfg)
-    _check_kernels(cfg)
-
-
-def _check_pipeline(cfg: MegaliteConfig, dp: int) -> None:
-    """Layers split evenly over PP x V chunks; the interleaved schedule needs micro-batches in multiples of PP."""
-    p, m, t = cfg.parallel, cfg.model, cfg.training
-    pp, per_chunk, v = (p.pipeline_model_parallel_size, p.num_layers_per_virtual_pipeline_stage,
-                        p.num_virtual_stages_per_pipeline_rank)
-    _require(per_chunk is None or per_chunk >= 1,
-             f"--num-layers-per-virtual-pipeline-stage must be >= 1, got {per_chunk}")
-    _require(v is None or v >= 1, f"--num-virtual-stages-per-pipeline-rank must be >= 1, got {v}")
-    if per_chunk is not None:
-        _require(m.num_layers % (per_chunk * pp) == 0,
-                 f"num-layers {m.num_layers} is not divisible by num-layers-per-virtual-pipeline-stage {per_chunk} "
-                 f"x pipeline-model-parallel-size {pp} = {per_chunk * pp}")
-        _require(v is None or v * per_chunk * pp == m.num_layers,
-                 f"num-virtual-stages-per-pipeline-rank {v} disagrees with num-layers-per-virtual-pipeline-stage "
-                 f"{per_chunk}: {v} x {per_chunk} x PP {pp} != num-layers {m.num_layers}")
-    chunks = p.virtual_stages(m.num_layers)
-    _require(m.num_layers % (pp * chunks) == 0,
-             f"num-layers {m.num_layers} is not divisible by pipeline-model-parallel-size {pp} x virtual stages "
-             f"{chunks} = {pp * chunks}")
-    _require(chunks == 1 or pp > 1,
-             f"virtual pipeline stages ({chunks}) need --pipeline-model-parallel-size > 1")
-    micro_batch_product = t.micro_batch_size * dp
-    if chunks > 1 and t.global_batch_size % micro_batch_product == 0:
-        num_micro = t.global_batch_size // micro_batch_product
-        _require(num_micro % pp == 0,
-                 f"the interleaved schedule needs the number of micro-batches (global-batch-size "
-                 f"{t.global_batch_size} / (micro-batch-size {t.micro_batch_size} x data-parallel size {dp}) = "
-                 f"{num_micro}) to be a multiple of pipeline-model-parallel-size {pp}: use a global batch size that "
-                 f"is a multiple of {micro_batch_product * pp}, e.g. {micro_batch_product * pp * -(-num_micro // pp)}")
-
-
-def _check_architecture(cfg: MegaliteConfig) -> None:
-    """Positions, norms, grouped-query attention, sequence parallelism and recompute (heads already divide TP)."""
-    m, p = cfg.model, cfg.parallel
-    tp = p.tensor_model_parallel_size
-    _require(m.position_embedding_type in ("learned_absolute", "rope"),
-             f"--position-embedding-type must be learned_absolute or rope, got {m.position_embedding_type!r}")
-    _require(m.position_embedding_type != "rope" or m.head_dim % 2 == 0,
-             f"rope needs an even head dimension, got hidden-size {m.hidden_size} / num-attention-heads "
-             f"{m.num_attention_heads} = {m.head_dim}")
-    _require(m.rotary_base >= 1, f"--rotary-base must be >= 1, got {m.rotary_base}")
-    _require(m.normalization in ("LayerNorm", "RMSNorm"),
-             f"--normalization must be LayerNorm or RMSNorm, got {m.normalization!r}")
-    if m.group_query_attention:
-        g, heads = m.num_query_groups, m.num_attention_heads
-        _require(g >= 1, f"--num-query-groups must be >= 1, got {g}")
-        _require(heads % g == 0, f"num-attention-heads {heads} is not divisible by num-query-groups {g}")
-        # G % TP == 0: each rank holds G/TP whole key/value heads. TP % G == 0: each key/value head is split over
-        # the TP/G ranks of its query heads, which all-gather it (so its head dimension must split TP/G ways).
-        works = [t for t in range(1, heads + 1) if heads % t == 0 and (g % t == 0 or t % g == 0)
-                 and (t <= g or m.head_dim % (t // g) == 0)]
-        _require(g % tp == 0 or tp % g == 0,
-                 f"num-query-groups {g} is not divisible by tensor-model-parallel-size {tp}, nor {tp} by {g}: one "
-                 f"must divide the other; tensor-model-parallel sizes that work: {', '.join(map(str, works))}")
-        _require(tp <= g or m.head_dim % (tp // g) == 0,
-                 f"with num-query-groups {g} over tensor-model-parallel-size {tp}, each key/value head is split over "
-                 f"{tp // g} ranks, which head dimension {m.head_dim} does not allow; tensor-model-parallel sizes that "
-                 f"work: {', '.join(map(str, works))}")
-    if p.sequence_parallel:
-        _require(tp > 1, "--sequence-parallel needs --tensor-model-parallel-size > 1")
-        _require(m.seq_length % tp == 0,
-                 f"with --sequence-parallel, seq-length {m.seq_length} must be divisible by "
-                 f"tensor-model-parallel-size {tp}")
-    _require(m.recompute_granularity in (None, "full", "selective"),
-             f"--recompute-granularity must be full or selective, got {m.recompute_granularity!r}")
-    _require(m.recompute_method in (None, "uniform", "block"),
-             f"--recompute-method must be uniform or block, got {m.recompute_method!r}")
-    if m.recompute_granularity == "full":
-        _require(m.recompute_method is not None, "--recompute-granularity full needs --recompute-method uniform|block")
-        per_chunk = m.num_layers // (p.pipeline_model_parallel_size * p.virtual_stages(m.num_layers))
-        _require(1 <= m.recompute_num_layers <= per_chunk,
-                 f"--recompute-num-layers must be between 1 and the {per_chunk} layers of a model chunk, got "
-                 f"{m.recompute_num_layers}")
-    else:
-        _require(m.recompute_method is None, "--recompute-method applies to --recompute-granularity full only")
-
-
-def _check_optimizer(cfg: MegaliteConfig, dp: int) -> None:
-    o, t = cfg.optimizer, cfg.training
-    _require(not (t.bf16 and t.fp16), "--bf16 and --fp16 exclude each other")
-    _require(o.zero_stage in (1, 2, 3), f"--zero-stage must be 1, 2 or 3, got {o.zero_stage}")
-    _require(o.zero_stage != 2 or o.use_distributed_optimizer, "--zero-stage 2 needs --use-distributed-optimizer")
-    _require(not o.overlap_param_gather or o.use_distributed_optimizer,
-             "--overlap-param-gather needs --use-distributed-optimizer")
-    if o.zero_stage == 3:
-        _check_fully_sharded(cfg, dp)
-    _require(not o.offload_params or o.zero_stage == 3, "--offload-params needs --zero-stage 3")
-    _require(not o.offload_params or o.optimizer_cpu_offload,
-             "--offload-params needs --optimizer-cpu-offload: offloaded parameter shards are stepped on the CPU")
-    _require(o.ddp_bucket_size is None or o.ddp_bucket_size >= 1,
-             f"--ddp-bucket-size must be >= 1, got {o.ddp_bucket_size}")
-    _require(o.loss_scale is None or t.fp16, "--loss-scale applies to --fp16 only")
-    _require(o.loss_scale is None or o.loss_scale > 0, f"--loss-scale must be > 0, got {o.loss_scale}")
-    _require(0 < o.min_loss_scale <= o.initial_loss_scale,
-             f"need 0 < min-loss-scale <= initial-loss-scale, got {o.min_loss_scale} and {o.initial_loss_scale}")
-    _require(o.loss_scale_window >= 1 and o.hysteresis >= 1,
-             f"--loss-scale-window and --hysteresis must be >= 1, got {o.loss_scale_window} and {o.hysteresis}")
-
-
-def _check_fully_sharded(cfg: MegaliteConfig, dp: int) -> None:
-    """ZeRO-3 runs on FSDP2, which owns gradient reduction and parameter gathering: the options of our own
-    data-parallel engine do not apply, and there must be data-parallel ranks to shard over."""
-    o = cfg.optimizer
-    _require(not o.use_distributed_optimizer,
-             "--zero-stage 3 shards the optimizer itself (FSDP2): drop --use-distributed-optimizer")
-    for name, value in [("overlap-grad-reduce", o.overlap_grad_reduce),
-                        ("overlap-param-gather", o.overlap_param_gather)]:
-        _require(not value, f"--{name} is for stages 1-2: with --zero-stage 3, FSDP2 overlaps its own reductions "
-                            f"and gathers")
-    _require(dp > 1, "--zero-stage 3 shards over data-parallel ranks and this layout has none (data-parallel size "
-                     "1); for CPU offload on one data-parallel rank use --optimizer-cpu-offload")
-
-
-def _check_checkpoint(cfg: MegaliteConfig) -> None:
-    """The checkpoint options alone (the checkpoint itself is checked by megalite.checkpoint.check_checkpoint)."""
-    c = cfg.checkpoint
-    _require(c.save_interval is None or c.save_interval >= 1, f"--save-interval must be >= 1, got {c.save_interval}")
-    _require(c.save_interval is None or c.save is not None, "--save-interval needs --save")
-    _require(not c.finetune or c.load is not None, "--finetune needs --load")
-
-
-def _check_kernels(cfg: MegaliteConfig) -> None:
-    """The fused-kernel mode; ``on`` needs a GPU here (whether the extension builds is checked when the model is)."""
-    mode = cfg.kernels.use_fused_kernels
-    _require(mode in ("auto", "on", "off"), f"--use-fused-kernels must be auto, on or off, got {mode!r}")
-    if mode == "on":
-        import torch   # only here: checking the other options needs no torch
-
-        _require(torch.cuda.is_available(),
-                 "--use-fused-kernels on needs a CUDA device and none is visible: use auto (fused kernels where "
-                 "there is a GPU, torch ops elsewhere) or off")
-
-
-def _check_data(cfg: MegaliteConfig) -> None:
-    """The data options alone (no file is opened here: megalite.data.check_data_files does that)."""
-    d = cfg.data
-    d.split_fractions()
-    _require(d.tokenizer_type in ("SentencePieceTokenizer", "NullTokenizer"),
-             f"--tokenizer-type must be SentencePieceTokenizer or NullTokenizer, got {d.tokenizer_type!r}")
-    _require(d.eval_interval >= 0 and d.eval_iters >= 0,
-             f"--eval-interval and --eval-iters must be >= 0, got {d.eval_interval} and {d.eval_iters}")
-    if d.mock_data:
-        _require(d.data_path is None, "--mock-data and --data-path exclude each other")
-        return
-    if d.data_path is None:  # the built-in corpus, which brings its own tokenizer
-        _require(d.tokenizer_model is None and d.tokenizer_type == "SentencePieceTokenizer",
-                 "--tokenizer-type/--tokenizer-model need --data-path (the built-in corpus has its own tokenizer)")
-        return
-    d.blend()
-    _require(d.tokenizer_type != "SentencePieceTokenizer" or d.tokenizer_model is not None,
-             "--data-path needs --tokenizer-model (or --tokenizer-type NullTokenizer)")
+def from_dict(data: dict[str, Any]) -> tuple[MegaliteConfig, list[str]]:
+    """A config from :func:`to_dict`'s form, and the ``section.field`` keys this schema does not know (an older or
+    newer megalite wrote them), which are left out."""
+    values, unknown = {}, []
+    for section, cls in sections():
+        given = dict(data.get(section) or {})
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown += [f"{section}.{key}" for key in given if key not in names]
+        values[section] = cls(**{key: value for key, value in given.items() if key in names})
+    unknown += [key for key in data if key not in values]
+    return MegaliteConfig(**values), unknown

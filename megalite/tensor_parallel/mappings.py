@@ -112,46 +112,18 @@ class _ReduceFromTensorParallel(torch.autograd.Function):
         return grad
 
 
-class _ScatterToTensorParallel(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        return split(x, -1)
+class _Along(torch.autograd.Function):
+    """``forward(x, dim)``, whose gradient is ``backward(grad, dim)``: the scatter, gather and reduce-scatter rows of
+    the tables above."""
 
     @staticmethod
-    def backward(ctx, grad):
-        return all_gather(grad, -1)
-
-
-class _GatherFromTensorParallel(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        return all_gather(x, -1)
+    def forward(ctx, x, dim, forward, backward):
+        ctx.dim, ctx.conjugate = dim, backward
+        return forward(x, dim)
 
     @staticmethod
     def backward(ctx, grad):
-        return split(grad, -1)
-
-
-class _AllGatherAlong(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, dim):
-        ctx.dim = dim
-        return all_gather(x, dim)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return reduce_scatter(grad, ctx.dim), None
-
-
-class _ReduceScatterAlong(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, dim):
-        ctx.dim = dim
-        return reduce_scatter(x, dim)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return all_gather(grad, ctx.dim), None
+        return ctx.conjugate(grad, ctx.dim), None, None, None
 
 
 def _tensor_parallel() -> bool:
@@ -169,17 +141,17 @@ def reduce_from_tensor_parallel(x: torch.Tensor) -> torch.Tensor:
 
 
 def scatter_to_tensor_parallel(x: torch.Tensor) -> torch.Tensor:
-    return _ScatterToTensorParallel.apply(x) if _tensor_parallel() else x
+    return _Along.apply(x, -1, split, all_gather) if _tensor_parallel() else x
 
 
 def gather_from_tensor_parallel(x: torch.Tensor) -> torch.Tensor:
-    return _GatherFromTensorParallel.apply(x) if _tensor_parallel() else x
+    return _Along.apply(x, -1, all_gather, split) if _tensor_parallel() else x
 
 
 def all_gather_tensor_parallel(x: torch.Tensor, dim: int) -> torch.Tensor:
     """All-gather along ``dim``; backward reduce-scatters (each rank may consume a different part of the result)."""
-    return _AllGatherAlong.apply(x, dim) if _tensor_parallel() else x
+    return _Along.apply(x, dim, all_gather, reduce_scatter) if _tensor_parallel() else x
 
 
 def reduce_scatter_to_sequence_parallel(x: torch.Tensor) -> torch.Tensor:
-    return _ReduceScatterAlong.apply(x, SEQUENCE_DIM) if _tensor_parallel() else x
+    return _Along.apply(x, SEQUENCE_DIM, reduce_scatter, all_gather) if _tensor_parallel() else x

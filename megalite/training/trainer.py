@@ -83,24 +83,20 @@ class Trainer:
         self.dtype = (torch.bfloat16 if cfg.training.bf16 else torch.float16 if cfg.training.fp16
                       else torch.float32)
         o = cfg.optimizer
+        shared = dict(data_group=parallel_state.get_data_parallel_group(),
+                      tensor_group=parallel_state.get_tensor_model_parallel_group(),
+                      embedding_group=parallel_state.get_embedding_group(),
+                      tied_params=[w for chunk in self.model for w in chunk.tied_embedding_weights()])
         self.engine: DataParallelEngine
         if o.zero_stage == 3:   # FSDP2 keeps fp32 shards as main parameters and casts the gathered copies itself
-            self.engine = FullyShardedDataParallel(
-                list(self.model), data_group=parallel_state.get_data_parallel_group(),
-                tensor_group=parallel_state.get_tensor_model_parallel_group(),
-                embedding_group=parallel_state.get_embedding_group(),
-                tied_params=[w for chunk in self.model for w in chunk.tied_embedding_weights()],
-                compute_dtype=self.dtype, offload_params=o.offload_params)
+            self.engine = FullyShardedDataParallel(list(self.model), **shared, compute_dtype=self.dtype,
+                                                   offload_params=o.offload_params)
         else:
             self.model.to(self.dtype)
             self.engine = DataParallel(
-                list(self.model), data_group=parallel_state.get_data_parallel_group(),
-                embedding_group=parallel_state.get_embedding_group(),
-                tied_params=[w for chunk in self.model for w in chunk.tied_embedding_weights()],
-                bucket_size=o.ddp_bucket_size, distributed_optimizer=o.use_distributed_optimizer,
-                zero_stage=o.zero_stage, overlap_grad_reduce=o.overlap_grad_reduce,
-                overlap_param_gather=o.overlap_param_gather,
-                tensor_group=parallel_state.get_tensor_model_parallel_group())
+                list(self.model), **shared, bucket_size=o.ddp_bucket_size,
+                distributed_optimizer=o.use_distributed_optimizer, zero_stage=o.zero_stage,
+                overlap_grad_reduce=o.overlap_grad_reduce, overlap_param_gather=o.overlap_param_gather)
         self.tied_embedding_weights = [w for chunk in self.model for w in chunk.tied_embedding_weights()]
         self.optimizer = MegaliteOptimizer(self.engine, o, cfg.training)
         self.state = TrainState()

@@ -16,7 +16,8 @@ from megalite.config import ConfigError, validate
 from megalite.data import check_data_files
 from megalite.planner.doctor import is_out_of_memory, out_of_memory_message
 from megalite.planner.dry_run import format_dry_run
-from megalite.training import Trainer, initialize_distributed, shutdown_distributed, world_size_from_env
+from megalite.training import (Trainer, finish_checks, initialize_distributed, shutdown_distributed,
+                               world_size_from_env)
 from megalite.training.stopping import TrainingError
 
 
@@ -30,7 +31,9 @@ def main(argv: list[str]) -> int:
         check_checkpoint(cfg, world_size_from_env())   # and a missing, partial or corrupt --load checkpoint
     except ConfigError as error:
         print(f"megalite: error: {error}", file=sys.stderr, flush=True)
+        finish_checks(failed=True)
         return 2
+    finish_checks(failed=False)
     if os.environ.get("RANK", "0") == "0":
         for line in command_line.deepspeed_settings():   # what a --deepspeed-config file set, and what the flags overrode
             print(line, flush=True)

@@ -58,7 +58,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     hw.add_argument("--gpus", type=int, default=8, help="Number of GPUs (default 8).")
     hw.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8).")
     hw.add_argument("--gpu-memory-gib", type=float, default=80.0, help="Memory per GPU (default 80).")
-    hw.add_argument("--peak-tflops", type=float, default=989.0, help="Dense bf16 peak per GPU (default 989, H100).")
+    hw.add_argument("--peak-tflops", type=float, default=Hardware.peak_tflops,
+                    help=f"Dense bf16 peak per GPU (default {Hardware.peak_tflops:g}, H100 SXM).")
     hw.add_argument("--efficiency", type=float, default=0.5,
                     help="Fraction of the peak the kernels achieve (default 0.5).")
     hw.add_argument("--memory-headroom", type=float, default=0.10,

@@ -29,7 +29,7 @@ def _one_of(name: str, value: Any, choices: tuple) -> None:
 
 def validate(cfg: MegaliteConfig, world_size: int) -> None:
     """Check every cross-field rule; raise ConfigError naming the offending values."""
-    m, p, o, t = cfg.model, cfg.parallel, cfg.optimizer, cfg.training
+    m, p, t = cfg.model, cfg.parallel, cfg.training
     _at_least(1, [("num_layers", m.num_layers), ("hidden_size", m.hidden_size),
                   ("num_attention_heads", m.num_attention_heads), ("seq_length", m.seq_length),
                   ("vocab_size", m.vocab_size), ("make_vocab_size_divisible_by", m.make_vocab_size_divisible_by),

@@ -1,10 +1,10 @@
 """Data parallelism behind one contract (``engine``): the bucketed gradient engine and parameter gathering for the
 distributed optimizer (ZeRO-1/2), and ZeRO-3 on FSDP2."""
 
-from megalite.distributed.buckets import Bucket, BufferLayout, build_layout
+from megalite.distributed.buckets import Bucket, BucketPlan, plan_buckets
 from megalite.distributed.data_parallel import DataParallel, default_bucket_size
 from megalite.distributed.engine import DataParallelEngine, Piece
 from megalite.distributed.fully_sharded import FullyShardedDataParallel, copy_into_parameter, full_local_tensor
 
-__all__ = ["Bucket", "BufferLayout", "build_layout", "DataParallel", "DataParallelEngine", "Piece",
+__all__ = ["Bucket", "BucketPlan", "plan_buckets", "DataParallel", "DataParallelEngine", "Piece",
            "FullyShardedDataParallel", "copy_into_parameter", "full_local_tensor", "default_bucket_size"]

@@ -1,4 +1,4 @@
-"""Where each parameter's gradient lives: one flat buffer, cut into buckets for reduction (pure layout).
+"""Where each parameter's gradient lives: one flat buffer, cut into buckets for reduction (a pure plan).
 
 Parameters are laid out in reverse order of definition, which is roughly the order backward produces their
 gradients, so the first bucket fills first and its reduction can start while backward works on the rest. A bucket
@@ -32,7 +32,7 @@ class Bucket:
 
 
 @dataclass
-class BufferLayout:
+class BucketPlan:
     buckets: list[Bucket]
     ranges: dict[int, tuple[int, int]]     # id(param) -> [start, end) in the flat buffer
     bucket_of: dict[int, int]              # id(param) -> bucket index
@@ -43,8 +43,8 @@ def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
-def build_layout(params: list[torch.nn.Parameter], bucket_size: int, dp: int,
-                 deferred: list[torch.nn.Parameter] = ()) -> BufferLayout:
+def plan_buckets(params: list[torch.nn.Parameter], bucket_size: int, dp: int,
+                 deferred: list[torch.nn.Parameter] = ()) -> BucketPlan:
     """Lay ``params`` out (given in definition order) into buckets; see the module docstring."""
     deferred_ids = {id(p) for p in deferred}
     ordinary = [p for p in reversed(params) if id(p) not in deferred_ids]
@@ -74,4 +74,4 @@ def build_layout(params: list[torch.nn.Parameter], bucket_size: int, dp: int,
                 bucket = None
         if bucket is not None:
             close(bucket)
-    return BufferLayout(buckets, ranges, bucket_of, offset)
+    return BucketPlan(buckets, ranges, bucket_of, offset)

@@ -31,7 +31,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from megalite.distributed.buckets import Bucket, build_layout
+from megalite.distributed.buckets import Bucket, plan_buckets
 from megalite.distributed.engine import DataParallelEngine, Piece
 from megalite.parallel_state import GroupInfo
 
@@ -60,15 +60,15 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 class DataParallel(DataParallelEngine):
     def __init__(self, modules: list[torch.nn.Module], *, data_group: GroupInfo,
                  embedding_group: Optional[GroupInfo] = None, tied_params: list[torch.nn.Parameter] = (),
-                 bucket_size: Optional[int] = None, distributed_optimizer: bool = False, zero_stage: int = 1,
+                 bucket_size: Optional[int] = None, zero: int = 0,
                  overlap_grad_reduce: bool = False, overlap_param_gather: bool = False,
                  tensor_group: Optional[GroupInfo] = None):
         self.group = data_group
         self.embedding_group = embedding_group
         self.tensor_group = tensor_group
         self.dp, self.dp_rank = data_group.size, data_group.rank
-        self.distributed = distributed_optimizer
-        self.zero2 = distributed_optimizer and zero_stage == 2
+        self.distributed = zero in (1, 2)   # OptimizerConfig.zero_level: the distributed optimizer's stages
+        self.zero2 = zero == 2
         self.overlap_grad_reduce, self.overlap_param_gather = overlap_grad_reduce, overlap_param_gather
         self.params = [p for m in modules for p in m.parameters() if p.requires_grad]
         dtypes = {p.dtype for p in self.params}
@@ -78,12 +78,12 @@ class DataParallel(DataParallelEngine):
         self.sequence_parallel_params = [p for p in self.params if getattr(p, "sequence_parallel", False)]
         self.device = device = self.params[0].device
         size = bucket_size or default_bucket_size(self.dp)
-        self.layout = build_layout(self.params, size, self.dp, tied_params)
-        self.buckets = self.layout.buckets
+        self.plan = plan_buckets(self.params, size, self.dp, tied_params)
+        self.buckets = self.plan.buckets
         self.tied_params = list(tied_params)
 
         # Parameters become views into one flat buffer, so the distributed optimizer can all-gather bucket by bucket.
-        self.param_buffer = torch.zeros(self.layout.total, dtype=self.param_dtype, device=device)
+        self.param_buffer = torch.zeros(self.plan.total, dtype=self.param_dtype, device=device)
         for p in self.params:
             start, end = self.range(p)
             self.param_buffer[start:end].copy_(p.data.view(-1))
@@ -93,7 +93,7 @@ class DataParallel(DataParallelEngine):
             self.grad_shards = [torch.zeros(b.shard(0, self.dp)[1] - b.start, dtype=torch.float32, device=device)
                                 for b in self.buckets]
         else:
-            self.grad_buffer = torch.zeros(self.layout.total, dtype=torch.float32, device=device)
+            self.grad_buffer = torch.zeros(self.plan.total, dtype=torch.float32, device=device)
             for p in self.params:
                 start, end = self.range(p)
                 p.main_grad = self.grad_buffer[start:end].view_as(p)
@@ -111,12 +111,12 @@ class DataParallel(DataParallelEngine):
                         self._hooks.append(sub.register_forward_pre_hook(self._wait_for_params))
         self.start_iteration(1)
 
-    # ---- layout -------------------------------------------------------------------------------------------------
+    # ---- where parameters live ----------------------------------------------------------------------------------
     def range(self, param: torch.nn.Parameter) -> tuple[int, int]:
-        return self.layout.ranges[id(param)]
+        return self.plan.ranges[id(param)]
 
     def bucket_of(self, param: torch.nn.Parameter) -> Bucket:
-        return self.buckets[self.layout.bucket_of[id(param)]]
+        return self.buckets[self.plan.bucket_of[id(param)]]
 
     def shard(self, bucket: Bucket) -> tuple[int, int]:
         return bucket.shard(self.dp_rank, self.dp)
@@ -284,7 +284,7 @@ class DataParallel(DataParallelEngine):
 
     def _wait_for_params(self, module: torch.nn.Module, _inputs) -> None:
         for p in module.parameters(recurse=False):
-            pending = self._pending_gathers.pop(self.layout.bucket_of.get(id(p), -1), None)
+            pending = self._pending_gathers.pop(self.plan.bucket_of.get(id(p), -1), None)
             if pending is not None:
                 pending[0].wait()
 

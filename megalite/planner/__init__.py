@@ -18,7 +18,8 @@ from megalite.planner.memory import (ModelStates, Numerics, StageMemory, activat
                                      memory_per_stage, model_state_bytes, stage_memory)
 from megalite.planner.models import load_model_config, model_names
 from megalite.planner.parameters import ParameterCount, count_parameters
-from megalite.planner.performance import model_flops_per_iteration, step_time
+from megalite.model.flops import model_flops_per_iteration
+from megalite.planner.performance import step_time
 from megalite.planner.report import command_line, format_plan, to_json
 from megalite.planner.search import Estimate, Plan, estimate, search
 

@@ -106,7 +106,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from megalite.config import ModelConfig
-from megalite.distributed.buckets import build_layout
+from megalite.distributed.buckets import plan_buckets
 from megalite.distributed.data_parallel import default_bucket_size
 from megalite.pipeline.partition import chunks_of_rank
 from megalite.pipeline.schedules import build_schedule
@@ -132,7 +132,7 @@ def bytes_per_parameter(zero: int, dp: int, dtype_bytes: int = 2) -> float:
 # ---- model states ---------------------------------------------------------------------------------------------------
 
 class _Sized:
-    """A stand-in for a parameter in megalite.distributed.buckets.build_layout, which needs only numel()."""
+    """A stand-in for a parameter in megalite.distributed.buckets.plan_buckets, which needs only numel()."""
     __slots__ = ("n",)
 
     def __init__(self, n: int):
@@ -187,18 +187,18 @@ def _model_state_bytes(model: ModelConfig, tp: int, pp: int, v: int, dp: int, ze
                        dtype_bytes: int, dp_rank: int, bucket_size: int) -> ModelStates:
     tensors = [t for chunk in rank_tensors(model, tp, pp, v, pp_rank) for t in chunk]
     params = [_Sized(t.numel) for t in tensors]
-    layout = build_layout(params, bucket_size, dp, [p for p, t in zip(params, tensors) if t.deferred])
-    weights = layout.total * dtype_bytes
+    plan = plan_buckets(params, bucket_size, dp, [p for p, t in zip(params, tensors) if t.deferred])
+    weights = plan.total * dtype_bytes
     if zero == 2:
-        gradients = sum((b.end - b.start) // dp for b in layout.buckets) * 4
+        gradients = sum((b.end - b.start) // dp for b in plan.buckets) * 4
     else:
-        gradients = layout.total * 4
+        gradients = plan.total * 4
     if zero:   # the real elements of this rank's shard of each bucket
         owned = 0
-        for bucket in layout.buckets:
+        for bucket in plan.buckets:
             first, last = bucket.shard(dp_rank, dp)
             for p in bucket.params:
-                start, end = layout.ranges[id(p)]
+                start, end = plan.ranges[id(p)]
                 owned += max(0, min(end, last) - max(start, first))
     else:
         owned = sum(t.numel for t in tensors)

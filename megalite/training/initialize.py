@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -18,6 +19,24 @@ from megalite.config import ParallelConfig
 
 def world_size_from_env() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def finish_checks(failed: bool, timeout_s: float = 30.0) -> None:
+    """Say this rank has run its start-up checks; a rank that failed them waits (at most ``timeout_s``) until every
+    rank has run them too, so each prints its own one-line error: torchrun stops every rank as soon as one exits,
+    which would silence a peer still starting up. Uses torchrun's key-value store, never a collective."""
+    world = world_size_from_env()
+    if world <= 1 or "MASTER_ADDR" not in os.environ:
+        return
+    try:
+        store, _, _ = next(dist.rendezvous("env://", timeout=datetime.timedelta(seconds=timeout_s)))
+        key = f"megalite/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/checked"
+        arrived, deadline = store.add(key, 1), time.monotonic() + timeout_s
+        while failed and arrived < world and time.monotonic() < deadline:
+            time.sleep(0.05)
+            arrived = store.add(key, 0)
+    except (RuntimeError, ValueError, TimeoutError):   # no store to reach: nothing to wait for
+        pass
 
 
 def initialize_distributed(parallel: ParallelConfig, timeout_s: float = 600.0) -> torch.device:

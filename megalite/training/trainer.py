@@ -88,14 +88,14 @@ class Trainer:
                       embedding_group=parallel_state.get_embedding_group(),
                       tied_params=[w for chunk in self.model for w in chunk.tied_embedding_weights()])
         self.engine: DataParallelEngine
-        if o.zero_stage == 3:   # FSDP2 keeps fp32 shards as main parameters and casts the gathered copies itself
+        if o.zero_level == 3:   # FSDP2 keeps fp32 shards as main parameters and casts the gathered copies itself
             self.engine = FullyShardedDataParallel(list(self.model), **shared, compute_dtype=self.dtype,
                                                    offload_params=o.offload_params)
         else:
             self.model.to(self.dtype)
             self.engine = DataParallel(
                 list(self.model), **shared, bucket_size=o.ddp_bucket_size,
-                distributed_optimizer=o.use_distributed_optimizer, zero_stage=o.zero_stage,
+                zero=o.zero_level,
                 overlap_grad_reduce=o.overlap_grad_reduce, overlap_param_gather=o.overlap_param_gather)
         self.tied_embedding_weights = [w for chunk in self.model for w in chunk.tied_embedding_weights()]
         self.optimizer = MegaliteOptimizer(self.engine, o, cfg.training)
@@ -129,8 +129,7 @@ class Trainer:
         schedule = ("interleaved 1F1B" if self.virtual_stages > 1 else "1F1B") if self.pp > 1 else "no pipelining"
         data = "mock data" if self.data.tokenizer is None else f"vocabulary {self.data.vocab_size}"
         o = self.cfg.optimizer
-        sharding = ("ZeRO-3 (FSDP2)" if o.zero_stage == 3 else f"ZeRO-{o.zero_stage}" if o.use_distributed_optimizer
-                    else "unsharded optimizer")
+        sharding = {0: "unsharded optimizer", 3: "ZeRO-3 (FSDP2)"}.get(o.zero_level, f"ZeRO-{o.zero_level}")
         offload = (", parameters and optimizer on the CPU" if o.offload_params else
                    ", optimizer on the CPU" if o.optimizer_cpu_offload else "")
         return (f"megalite: TP={tp} x PP={self.pp} x DP={dp} (V={self.virtual_stages}, {schedule}, "

@@ -12,7 +12,7 @@ import math
 
 import pytest
 
-from megalite.config import cli, flags
+from megalite.config import flags
 from megalite.config.cli import parse_args, parse_command_line
 from megalite.config import ConfigError, MegaliteConfig, validate
 from megalite.config.deepspeed import translate

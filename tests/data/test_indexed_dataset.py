@@ -58,7 +58,7 @@ def _patch(path: Path, offset: int, data: bytes) -> None:
 
 def _damage(tmp_path: Path, kind: str) -> str:
     """Damage a fresh dataset in one way; return the file the error must name."""
-    prefix = write(tmp_path / "d")
+    write(tmp_path / "d")
     idx, bin_ = tmp_path / "d.idx", tmp_path / "d.bin"
     n = len(DOCUMENTS)
     if kind == "missing idx":

@@ -1,10 +1,10 @@
-"""Gradient-buffer layout: every parameter placed once, buckets padded for equal DP shards, deferred ones last."""
+"""Gradient-buffer plan: every parameter placed once, buckets padded for equal DP shards, deferred ones last."""
 
 from __future__ import annotations
 
 import torch
 
-from megalite.distributed.buckets import ALIGNMENT, build_layout
+from megalite.distributed.buckets import ALIGNMENT, plan_buckets
 
 
 def _params(*sizes):
@@ -13,23 +13,23 @@ def _params(*sizes):
 
 def test_reverse_order_contiguous_and_padded():
     params = _params(10, 20, 30, 40)
-    layout = build_layout(params, bucket_size=45, dp=4)
+    plan = plan_buckets(params, bucket_size=45, dp=4)
     # Reverse order: the last parameter (40 elements) comes first.
-    assert layout.ranges[id(params[3])] == (0, 40)
-    assert [len(b.params) for b in layout.buckets] == [2, 2]     # 40+30 closes the first bucket, then 20+10
-    for b in layout.buckets:
+    assert plan.ranges[id(params[3])] == (0, 40)
+    assert [len(b.params) for b in plan.buckets] == [2, 2]     # 40+30 closes the first bucket, then 20+10
+    for b in plan.buckets:
         assert (b.end - b.start) % (4 * ALIGNMENT) == 0
         s0, e0 = b.shard(0, 4)
         s3, e3 = b.shard(3, 4)
         assert s0 == b.start and e3 == b.end and e0 - s0 == e3 - s3
-    assert layout.buckets[1].start == layout.buckets[0].end
-    covered = sorted(layout.ranges.values())
+    assert plan.buckets[1].start == plan.buckets[0].end
+    covered = sorted(plan.ranges.values())
     assert all(a[1] <= b[0] for a, b in zip(covered, covered[1:]))   # no overlap
 
 
 def test_deferred_parameters_get_their_own_last_bucket():
     params = _params(8, 8, 8)
-    layout = build_layout(params, bucket_size=10**6, dp=2, deferred=[params[0]])
-    assert len(layout.buckets) == 2
-    assert layout.buckets[-1].deferred and layout.buckets[-1].params == [params[0]]
-    assert not layout.buckets[0].deferred
+    plan = plan_buckets(params, bucket_size=10**6, dp=2, deferred=[params[0]])
+    assert len(plan.buckets) == 2
+    assert plan.buckets[-1].deferred and plan.buckets[-1].params == [params[0]]
+    assert not plan.buckets[0].deferred

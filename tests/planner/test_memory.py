@@ -56,8 +56,7 @@ def _measured_states(model, layout: Layout, pp_rank: int, dtype: torch.dtype, bu
         engine = DataParallel(list(chunks), data_group=parallel_state.get_data_parallel_group(),
                               embedding_group=parallel_state.get_embedding_group(),
                               tied_params=[w for c in chunks for w in c.tied_embedding_weights()],
-                              bucket_size=bucket_size, distributed_optimizer=layout.zero in (1, 2),
-                              zero_stage=max(layout.zero, 1))
+                              bucket_size=bucket_size, zero=layout.zero)
         optimizer = MegaliteOptimizer(engine, OptimizerConfig(**OptimizerConfig.zero_settings(layout.zero)),
                                       TrainingConfig(bf16=dtype == torch.bfloat16))
         for piece in optimizer.pieces:   # Adam allocates its states on the first step

@@ -1,0 +1,75 @@
+"""The package's layers, as README's "Layout of the code" lists them: every import of a megalite module (lazy ones
+inside functions included) goes to a layer listed above the importer's, and training starts without Hydra, OmegaConf,
+the command line or the planner."""
+
+from __future__ import annotations
+
+import ast
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def layers() -> list[str]:
+    """The README's layer list, lowest first: 'config', 'parallel_state', ..., '__init__'."""
+    text = (ROOT / "README.md").read_text()
+    block = text.split("## Layout of the code", 1)[1].split("```", 2)[1]
+    names = re.findall(r"^megalite/(\w+)", block, flags=re.MULTILINE)
+    assert names, "README's Layout of the code lists no layer"
+    return names
+
+
+def _layer_of(module: str) -> str:
+    """megalite.config.flags -> config; megalite -> __init__."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def imports(path: Path) -> list[tuple[int, str]]:
+    """(line, megalite module) for every import in the file, wherever it stands."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, a.name) for a in node.names if a.name.split(".")[0] == "megalite"]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            if node.module == "megalite":   # from megalite import parallel_state
+                found += [(node.lineno, f"megalite.{a.name}") for a in node.names]
+            elif node.module.split(".")[0] == "megalite":
+                found.append((node.lineno, node.module))
+    return found
+
+
+def upward_imports() -> list[str]:
+    order = {name: rank for rank, name in enumerate(layers())}
+    bad = []
+    for path in sorted((ROOT / "megalite").rglob("*.py")):
+        module = ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+        mine = _layer_of(module)
+        assert mine in order, f"{path.relative_to(ROOT)}: its layer {mine!r} is not in README's list"
+        for line, target in imports(path):
+            theirs = _layer_of(target)
+            if theirs != mine and order[theirs] > order[mine]:
+                bad.append(f"{path.relative_to(ROOT)}:{line} ({mine}) imports {target} ({theirs}, a higher layer)")
+    return bad
+
+
+def test_every_import_goes_down_the_layers():
+    assert upward_imports() == []
+
+
+def test_the_check_sees_an_upward_import(tmp_path, monkeypatch):
+    # The walk itself: an import inside a function, from a low layer to a high one, is found.
+    sample = tmp_path / "sample.py"
+    sample.write_text("def f():\n    from megalite.training import Trainer\n    from megalite import planner\n")
+    assert [target for _, target in imports(sample)] == ["megalite.training", "megalite.planner"]
+
+
+def test_training_starts_without_hydra_the_command_line_or_the_planner():
+    code = ("import sys, megalite.training\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('hydra', 'omegaconf')\n"
+            "             or m.startswith(('megalite.planner', 'megalite.config.cli', 'megalite.config.deepspeed'))))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
+    assert result.stdout.strip() == "[]"

@@ -1,13 +1,7 @@
 """Command line: Megatron-style flags and Hydra overrides, both resolved into one typed ``MegaliteConfig``.
 
-Two spellings reach the same option::
-
-    --tensor-model-parallel-size 2      # Megatron flag (also --tensor-model-parallel-size=2)
-    parallel.tensor_model_parallel_size=2   # Hydra override
-    model=gpt_tiny                      # Hydra config-group choice (a YAML file under configs/model/)
-
-The flag table (:mod:`megalite.config.flags`) is derived from the dataclass fields of :mod:`megalite.config.schema`,
-so an option is declared exactly once, with its type, default and help.
+Two spellings reach the same option (spelled by :mod:`megalite.config.flags`): ``--tensor-model-parallel-size 2``
+and ``parallel.tensor_model_parallel_size=2``; ``model=gpt_tiny`` chooses a YAML file under configs/model/.
 
 Precedence, lowest to highest: dataclass defaults < the group YAML files chosen in ``configs/config.yaml``
 (or on the command line, e.g. ``model=gpt_tiny``) < a DeepSpeed JSON config (``--deepspeed-config ds.json``, see

@@ -1,14 +1,8 @@
-"""The one place that spells an option: its flag, its Hydra key and value, the composition of the YAML groups, and a
-configuration turned back into a command line.
-
-Every option is one field of the schema (:mod:`megalite.config.schema`). Its Megatron flag is the field name with
-dashes (``tensor_model_parallel_size`` -> ``--tensor-model-parallel-size``) and its Hydra key is the section name plus
-the field name (``parallel.tensor_model_parallel_size``); nothing else in megalite derives either. A string field
-marked ``nargs="+"`` takes several words as in Megatron (``--data-path 0.3 A 0.7 B``), joined by spaces into its
-one value.
-
-Hydra and OmegaConf are imported only inside the functions that compose YAML files or quote for Hydra, so importing
-this module (and so :mod:`megalite.config`) leaves them unloaded: training never needs them.
+"""The one place that spells an option: its flag (the field name with dashes: ``--tensor-model-parallel-size``), its
+Hydra key (section and field: ``parallel.tensor_model_parallel_size``) and value, the composition of configs/, and a
+config turned back into a command line. A string field marked ``nargs="+"`` takes several words as in Megatron
+(``--data-path 0.3 A 0.7 B``). Hydra and OmegaConf are imported only inside the functions that need them, so
+importing this module (and megalite.config) leaves them unloaded: training never needs them.
 """
 
 from __future__ import annotations
@@ -52,10 +46,6 @@ class Flag:
         return self.type is bool
 
 
-def _flag_of(field_name: str) -> str:
-    return "--" + field_name.replace("_", "-")
-
-
 def _build_flag_table() -> list[Flag]:
     """One Flag per dataclass field, in declaration order; raises if two fields would share a flag."""
     table: list[Flag] = []
@@ -63,7 +53,7 @@ def _build_flag_table() -> list[Flag]:
     for section, cls in sections():
         hints = typing.get_type_hints(cls)  # resolves the string annotations of `from __future__ import annotations`
         for field in dataclasses.fields(cls):
-            flag, key = _flag_of(field.name), f"{section}.{field.name}"
+            flag, key = "--" + field.name.replace("_", "-"), f"{section}.{field.name}"
             if flag in seen:
                 raise RuntimeError(f"{key} and {seen[flag]} would both be the flag {flag}; rename one field")
             seen[flag] = key
@@ -85,7 +75,6 @@ def _build_flag_table() -> list[Flag]:
 
 FLAGS = _build_flag_table()  # checked at import, so a clash fails loudly before any run
 BY_KEY = {f.key: f for f in FLAGS}
-BY_FLAG = {f.flag: f for f in FLAGS}
 _BY_FIELD = {f.name: f for f in FLAGS}
 
 

@@ -1,7 +1,5 @@
-"""Cross-field rules, checked before any process group exists, so that a bad layout or value stops every rank with one
-line instead of hanging in a collective. Messages name options by their flags (``FLAG.num_layers`` is
-``--num-layers``), derived from the schema's fields.
-"""
+"""Cross-field rules, checked before any process group exists, so that a bad value stops every rank with one line
+instead of hanging in a collective. Messages name options by their flags (``FLAG.num_layers`` is ``--num-layers``)."""
 
 from __future__ import annotations
 

@@ -24,7 +24,7 @@ from megalite.config import MegaliteConfig
 from megalite.config.flags import FLAG
 from megalite.data import run_vocab_size
 from megalite.planner.dry_run import dtype_bytes, numerics_for
-from megalite.planner.hardware import GiB, Hardware
+from megalite.planner.hardware import GiB, Hardware, gib
 from megalite.planner.layout import Layout
 from megalite.planner.memory import StageMemory, stage_memory
 from megalite.planner.search import search
@@ -57,11 +57,6 @@ def _pp_rank(layout: Layout) -> int:
     return int(os.environ.get("RANK", "0")) // (layout.tp * layout.dp)   # rank order: TP, then DP, then PP
 
 
-def _gib(value: float) -> str:
-    """Bytes in GiB, or MiB below one GiB (the tests' tiny models)."""
-    return f"{value / GiB:.1f} GiB" if value >= GiB else f"{value / 2**20:.1f} MiB"
-
-
 def diagnose_out_of_memory(cfg: MegaliteConfig, error: BaseException, *, world_size: Optional[int] = None,
                            device_memory: Optional[float] = None, cuda: Optional[bool] = None,
                            suggest: bool = True) -> str:
@@ -81,37 +76,37 @@ def diagnose_out_of_memory(cfg: MegaliteConfig, error: BaseException, *, world_s
     mem = memory(layout)
     usable = USABLE * device
     where = (f"rank {os.environ.get('RANK', '0')} (pipeline stage {pp_rank} of {layout.pp}, "
-             f"{layout.describe()}) on a {_gib(device)} device")
-    split = (f"weights {_gib(mem.weights)} + gradients {_gib(mem.gradients)} + optimizer {_gib(mem.optimizer)}"
-             + (f" + gathered layers {_gib(mem.gathered)}" if mem.gathered else "") + f" = {_gib(mem.fixed)}")
+             f"{layout.describe()}) on a {gib(device)} device")
+    split = (f"weights {gib(mem.weights)} + gradients {gib(mem.gradients)} + optimizer {gib(mem.optimizer)}"
+             + (f" + gathered layers {gib(mem.gathered)}" if mem.gathered else "") + f" = {gib(mem.fixed)}")
     if mem.fixed > usable:
         lines = [f"megalite: out of memory on {where}: the model states alone exceed the device: {split}, before "
-                 f"{_gib(mem.activations)} of activations."]
+                 f"{gib(mem.activations)} of activations."]
         lines.append("  Split or shard them: " + ", ".join(_sharding_options(layout, memory)) + ".")
     elif mem.total > usable:
-        lines = [f"megalite: out of memory on {where}: the activations do not fit: {_gib(mem.activations)} of "
-                 f"activations on top of {_gib(mem.fixed)} of model states ({split})."]
+        lines = [f"megalite: out of memory on {where}: the activations do not fit: {gib(mem.activations)} of "
+                 f"activations on top of {gib(mem.fixed)} of model states ({split})."]
         options = []
         b = layout.micro_batch_size
         if b > 1:
             smaller = dataclasses.replace(layout, micro_batch_size=b // 2)
             options.append(f"{FLAG.micro_batch_size} {b // 2} (more accumulation, same global batch: "
-                           f"{_gib(memory(smaller).activations)})")
+                           f"{gib(memory(smaller).activations)})")
         for granularity in ("selective", "full"):
             if layout.recompute != "full" and layout.recompute != granularity:
                 lay = dataclasses.replace(layout, recompute=granularity)
                 flag = "selective" if granularity == "selective" else f"full {FLAG.recompute_method} uniform"
                 after = memory(lay, lay.model_config(model)).activations
                 if after < 0.9 * mem.activations:   # selective saves nothing s^2-sized under flash attention
-                    options.append(f"{FLAG.recompute_granularity} {flag} ({_gib(after)})")
+                    options.append(f"{FLAG.recompute_granularity} {flag} ({gib(after)})")
         if layout.tp > 1 and not layout.sequence_parallel:
             options.append(f"{FLAG.sequence_parallel} "
-                           f"({_gib(memory(dataclasses.replace(layout, sequence_parallel=True)).activations)})")
+                           f"({gib(memory(dataclasses.replace(layout, sequence_parallel=True)).activations)})")
         lines.append("  Shrink them: " + (", ".join(options) if options else "more tensor/pipeline parallelism")
                      + ".")
     else:
         lines = [f"megalite: out of memory on {where}, although the estimate fits: {split} + "
-                 f"{_gib(mem.activations)} of activations = {_gib(mem.total)} of {_gib(device)}.",
+                 f"{gib(mem.activations)} of activations = {gib(mem.total)} of {gib(device)}.",
                  "  What the estimate leaves out ran over: fragmentation (try PYTORCH_CUDA_ALLOC_CONF="
                  "expandable_segments:True), transient buffers, other processes on the device; or use a smaller "
                  "micro-batch."]
@@ -130,7 +125,7 @@ def _sharding_options(layout: Layout, memory) -> list[str]:
     def offer(flags: str, what: str, **changes) -> None:
         after = memory(dataclasses.replace(layout, **changes)).fixed
         if after < now:
-            options.append(f"{flags} ({_gib(after)}{what})")
+            options.append(f"{flags} ({gib(after)}{what})")
 
     if layout.zero == 0 and layout.dp > 1:
         offer(FLAG.use_distributed_optimizer, " of states", zero=1)
@@ -159,7 +154,7 @@ def _suggestion(cfg: MegaliteConfig, model, layout: Layout, world_size: int, dev
     w = plan.winner
     if w.layout == layout:
         return "The planner's best layout for these GPUs is this one: the estimate misses what ran over."
-    return (f"The planner suggests {w.layout.describe()} ({_gib(w.peak.total)} per GPU): "
+    return (f"The planner suggests {w.layout.describe()} ({gib(w.peak.total)} per GPU): "
             f"{' '.join(w.layout.argv(cfg))} (tools/plan_parallelism.py shows the whole table).")
 
 

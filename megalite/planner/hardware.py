@@ -21,6 +21,11 @@ from megalite.model.flops import PEAK_BF16_TFLOPS
 GB = 1e9      # link bandwidths are quoted in decimal units
 GiB = 2**30   # memory in binary ones
 
+
+def gib(value: float) -> str:
+    """Bytes in GiB, or MiB below one GiB (the tests' tiny models)."""
+    return f"{value / GiB:.1f} GiB" if value >= GiB else f"{value / 2**20:.1f} MiB"
+
 INTRA_NODE_BANDWIDTH_GBPS = {"nvlink": 450.0, "pcie": 32.0}                          # GB/s per direction
 INTER_NODE_BANDWIDTH_GBITPS = {"infiniband": 400.0, "roce": 200.0, "ethernet": 100.0}   # Gb/s per GPU
 

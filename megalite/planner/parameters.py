@@ -30,10 +30,8 @@ class Tensor:
     name: str            # canonical name (layers numbered globally; a tied copy is named after the embedding)
     numel: int           # elements on this rank (vocabulary padding included)
     full_numel: int      # elements of the canonical, unpadded tensor
-    tp_split: bool       # split over TP (else replicated on every TP rank)
     rows: int = 0        # dim 0 on this rank, which ZeRO-3 shards over DP (0: a vector, numel rows of one element)
-    deferred: bool = False   # a tied word embedding: its own gradient bucket (megalite.distributed.buckets)
-    copy: bool = False       # the last stage's copy of a tied embedding: memory, not a new parameter
+    deferred: bool = False   # a tied word embedding (or the last stage's copy): its own gradient bucket
 
     @property
     def dim0(self) -> int:
@@ -44,17 +42,17 @@ class Tensor:
 def _norm(cfg: ModelConfig, prefix: str) -> list[Tensor]:
     h = cfg.hidden_size
     names = ["weight"] if cfg.normalization == "RMSNorm" else ["weight", "bias"]
-    return [Tensor(f"{prefix}.{n}", h, h, False) for n in names]
+    return [Tensor(f"{prefix}.{n}", h, h) for n in names]
 
 
 def _column(name: str, rows: int, cols: int, tp: int) -> Tensor:
     """A column-parallel matrix (or bias, cols = 1): its output rows split over TP."""
-    return Tensor(name, rows * cols // tp, rows * cols, True, rows=rows // tp if cols > 1 else 0)
+    return Tensor(name, rows * cols // tp, rows * cols, rows=rows // tp if cols > 1 else 0)
 
 
 def _row(name: str, rows: int, cols: int, tp: int) -> Tensor:
     """A row-parallel matrix: its input columns split over TP, all its rows on every rank."""
-    return Tensor(name, rows * cols // tp, rows * cols, True, rows=rows)
+    return Tensor(name, rows * cols // tp, rows * cols, rows=rows)
 
 
 def layer_tensors(cfg: ModelConfig, tp: int, index: int) -> list[Tensor]:
@@ -64,21 +62,16 @@ def layer_tensors(cfg: ModelConfig, tp: int, index: int) -> list[Tensor]:
     fc1 = 2 * f if cfg.swiglu else f
     bias = not cfg.disable_bias_linear
     p = f"layers.{index}"
-    tensors = _norm(cfg, f"{p}.input_norm")
-    tensors.append(_column(f"{p}.self_attention.linear_qkv.weight", qkv, h, tp))
-    if bias:
-        tensors.append(_column(f"{p}.self_attention.linear_qkv.bias", qkv, 1, tp))
-    tensors.append(_row(f"{p}.self_attention.linear_proj.weight", h, h, tp))
-    if bias:
-        tensors.append(Tensor(f"{p}.self_attention.linear_proj.bias", h, h, False))
-    tensors += _norm(cfg, f"{p}.pre_mlp_norm")
-    tensors.append(_column(f"{p}.mlp.linear_fc1.weight", fc1, h, tp))
-    if bias:
-        tensors.append(_column(f"{p}.mlp.linear_fc1.bias", fc1, 1, tp))
-    tensors.append(_row(f"{p}.mlp.linear_fc2.weight", h, f, tp))
-    if bias:
-        tensors.append(Tensor(f"{p}.mlp.linear_fc2.bias", h, h, False))
-    return tensors
+
+    def column(name: str, rows: int) -> list[Tensor]:   # weight, then its bias split like its rows
+        return [_column(f"{name}.weight", rows, h, tp)] + ([_column(f"{name}.bias", rows, 1, tp)] if bias else [])
+
+    def row(name: str, cols: int) -> list[Tensor]:      # weight, then its replicated bias
+        return [_row(f"{name}.weight", h, cols, tp)] + ([Tensor(f"{name}.bias", h, h)] if bias else [])
+
+    return (_norm(cfg, f"{p}.input_norm") + column(f"{p}.self_attention.linear_qkv", qkv)
+            + row(f"{p}.self_attention.linear_proj", h) + _norm(cfg, f"{p}.pre_mlp_norm")
+            + column(f"{p}.mlp.linear_fc1", fc1) + row(f"{p}.mlp.linear_fc2", f))
 
 
 def chunk_tensors(cfg: ModelConfig, tp: int, first_layer: int, num_layers: int, pre_process: bool,
@@ -91,20 +84,20 @@ def chunk_tensors(cfg: ModelConfig, tp: int, first_layer: int, num_layers: int, 
     if pre_process:
         # A tied embedding is "deferred" whether or not the output layer sits on the same stage (the trainer passes
         # every chunk's tied_embedding_weights() to the data-parallel engine).
-        tensors.append(Tensor("embedding.word.weight", vocab * h // tp, cfg.vocab_size * h, True, vocab // tp,
+        tensors.append(Tensor("embedding.word.weight", vocab * h // tp, cfg.vocab_size * h, vocab // tp,
                               deferred=tied))
         if cfg.position_embedding_type == "learned_absolute":
-            tensors.append(Tensor("embedding.position.weight", cfg.max_positions * h, cfg.max_positions * h, False,
+            tensors.append(Tensor("embedding.position.weight", cfg.max_positions * h, cfg.max_positions * h,
                                   cfg.max_positions))
     for i in range(first_layer, first_layer + num_layers):
         tensors += layer_tensors(cfg, tp, i)
     if post_process:
         tensors += _norm(cfg, "final_norm")
         if not tied:
-            tensors.append(Tensor("output_layer.weight", vocab * h // tp, cfg.vocab_size * h, True, vocab // tp))
+            tensors.append(Tensor("output_layer.weight", vocab * h // tp, cfg.vocab_size * h, vocab // tp))
         elif not pre_process:
-            tensors.append(Tensor("embedding.word.weight", vocab * h // tp, cfg.vocab_size * h, True, vocab // tp,
-                                  deferred=True, copy=True))
+            tensors.append(Tensor("embedding.word.weight", vocab * h // tp, cfg.vocab_size * h, vocab // tp,
+                                  deferred=True))
     return tensors
 
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from megalite.config import ConfigError, MegaliteConfig, ModelConfig, TrainingConfig, validate
-from megalite.planner.hardware import GiB, Hardware
+from megalite.planner.hardware import Hardware, gib
 from megalite.planner.layout import Layout
 from megalite.planner.memory import Numerics, StageMemory, bytes_per_parameter, memory_per_stage, model_state_bytes
 from megalite.planner.parameters import ParameterCount, count_parameters
@@ -117,10 +117,6 @@ def _powers_of_two(limit: int) -> list[int]:
     return [1 << k for k in range(limit.bit_length()) if 1 << k <= limit]
 
 
-def _gib(value: float) -> str:
-    return f"{value / GiB:.1f} GiB"
-
-
 def _variants(tp: int, pp: int, v: int, dp: int, global_batch_size: int):
     """Every micro-batch size, optimizer sharding and recompute option of one (TP, PP, V) shape."""
     per_replica = global_batch_size // dp
@@ -190,13 +186,13 @@ def search(model: ModelConfig, hardware: Hardware, global_batch_size: int, *, mo
 def _memory_reason(smallest: Estimate) -> str:
     peak, usable = smallest.peak, smallest.usable_bytes
     where = f"stage {peak.pp_rank}" if smallest.layout.pp > 1 else "each GPU"
-    gathered = f" + {_gib(peak.gathered)} gathered layers" if peak.gathered else ""
+    gathered = f" + {gib(peak.gathered)} gathered layers" if peak.gathered else ""
     if peak.fixed > usable:
-        return (f"model states alone need {_gib(peak.states)}{gathered} on {where} (even with "
-                f"{smallest.layout.optimizer_name}), more than the {_gib(usable)} usable")
-    return (f"needs {_gib(peak.total)} on {where} ({_gib(peak.states)} model states{gathered} + "
-            f"{_gib(peak.activations)} activations) at best ({smallest.layout.describe()}), more than the "
-            f"{_gib(usable)} usable")
+        return (f"model states alone need {gib(peak.states)}{gathered} on {where} (even with "
+                f"{smallest.layout.optimizer_name}), more than the {gib(usable)} usable")
+    return (f"needs {gib(peak.total)} on {where} ({gib(peak.states)} model states{gathered} + "
+            f"{gib(peak.activations)} activations) at best ({smallest.layout.describe()}), more than the "
+            f"{gib(usable)} usable")
 
 
 # ---- why the winner wins --------------------------------------------------------------------------------------------
@@ -229,9 +225,9 @@ def _why_not_pure_data_parallel(plan: Plan) -> str:
     held = states.total + states.gathered
     gathered = " and gathered layers" if states.gathered else ""
     if held > hw.usable_memory_bytes:
-        return (f"Data parallelism alone does not fit: the model states{gathered} need {_gib(held)} per GPU even "
-                f"with {sharded.optimizer_name} ({_gib(hw.usable_memory_bytes)} usable)")
-    return (f"Data parallelism alone does not fit: the model states{gathered} ({_gib(held)} per GPU with "
+        return (f"Data parallelism alone does not fit: the model states{gathered} need {gib(held)} per GPU even "
+                f"with {sharded.optimizer_name} ({gib(hw.usable_memory_bytes)} usable)")
+    return (f"Data parallelism alone does not fit: the model states{gathered} ({gib(held)} per GPU with "
             f"{sharded.optimizer_name}) leave too little room for the activations even with full recompute")
 
 
@@ -244,14 +240,14 @@ def explain(plan: Plan) -> list[str]:
                 f"a shorter sequence or --optimizer-cpu-offload (with --zero-stage 3, also --offload-params; not "
                 f"searched) are needed."]
     lay, peak = w.layout, w.peak
-    first = (f"{lay.describe()} is the fastest layout that fits: {_gib(peak.total)} of the {_gib(w.usable_bytes)} "
+    first = (f"{lay.describe()} is the fastest layout that fits: {gib(peak.total)} of the {gib(w.usable_bytes)} "
              f"usable on its most loaded GPU, about {w.time.step:.3g} s per step ({w.tokens_per_second:,.0f} tokens/s, "
              f"{w.mfu(hw):.0%} MFU).")
     sentences = [first]
     if lay.tp == 1 and lay.pp == 1 and lay.zero == 3:
         sentences.append(
             f"ZeRO-3 shards everything over the {lay.dp} GPUs ({bytes_per_parameter(3, lay.dp):.3g} bytes per "
-            f"parameter = {_gib(peak.states)}, plus {_gib(peak.gathered)} of layers gathered at a time), so pure data "
+            f"parameter = {gib(peak.states)}, plus {gib(peak.gathered)} of layers gathered at a time), so pure data "
             f"parallelism fits: no tensor-parallel all-reduces, no pipeline bubble; FSDP2's gathers and "
             f"reduce-scatters over {_link(hw, lay.dp)}, {w.time.dp:.2g} s per step, hide behind compute but "
             f"for {w.time.dp_exposed:.2g} s.")
@@ -259,7 +255,7 @@ def explain(plan: Plan) -> list[str]:
         bpp = bytes_per_parameter(lay.zero, lay.dp, plan.dtype_bytes)
         sentences.append(
             f"The model states fit on one GPU ({bpp:.3g} bytes per parameter x {plan.parameters.total / 1e9:.2f}B "
-            f"parameters = {_gib(peak.states)} with {lay.optimizer_name}), so pure data parallelism wins: no "
+            f"parameters = {gib(peak.states)} with {lay.optimizer_name}), so pure data parallelism wins: no "
             f"tensor-parallel all-reduces, no pipeline bubble, and the gradient reduction ({w.time.dp:.2g} s per step) "
             f"hides behind backward but for {w.time.dp_exposed:.2g} s.")
     else:

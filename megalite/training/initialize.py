@@ -22,9 +22,8 @@ def world_size_from_env() -> int:
 
 
 def finish_checks(failed: bool, timeout_s: float = 30.0) -> None:
-    """Say this rank has run its start-up checks; a rank that failed them waits (at most ``timeout_s``) until every
-    rank has run them too, so each prints its own one-line error: torchrun stops every rank as soon as one exits,
-    which would silence a peer still starting up. Uses torchrun's key-value store, never a collective."""
+    """Say this rank ran its start-up checks; one that failed them waits (at most ``timeout_s``) for every rank to run
+    them, so each prints its own error line before torchrun, stopping all ranks once one exits, silences a peer."""
     world = world_size_from_env()
     if world <= 1 or "MASTER_ADDR" not in os.environ:
         return

@@ -12,6 +12,7 @@ of its own (training reads lines, so it would never see one otherwise) and byte 
 from __future__ import annotations
 
 import abc
+import hashlib
 import io
 import itertools
 import os
@@ -47,6 +48,20 @@ class Tokenizer(abc.ABC):
     @abc.abstractmethod
     def decode(self, ids: Sequence[int]) -> str:
         """Text of ``ids``."""
+
+    def files(self) -> dict[str, bytes]:
+        """The files that define this tokenizer (file name -> contents): what a checkpoint stores beside the weights
+        and an export writes next to them. Empty for a tokenizer defined by its parameters alone."""
+        return {}
+
+    def fingerprint(self) -> str:
+        """A digest of what decides the token ids (type, files, vocabulary size, EOD): two tokenizers with the same
+        fingerprint map every text to the same ids."""
+        digest = hashlib.sha256(f"{type(self).__name__}:{self.vocab_size}:{self.eod}".encode())
+        for name, contents in sorted(self.files().items()):
+            digest.update(f"\0{name}\0{len(contents)}\0".encode())
+            digest.update(contents)
+        return digest.hexdigest()
 
 
 def _sentencepiece_message(error: Exception) -> str:
@@ -84,6 +99,9 @@ class SentencePieceTokenizer(Tokenizer):
     @property
     def vocab_size(self) -> int:
         return self._sp.get_piece_size()
+
+    def files(self) -> dict[str, bytes]:
+        return {"tokenizer.model": self._proto}
 
     @property
     def eod(self) -> int:

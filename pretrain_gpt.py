@@ -30,12 +30,15 @@ def main(argv: list[str]) -> int:
         check_data_files(cfg)   # data files too: a corrupt file stops every rank here, not in a collective
         check_checkpoint(cfg, world_size_from_env())   # and a missing, partial or corrupt --load checkpoint
     except ConfigError as error:
+        if os.environ.get("RANK", "0") == "0":   # a refused --deepspeed-config: its table shows what was refused
+            for line in getattr(error, "table", ()):
+                print(line, flush=True)
         print(f"megalite: error: {error}", file=sys.stderr, flush=True)
         finish_checks(failed=True)
         return 2
     finish_checks(failed=False)
     if os.environ.get("RANK", "0") == "0":
-        for line in command_line.deepspeed_settings():   # what a --deepspeed-config file set, and what the flags overrode
+        for line in command_line.deepspeed_settings():   # a --deepspeed-config file's table: each key, what it became
             print(line, flush=True)
     if cfg.training.dry_run:   # the planner's memory estimate for this layout; no process group, no training
         if os.environ.get("RANK", "0") == "0":

@@ -105,8 +105,8 @@ class CommandLine:
     user_keys: frozenset = frozenset()   # keys the command line itself sets (they win over the DeepSpeed file)
 
     def deepspeed_settings(self) -> list[str]:
-        """The DeepSpeed file's mappings, one line each, for the start of a run (empty without a file)."""
-        return self.deepspeed.settings_lines(self.config, self.user_keys) if self.deepspeed else []
+        """The DeepSpeed file's effective-settings table, for the start of a run (empty without a file)."""
+        return self.deepspeed.settings_lines(self.config) if self.deepspeed else []
 
 
 def parse_command_line(argv: list[str], world_size: Optional[int] = None) -> CommandLine:

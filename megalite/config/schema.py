@@ -129,6 +129,10 @@ class OptimizerConfig:
                "next forward needs them.")
     ddp_bucket_size: Optional[int] = option(
         None, "Elements per gradient-reduction bucket; default max(40M, 1M x data-parallel size).")
+    zero3_prefetch_bucket_size: Optional[int] = option(
+        None, "With --zero-stage 3: parameter elements FSDP2 may gather ahead of use: each layer prefetches the next "
+              "ones (in backward the previous ones) whose elements, of this rank's TP slice, fit in this, at least "
+              "one; default: one layer ahead, FSDP2's own (DeepSpeed's stage3_prefetch_bucket_size).")
     optimizer_cpu_offload: bool = option(
         False, "Keep fp32 main parameters and Adam states on the CPU and step them there (fused C++ Adam).")
     offload_params: bool = option(

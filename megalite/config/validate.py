@@ -162,7 +162,10 @@ def _check_optimizer(cfg: MegaliteConfig, dp: int) -> None:
     _require(not o.offload_params or o.optimizer_cpu_offload,
              f"{FLAG.offload_params} needs {FLAG.optimizer_cpu_offload}: offloaded parameter shards are stepped on "
              f"the CPU")
-    _at_least(1, [("ddp_bucket_size", o.ddp_bucket_size), ("loss_scale_window", o.loss_scale_window),
+    _require(o.zero3_prefetch_bucket_size is None or o.zero_stage == 3,
+             f"{FLAG.zero3_prefetch_bucket_size} needs {FLAG.zero_stage} 3")
+    _at_least(1, [("ddp_bucket_size", o.ddp_bucket_size), ("zero3_prefetch_bucket_size", o.zero3_prefetch_bucket_size),
+                  ("loss_scale_window", o.loss_scale_window),
                   ("hysteresis", o.hysteresis)])
     _require(o.loss_scale is None or t.fp16, f"{FLAG.loss_scale} applies to {FLAG.fp16} only")
     _require(o.loss_scale is None or o.loss_scale > 0, f"{FLAG.loss_scale} must be > 0, got {o.loss_scale}")

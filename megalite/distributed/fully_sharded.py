@@ -71,7 +71,7 @@ class FullyShardedDataParallel(DataParallelEngine):
     def __init__(self, modules: list[torch.nn.Module], *, data_group: GroupInfo,
                  tensor_group: Optional[GroupInfo] = None, embedding_group: Optional[GroupInfo] = None,
                  tied_params: list[torch.nn.Parameter] = (), compute_dtype: torch.dtype = torch.float32,
-                 offload_params: bool = False):
+                 offload_params: bool = False, prefetch_bucket_size: Optional[int] = None):
         self.group, self.tensor_group, self.embedding_group = data_group, tensor_group, embedding_group
         self.dp, self.dp_rank = data_group.size, data_group.rank
         self.device = device = next(modules[0].parameters()).device
@@ -95,6 +95,8 @@ class FullyShardedDataParallel(DataParallelEngine):
                 _reduce_by_sum(unit)
                 self.units.append(unit)
             _quiet_view_warning(m)
+            if prefetch_bucket_size is not None:
+                _prefetch(_shard_modules(m)[:-1], prefetch_bucket_size)
         for m in modules:
             for owner in m.modules():
                 for name, param in owner.named_parameters(recurse=False):
@@ -177,6 +179,28 @@ def _quiet_view_warning(chunk: torch.nn.Module) -> None:
 
     chunk.register_forward_pre_hook(enter, prepend=True)
     chunk.register_forward_hook(lambda *_: scopes.pop().__exit__(None, None, None), always_call=True)
+
+
+def _prefetch(layers: list[FSDPModule], bucket_size: int) -> None:
+    """Explicit prefetching (DeepSpeed's stage3_prefetch_bucket_size): when a layer's parameters have been gathered,
+    FSDP2 starts gathering those of the next layers (in backward, the previous ones) whose gathered elements add up
+    to at most ``bucket_size``, and always the next one. FSDP2's default is the next one only, which it issues when
+    the next layer starts; more layers ahead overlap more communication with compute, at the cost of their memory.
+    The values gathered are the same, so the results are too."""
+    sizes = [sum(p.numel() for p in layer.parameters()) for layer in layers]   # DTensor numel: the unsharded size
+
+    def within_budget(order: list[int]) -> list[FSDPModule]:
+        chosen, total = [], 0
+        for i in order:
+            total += sizes[i]
+            if chosen and total > bucket_size:
+                break
+            chosen.append(layers[i])
+        return chosen
+
+    for i, layer in enumerate(layers):
+        layer.set_modules_to_forward_prefetch(within_budget(list(range(i + 1, len(layers)))))
+        layer.set_modules_to_backward_prefetch(within_budget(list(range(i - 1, -1, -1))))
 
 
 def _reduce_by_sum(unit: FSDPModule) -> None:

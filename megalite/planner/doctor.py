@@ -71,7 +71,8 @@ def diagnose_out_of_memory(cfg: MegaliteConfig, error: BaseException, *, world_s
 
     def memory(lay: Layout, m=model) -> StageMemory:
         return stage_memory(m, lay, pp_rank, gbs, dtype_bytes=nbytes, numerics=numerics,
-                            bucket_size=cfg.optimizer.ddp_bucket_size)
+                            bucket_size=cfg.optimizer.ddp_bucket_size,
+                            prefetch_bucket_size=cfg.optimizer.zero3_prefetch_bucket_size)
 
     mem = memory(layout)
     usable = USABLE * device

@@ -38,7 +38,8 @@ def run_memory(cfg: MegaliteConfig, world_size: int, cuda: bool | None = None) -
     layout = Layout.from_config(cfg, world_size)
     model = dataclasses.replace(cfg.model, vocab_size=run_vocab_size(cfg))
     stages = memory_per_stage(model, layout, cfg.training.global_batch_size, dtype_bytes=dtype_bytes(cfg),
-                              numerics=numerics_for(cfg, cuda), bucket_size=cfg.optimizer.ddp_bucket_size)
+                              numerics=numerics_for(cfg, cuda), bucket_size=cfg.optimizer.ddp_bucket_size,
+                              prefetch_bucket_size=cfg.optimizer.zero3_prefetch_bucket_size)
     return layout, stages
 
 

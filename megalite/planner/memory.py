@@ -35,7 +35,8 @@ within 1% of the peak bytes a CPU training step allocates, tests/multiprocess/te
 - the largest layer three times in p bytes, the running one, the one prefetched for the next backward (FSDP2
   prefetches one unit ahead), and the running one's unsharded gradient; plus once in fp32 the previous layer's
   reduce-scatter input, which FSDP2 keeps until the next reduction so that the communication overlaps: 3p + 4
-  bytes per element of a layer (gathered units are padded to DP x ceil(rows / DP) rows).
+  bytes per element of a layer (gathered units are padded to DP x ceil(rows / DP) rows). With
+  ``--zero3-prefetch-bucket-size`` each layer prefetches the k layers that fit, (k + 2) p + 4 bytes.
 
 Not counted, being smaller than that peak when they happen: at the very end of the backward, when the activations
 are gone, the root's gradients copied into an fp32 reduce-scatter input, R (2p + 4) bytes for a root of R elements;
@@ -163,13 +164,15 @@ class ModelStates:
 
 
 def model_state_bytes(model: ModelConfig, layout: Layout, pp_rank: int = 0, *, dtype_bytes: int = 2,
-                      dp_rank: int = 0, bucket_size: Optional[int] = None) -> ModelStates:
+                      dp_rank: int = 0, bucket_size: Optional[int] = None,
+                      prefetch_bucket_size: Optional[int] = None) -> ModelStates:
     """Exact model-state bytes of one rank, from megalite's own bucket layout (DP rank 0 holds the most: bucket
     padding sits at the end of each bucket, in the last rank's shard), or at ZeRO-3 from FSDP2's row shards (DP rank
-    0 holds the most: ceil(rows / DP) rows, the last ranks fewer)."""
+    0 holds the most: ceil(rows / DP) rows, the last ranks fewer). ``bucket_size``: --ddp-bucket-size at stages 0-2;
+    ``prefetch_bucket_size``: --zero3-prefetch-bucket-size at stage 3."""
     if layout.zero == 3:
         key = (dataclasses.astuple(model), layout.tp, layout.pp, layout.virtual_stages, layout.dp,
-               layout.optimizer_cpu_offload, layout.offload_params, pp_rank, dtype_bytes, dp_rank)
+               layout.optimizer_cpu_offload, layout.offload_params, pp_rank, dtype_bytes, dp_rank, prefetch_bucket_size)
         if key not in _STATES_CACHE:
             _STATES_CACHE[key] = _fully_sharded_state_bytes(model, *key[1:])
         return _STATES_CACHE[key]
@@ -245,8 +248,26 @@ def padded_elements(tensors: list[Tensor], dp: int) -> int:
     return sum(-(-t.dim0 // dp) * dp * (t.numel // t.dim0) for t in tensors)
 
 
+def prefetched_layers(units: Units, prefetch_bucket_size: Optional[int]) -> int:
+    """Layers FSDP2 gathers ahead of the running one: 1, or the most a layer's explicit prefetch list holds (as
+    megalite.distributed.fully_sharded._prefetch makes them: the next layers whose elements fit, at least one)."""
+    sizes = [sum(t.numel for t in unit) for unit in units.layers]
+    if prefetch_bucket_size is None or len(sizes) < 2:
+        return 1
+    most = 1
+    for i in range(len(sizes) - 1):
+        count, total = 0, 0
+        for size in sizes[i + 1:]:
+            total += size
+            if count and total > prefetch_bucket_size:
+                break
+            count += 1
+        most = max(most, count)
+    return most
+
+
 def gathered_bytes(model: ModelConfig, tp: int, dp: int, dtype_bytes: int, pp: int = 1, v: int = 1,
-                   pp_rank: int = 0) -> float:
+                   pp_rank: int = 0, prefetch_bucket_size: Optional[int] = None) -> float:
     """ZeRO-3's working memory at its peak, in a transformer layer's backward (see the module docstring)."""
     units = fully_sharded_units(model, tp, pp, v, pp_rank)
     p = dtype_bytes
@@ -260,14 +281,15 @@ def gathered_bytes(model: ModelConfig, tp: int, dp: int, dtype_bytes: int, pp: i
             first += [t for t in root if t.name == "embedding.word.weight"]
         held += sum(t.numel for t in first) * p
     largest = max((padded_elements(unit, dp) for unit in units.layers), default=0)
-    return held + largest * (3 * p + 4)
+    return held + largest * ((prefetched_layers(units, prefetch_bucket_size) + 2) * p + 4)
 
 
 def _fully_sharded_state_bytes(model: ModelConfig, tp: int, pp: int, v: int, dp: int, offload: bool,
-                               offload_params: bool, pp_rank: int, dtype_bytes: int, dp_rank: int) -> ModelStates:
+                               offload_params: bool, pp_rank: int, dtype_bytes: int, dp_rank: int,
+                               prefetch_bucket_size: Optional[int]) -> ModelStates:
     owned = sum(shard_rows(t.dim0, dp, dp_rank) * (t.numel // t.dim0)
                 for t in fully_sharded_units(model, tp, pp, v, pp_rank).tensors)
-    gathered = gathered_bytes(model, tp, dp, dtype_bytes, pp, v, pp_rank)
+    gathered = gathered_bytes(model, tp, dp, dtype_bytes, pp, v, pp_rank, prefetch_bucket_size)
     shard = owned * 4.0                     # fp32, whatever the model dtype
     if offload_params:                      # the optimizer steps the host shards themselves: no main copy
         return ModelStates(0.0, 0.0, 0.0, host_optimizer=owned * 8.0, host_weights=shard, host_gradients=shard,
@@ -464,11 +486,12 @@ class StageMemory:
 
 def stage_memory(model: ModelConfig, layout: Layout, pp_rank: int, global_batch_size: int, *,
                  dtype_bytes: int = 2, numerics: Optional[Numerics] = None,
-                 bucket_size: Optional[int] = None) -> StageMemory:
+                 bucket_size: Optional[int] = None, prefetch_bucket_size: Optional[int] = None) -> StageMemory:
     """Everything one GPU of pipeline stage ``pp_rank`` holds (DP rank 0, the most loaded)."""
     numerics = numerics or Numerics.gpu(dtype_bytes)
     model = layout.model_config(model) if layout.recompute != model.recompute_granularity else model
-    states = model_state_bytes(model, layout, pp_rank, dtype_bytes=dtype_bytes, bucket_size=bucket_size)
+    states = model_state_bytes(model, layout, pp_rank, dtype_bytes=dtype_bytes, bucket_size=bucket_size,
+                               prefetch_bucket_size=prefetch_bucket_size)
     acts = activation_bytes(model, layout, pp_rank, layout.num_micro_batches(global_batch_size), numerics)
     return StageMemory(pp_rank, states.weights, states.gradients, states.optimizer, acts,
                        host_optimizer=states.host_optimizer, gathered=states.gathered,

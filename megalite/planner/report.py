@@ -83,6 +83,11 @@ def _table(rows: list[tuple[str, ...]]) -> list[str]:
             for row in rows]
 
 
+def estimate_lines(estimates: list[Estimate], plan: Plan) -> list[str]:
+    """Estimates as rows of the plan's table (memory in GiB per GPU, communication, step time)."""
+    return _table([_HEADER] + [_row(i + 1, e, plan) for i, e in enumerate(estimates)])
+
+
 def format_plan(plan: Plan, top: int = 10, rejected: int = 12) -> str:
     """The plan as text: inputs, the ranked table, why the winner wins, rejections, the command line."""
     m, hw = plan.model, plan.hardware
@@ -98,8 +103,7 @@ def format_plan(plan: Plan, top: int = 10, rejected: int = 12) -> str:
              f"Memory in GiB per GPU on the most loaded stage (gather: ZeRO-3's gathered layers and unsharded "
              f"gradients); TP/PP/DP s: communication per step not hidden behind compute.", ""]
     if plan.ranked:
-        rows = [_HEADER] + [_row(i + 1, e, plan) for i, e in enumerate(plan.ranked[:top])]
-        lines += _table(rows)
+        lines += estimate_lines(plan.ranked[:top], plan)
         lines.append("")
     lines += ["Why: " + " ".join(plan.explanation), ""]
     if plan.rejected:

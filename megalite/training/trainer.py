@@ -90,7 +90,8 @@ class Trainer:
         self.engine: DataParallelEngine
         if o.zero_level == 3:   # FSDP2 keeps fp32 shards as main parameters and casts the gathered copies itself
             self.engine = FullyShardedDataParallel(list(self.model), **shared, compute_dtype=self.dtype,
-                                                   offload_params=o.offload_params)
+                                                   offload_params=o.offload_params,
+                                                   prefetch_bucket_size=o.zero3_prefetch_bucket_size)
         else:
             self.model.to(self.dtype)
             self.engine = DataParallel(

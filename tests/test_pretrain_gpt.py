@@ -53,24 +53,29 @@ def test_deepspeed_config_stage_1_bf16_trains_and_prints_its_settings(tmp_path, 
                               "--eval-interval", "0", "--metrics-file", str(metrics), "--lr", "2e-3"])
     assert code == 0
     out = capsys.readouterr().out
-    head = f"deepspeed config {config}: "
-    for line in ["zero_optimization.stage 1 -> --use-distributed-optimizer --zero-stage 1",
-                 "bf16.enabled true -> --bf16", "train_batch_size 4 -> --global-batch-size 4",
-                 "optimizer.params.lr 0.001 -> --lr 0.001; overridden by the command line: --lr 0.002"]:
-        assert head + line in out.splitlines(), out
+    assert f"deepspeed config {config}: 7 keys: 7 mapped, 0 ignored, 0 refused" in out
+    table = [" ".join(line.split()) for line in out.splitlines() if line.startswith("  ")]
+    for line in ["zero_optimization.stage 1 mapped --use-distributed-optimizer --zero-stage 1",
+                 "bf16.enabled true mapped --bf16", "train_batch_size 4 mapped --global-batch-size 4",
+                 "optimizer.params.lr 0.001 mapped --lr 0.001; the command line's --lr 0.002 wins"]:
+        assert line in table, out
     assert "bfloat16" in out and "2 micro-batches per step" in out   # 4 = 2 x GA 2 x DP 1
     records = read_metrics(metrics)
     assert [r["iteration"] for r in records] == [1, 2] and records[-1]["consumed_samples"] == 8
     assert all(math.isfinite(r["loss"]) for r in records)
 
 
-def test_deepspeed_config_refusal_fails_with_one_line(tmp_path, capsys):
+def test_deepspeed_config_refusal_fails_with_one_line_after_its_table(tmp_path, capsys):
     config = tmp_path / "ds.json"
-    config.write_text(json.dumps({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}}))
+    config.write_text(json.dumps({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"},
+                                                        "sub_group_size": 1e9}}))
     assert pretrain_gpt.main(["--deepspeed-config", str(config)]) == 2
-    err = capsys.readouterr().err.strip()
+    captured = capsys.readouterr()
+    err = captured.err.strip()
     assert err.startswith("megalite: error: --deepspeed-config") and "\n" not in err
-    assert "zero_optimization.offload_param.device=nvme" in err
+    assert "zero_optimization.offload_param.device=nvme" in err and "sub_group_size" not in err
+    assert "3 keys: 1 mapped, 1 ignored, 1 refused" in captured.out   # the table says what else the file holds
+    assert "zero_optimization.offload_param.device  nvme" in captured.out
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -1,23 +1,27 @@
-"""megalite.config.deepspeed: a DeepSpeed JSON config read as megalite options, through megalite.config.cli as users
-run it.
+"""megalite.config.deepspeed: a DeepSpeed JSON config read as megalite options, key by key, through
+megalite.config.cli as users run it.
 
-Each test writes a small JSON file and parses a command line naming it (``--deepspeed-config``); the world size is
-passed explicitly, as pretrain_gpt.py does, because the batch arithmetic needs the data-parallel size.
+Each test writes a small JSON file (or takes one of the configs in the shapes people use, tests/config/
+deepspeed_configs/) and parses a command line naming it (``--deepspeed-config``); the world size is passed explicitly,
+as pretrain_gpt.py does, because the batch arithmetic needs the data-parallel size. That those configs train at
+DP=2, and that their speed-only knobs leave the losses alone, is tests/multiprocess/test_deepspeed_configs.py.
 """
 
 from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 
 from megalite.config import flags
 from megalite.config.cli import parse_args, parse_command_line
 from megalite.config import ConfigError, MegaliteConfig, validate
-from megalite.config.deepspeed import translate
+from megalite.config.deepspeed import IGNORED, MAPPED, REFUSED, RefusedKeys, translate
 from megalite.optimizer.lr_schedule import learning_rate
 
+CONFIGS = Path(__file__).resolve().parent / "deepspeed_configs"
 ZERO3_OFFLOAD = {"train_batch_size": 32, "zero_optimization": {
     "stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}}
 
@@ -40,6 +44,18 @@ def error_of(ds, config, *argv, world_size=1) -> str:
     return message
 
 
+def rows(command_line) -> dict[str, tuple[str, str]]:
+    """The table's rows: key -> (status, the rest of the line after the status)."""
+    found = {}
+    for line in command_line.deepspeed_settings()[1:]:
+        if line.startswith("  "):
+            key, _, rest = line.strip().partition(" ")
+            for status in (MAPPED, IGNORED, REFUSED):
+                if f"  {status}  " in rest:
+                    found[key] = (status, rest.split(f"  {status}  ", 1)[1].strip())
+    return found
+
+
 # --- the issue's example and ZeRO stages --------------------------------------------------------------------------
 
 def test_zero3_offload_example_parses_and_validates(ds):
@@ -51,8 +67,12 @@ def test_zero3_offload_example_parses_and_validates(ds):
     assert (t.global_batch_size, t.micro_batch_size) == (32, 8)   # DeepSpeed: GA 1, micro = 32 / DP 4
     validate(cfg, 4)
     lines = command_line.deepspeed_settings()
-    assert any(line.endswith("zero_optimization.stage 3 -> --zero-stage 3") for line in lines), lines
-    assert all(line.startswith("deepspeed config ") for line in lines)
+    assert lines[0].startswith("deepspeed config ") and "4 keys: 4 mapped, 0 ignored, 0 refused" in lines[0]
+    table = rows(command_line)
+    assert table["zero_optimization.stage"] == (MAPPED, "--zero-stage 3")
+    assert table["zero_optimization.offload_param.device"] == (MAPPED, "--offload-params")
+    assert table["train_micro_batch_size_per_gpu"][1] == "--micro-batch-size 8 (derived by DeepSpeed's rule at " \
+                                                        "data-parallel size 4)"
 
 
 @pytest.mark.parametrize("stage, distributed, zero_stage", [(0, False, 1), (1, True, 1), (2, True, 2), (3, False, 3)])
@@ -77,10 +97,13 @@ def test_offload_devices(ds):
     assert o.optimizer.optimizer_cpu_offload and not o.optimizer.offload_params
     message = error_of(ds, {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme"},
                                                   "offload_param": {"device": "nvme", "nvme_path": "/local_nvme"}}})
-    assert "zero_optimization.offload_optimizer.device=nvme" in message
-    assert "zero_optimization.offload_param.device=nvme" in message
-    assert "zero_optimization.offload_param.nvme_path=/local_nvme" in message
+    assert "zero_optimization.offload_optimizer.device=nvme (NVMe offload)" in message
+    assert "zero_optimization.offload_param.device=nvme (NVMe offload)" in message
+    assert "nvme_path" not in message   # NVMe tuning is ignored: the device names what cannot be provided
     assert "cpu, nvme or none" in error_of(ds, {"zero_optimization": {"offload_param": {"device": "gpu"}}})
+    o = ds({"zero_optimization": {"stage": 3, "offload_optimizer": None, "offload_param": {"ratio": 1}}},
+           world_size=2).config.optimizer   # null and an offload block without a device: nothing offloaded
+    assert not o.optimizer_cpu_offload and not o.offload_params
 
 
 def test_offload_params_needs_stage_3_from_validate(ds):
@@ -91,21 +114,114 @@ def test_offload_params_needs_stage_3_from_validate(ds):
 
 
 def test_zero_communication_keys(ds):
-    o = ds({"zero_optimization": {"stage": 2, "overlap_comm": True, "reduce_bucket_size": 5e7,
-                                  "allgather_bucket_size": 5e7, "contiguous_gradients": True,
-                                  "reduce_scatter": True, "allgather_partitions": True}}).config.optimizer
+    command_line = ds({"zero_optimization": {"stage": 2, "overlap_comm": True, "reduce_bucket_size": 5e7,
+                                             "allgather_bucket_size": 2e8, "contiguous_gradients": False,
+                                             "reduce_scatter": False, "allgather_partitions": False,
+                                             "round_robin_gradients": True}})
+    o = command_line.config.optimizer
     assert (o.overlap_grad_reduce, o.ddp_bucket_size) == (True, 50_000_000) and type(o.ddp_bucket_size) is int
-    # stage 3: FSDP2 always overlaps (accepted, nothing set: validate refuses overlap_grad_reduce at stage 3)
-    cfg = ds({"zero_optimization": {"stage": 3, "overlap_comm": True}}, world_size=2).config
-    assert not cfg.optimizer.overlap_grad_reduce
+    table = rows(command_line)
+    for key in ("allgather_bucket_size", "contiguous_gradients", "reduce_scatter", "allgather_partitions",
+                "round_robin_gradients"):   # speed and memory only: accepted, with why
+        assert table[f"zero_optimization.{key}"][0] == IGNORED, key
+    assert "gradient buckets" in table["zero_optimization.allgather_bucket_size"][1]
+    # stage 3: FSDP2 overlaps and reduces layer by layer whatever these say (validate refuses overlap_grad_reduce)
+    command_line = ds({"zero_optimization": {"stage": 3, "overlap_comm": False, "reduce_bucket_size": 5e7,
+                                             "stage3_prefetch_bucket_size": 2e5}}, world_size=2)
+    cfg = command_line.config
+    assert not cfg.optimizer.overlap_grad_reduce and cfg.optimizer.ddp_bucket_size is None
+    assert cfg.optimizer.zero3_prefetch_bucket_size == 200_000
     validate(cfg, 2)
-    message = error_of(ds, {"zero_optimization": {"stage": 2, "reduce_bucket_size": 5e7, "allgather_bucket_size": 2e8,
-                                                  "contiguous_gradients": False}})
-    assert "zero_optimization.allgather_bucket_size=200000000" in message
-    assert "zero_optimization.contiguous_gradients=false" in message
-    message = error_of(ds, {"zero_optimization": {"stage": 3, "overlap_comm": False, "reduce_bucket_size": 5e7}})
-    assert "zero_optimization.overlap_comm=false" in message
-    assert "zero_optimization.reduce_bucket_size=50000000" in message
+    table = rows(command_line)
+    assert table["zero_optimization.overlap_comm"][0] == table["zero_optimization.reduce_bucket_size"][0] == IGNORED
+    assert table["zero_optimization.stage3_prefetch_bucket_size"] == (MAPPED, "--zero3-prefetch-bucket-size 200000")
+    # the stage the run will have decides: a --zero-stage 3 beside a stage-2 file makes overlap_comm FSDP2's
+    cfg = ds({"zero_optimization": {"stage": 2, "overlap_comm": True}}, "--zero-stage", "3",
+             "optimizer.use_distributed_optimizer=false", world_size=2).config
+    assert cfg.optimizer.zero_level == 3 and not cfg.optimizer.overlap_grad_reduce
+    validate(cfg, 2)
+    below = rows(ds({"zero_optimization": {"stage": 1, "stage3_prefetch_bucket_size": 5e8}}))
+    assert below["zero_optimization.stage3_prefetch_bucket_size"] == (IGNORED, "not used below stage 3 (in DeepSpeed "
+                                                                               "too)")
+
+
+# DeepSpeed's documented zero_optimization keys (docs/_pages/config-json.md), each with its default or a value
+# people write, and what megalite does with each at stage 3 and at stage 2.
+DOCUMENTED_ZERO_KEYS = {
+    "stage": None, "allgather_partitions": True, "allgather_bucket_size": 5e8, "compute_grad_norm": True,
+    "overlap_comm": True, "reduce_scatter": True, "reduce_bucket_size": 5e8, "contiguous_gradients": True,
+    "load_from_fp32_weights": True, "round_robin_gradients": False, "parameter_alignment": False,
+    "offload_param": {"device": "cpu", "nvme_path": "/local_nvme", "pin_memory": True, "buffer_count": 5,
+                      "buffer_size": 1e8, "max_in_cpu": 1e9},
+    "offload_optimizer": {"device": "cpu", "nvme_path": "/local_nvme", "pin_memory": True, "ratio": 1.0,
+                          "buffer_count": 4, "fast_init": False},
+    "stage3_max_live_parameters": 1e9, "stage3_max_reuse_distance": 1e9, "stage3_prefetch_bucket_size": 5e8,
+    "stage3_param_persistence_threshold": 1e6, "sub_group_size": 1e9, "elastic_checkpoint": False,
+    "stage3_gather_16bit_weights_on_model_save": True, "stage3_module_granularity_threshold": 0,
+    "ignore_unused_parameters": True, "zero_hpz_partition_size": 1, "zero_quantized_weights": False,
+    "zero_quantized_gradients": False, "log_trace_cache_warnings": False,
+}
+# ... and those only DeepSpeed's code reads (deepspeed/runtime/zero/config.py, offload_config.py), or its field names
+CODE_ONLY_ZERO_KEYS = {
+    "use_multi_rank_bucket_allreduce": True, "stage3_model_persistence_threshold": 1e9,
+    "stage3_use_all_reduce_for_fetch_params": False, "stage3_allgather_sequential": False,
+    "stage3_partition_stream_chunk_size": 0, "legacy_stage1": False, "zero_quantized_nontrainable_weights": False,
+    "zeropp_loco_param": {"err_beta": 0.8, "reset_T": 1024}, "mics_shard_size": -1,
+    "mics_hierarchical_params_gather": False, "memory_efficient_linear": True, "pipeline_loading_checkpoint": False,
+    "override_module_apply": True, "enable_sanity_checks": False, "save_muon_momentum_buffer_in_memory": False,
+    "leaf_module": {}, "max_live_parameters": 1e9, "max_reuse_distance": 1e9, "param_persistence_threshold": 1e5,
+    "model_persistence_threshold": 1e9, "module_granularity_threshold": 0, "use_all_reduce_for_fetch_params": False,
+    "allgather_sequential": False, "partition_stream_chunk_size": 0, "gather_16bit_weights_on_model_save": False,
+    "stage3_gather_fp16_weights_on_model_save": False, "prefetch_bucket_size": 5e7,
+}
+MAPPED_AT_STAGE_3 = {"stage", "offload_param.device", "offload_optimizer.device", "stage3_prefetch_bucket_size",
+                     "load_from_fp32_weights", "offload_optimizer.ratio", "zero_quantized_weights",
+                     "zero_quantized_gradients", "zero_quantized_nontrainable_weights", "prefetch_bucket_size"}
+
+
+@pytest.mark.parametrize("stage", [3, 2])
+def test_every_zero_optimization_key_deepspeed_documents_or_reads_has_an_answer(ds, stage, capsys):
+    keys = {**DOCUMENTED_ZERO_KEYS, **CODE_ONLY_ZERO_KEYS, "stage": stage}
+    if stage < 3:
+        del keys["offload_param"]   # needs stage 3 (validate says so: tested above)
+    command_line = ds({"zero_optimization": keys}, world_size=2)
+    validate(command_line.config, 2)
+    table = {key.removeprefix("zero_optimization."): value for key, value in rows(command_line).items()}
+    leaves = [f"{key}.{sub}" if isinstance(value, dict) and value and key.startswith("offload") else key
+              for key, value in keys.items() for sub in (value if key.startswith("offload") else [None])]
+    assert sorted(table) == sorted(leaves)   # each key its own row: none refused, none silently dropped
+    mapped = {key for key, (status, _) in table.items() if status == MAPPED}
+    if stage == 3:
+        assert mapped == MAPPED_AT_STAGE_3
+    else:   # the bucket and overlap keys are megalite's at stages 0-2; the stage-3 ones are not used
+        assert mapped == MAPPED_AT_STAGE_3 - {"stage3_prefetch_bucket_size", "prefetch_bucket_size",
+                                              "offload_param.device"} | {"overlap_comm", "reduce_bucket_size"}
+    documented = [key for key in leaves if key.split(".")[0] in DOCUMENTED_ZERO_KEYS]
+    counts = {status: sum(table[key][0] == status for key in documented) for status in (MAPPED, IGNORED)}
+    print(f"stage {stage}: of {len(documented)} documented zero_optimization keys (offload sub-keys counted), "
+          f"{counts[MAPPED]} mapped and {counts[IGNORED]} ignored at these values; all {len(leaves)} read: "
+          f"{len(mapped)} mapped")
+    # The values that change the result are refused, by name
+    message = error_of(ds, {"zero_optimization": {"stage": stage, "load_from_fp32_weights": False,
+                                                  "zero_quantized_weights": True, "zero_quantized_gradients": True,
+                                                  "zero_quantized_nontrainable_weights": True,
+                                                  "zenflow": {"topk_ratio": 0.1},
+                                                  "offload_optimizer": {"device": "nvme"}}}, world_size=2)
+    for key in ("load_from_fp32_weights=false", "zero_quantized_weights=true", "zero_quantized_gradients=true",
+                "zero_quantized_nontrainable_weights=true", "zenflow (", "offload_optimizer.device=nvme"):
+        assert "zero_optimization." + key in message, key
+
+
+def test_zero_optimization_true_and_the_deprecated_offload_booleans(ds):
+    command_line = ds({"zero_optimization": True, "allgather_size": 5e8})   # DeepSpeed's first format: stage 1
+    o = command_line.config.optimizer
+    assert (o.use_distributed_optimizer, o.zero_stage) == (True, 1)
+    assert rows(command_line)["allgather_size"][0] == IGNORED
+    assert not ds({"zero_optimization": False}).config.optimizer.use_distributed_optimizer
+    o = ds({"zero_optimization": {"stage": 2, "cpu_offload": True}}).config.optimizer
+    assert o.optimizer_cpu_offload and o.zero_stage == 2
+    assert "not both" in error_of(ds, {"zero_optimization": {"cpu_offload": True,
+                                                             "offload_optimizer": {"device": "cpu"}}})
 
 
 # --- precision ----------------------------------------------------------------------------------------------------
@@ -269,10 +385,11 @@ def test_batch_sizes_on_the_command_line_win_and_enter_the_arithmetic(ds):
     t = command_line.config.training
     assert (t.global_batch_size, t.micro_batch_size) == (32, 2)
     validate(command_line.config, 4)
-    lines = command_line.deepspeed_settings()
-    assert any("train_micro_batch_size_per_gpu 8 -> --micro-batch-size 8; overridden by the command line: "
-               "--micro-batch-size 2" in line for line in lines), lines
-    assert any("gradient_accumulation_steps 4" in line for line in lines), lines
+    table = rows(command_line)
+    assert table["train_micro_batch_size_per_gpu"][1] == "--micro-batch-size 8; the command line's " \
+                                                        "--micro-batch-size 2 wins"
+    assert table["gradient_accumulation_steps"][1].endswith("= 4 micro-batches")
+    assert "gives way to the command line's batch sizes" in table["gradient_accumulation_steps"][1]
     # the Hydra key counts as the command line too; what the file leaves open follows from the user's value
     t = ds({"train_micro_batch_size_per_gpu": 4}, "training.micro_batch_size=1", world_size=4).config.training
     assert (t.global_batch_size, t.micro_batch_size) == (4, 1)
@@ -292,36 +409,158 @@ def test_world_size_defaults_to_the_environment(tmp_path, monkeypatch):
 
 # --- the other keys, refusals, auto, precedence, errors ----------------------------------------------------------
 
-def test_logging_and_clipping_keys(ds):
+def test_logging_clipping_and_monitor_keys(ds, tmp_path):
     cfg = ds({"steps_per_print": 5, "wall_clock_breakdown": True, "gradient_clipping": 0.5}).config
     assert (cfg.logging.log_interval, cfg.logging.timing_log_level, cfg.optimizer.clip_grad) == (5, 1, 0.5)
     lines = ds({"train_batch_size": 8}).deepspeed_settings()
     assert any("gradient_clipping not given" in line for line in lines)
+    # DeepSpeed's TensorBoard directory is output_path/job_name
+    cfg = ds({"tensorboard": {"enabled": True, "output_path": str(tmp_path / "tb"), "job_name": "gpt"}}).config
+    assert cfg.logging.tensorboard_dir == str(tmp_path / "tb" / "gpt")
+    assert ds({"tensorboard": {"enabled": True}}).config.logging.tensorboard_dir == "DeepSpeedJobName"
+    command_line = ds({"tensorboard": {"enabled": False, "output_path": "runs"}, "wandb": {"enabled": False},
+                       "csv_monitor": {"output_path": "x"}, "memory_breakdown": True, "dump_state": False})
+    assert command_line.config.logging.tensorboard_dir is None
+    assert {key: status for key, (status, _) in rows(command_line).items()} == {
+        "tensorboard": IGNORED, "wandb": IGNORED, "csv_monitor": IGNORED, "memory_breakdown": IGNORED,
+        "dump_state": IGNORED}
+    message = error_of(ds, {"wandb": {"enabled": True, "project": "p"}, "comms_logger": {"enabled": True},
+                            "flops_profiler": {"enabled": True}})
+    assert "wandb (no Weights & Biases" in message and "comms_logger (" in message and "flops_profiler (" in message
+
+
+def test_activation_checkpointing_is_full_recompute(ds):
+    block = {"partition_activations": True, "cpu_checkpointing": True, "contiguous_memory_optimization": False,
+             "number_checkpoints": None, "synchronize_checkpoint_boundary": False, "profile": False}
+    command_line = ds({"activation_checkpointing": block})
+    m = command_line.config.model
+    assert (m.recompute_granularity, m.recompute_method, m.recompute_num_layers) == ("full", "uniform", 1)
+    table = rows(command_line)
+    assert table["activation_checkpointing"][1].startswith("--recompute-granularity full --recompute-method uniform "
+                                                           "--recompute-num-layers 1")
+    assert table["activation_checkpointing.partition_activations"][0] == IGNORED   # TP 1: nothing to partition
+    assert table["activation_checkpointing.cpu_checkpointing"][0] == IGNORED
+    # with tensor parallelism, partitioning the checkpointed inputs over TP is sequence parallelism
+    command_line = ds({"activation_checkpointing": block}, "--tensor-model-parallel-size", "2", world_size=2)
+    assert command_line.config.parallel.sequence_parallel
+    assert "sequence parallelism" in rows(command_line)["activation_checkpointing.partition_activations"][1]
+    validate(command_line.config, 2)
+    # the command line's recompute wins, and the file adds nothing that would contradict it
+    cfg = ds({"activation_checkpointing": {}}, "--recompute-granularity", "selective").config
+    assert (cfg.model.recompute_granularity, cfg.model.recompute_method) == ("selective", None)
+    validate(cfg, 1)
+    assert "activation_checkpointing.checkpoint_in_cpu" in error_of(ds, {"activation_checkpointing": {
+        "checkpoint_in_cpu": True}})   # a key DeepSpeed does not have is refused, inside a block too
 
 
 def test_unsupported_keys_are_refused_by_name_in_one_error(ds):
-    message = error_of(ds, {"train_batch_size": 8, "aio": {"block_size": 1048576},
-                            "activation_checkpointing": {"partition_activations": True},
-                            "comms_logger": {"enabled": True},
-                            "zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": 5e7}})
-    for name in ("aio", "activation_checkpointing", "comms_logger", "zero_optimization.stage3_prefetch_bucket_size"):
+    message = error_of(ds, {"train_batch_size": 8, "aio": {"block_size": 1048576}, "elasticity": {"enabled": True},
+                            "comms_logger": {"enabled": True}, "pipeline": {"stages": 2},
+                            "optimizer": {"type": "AdamW", "params": {"max_grad_norm": 1.0}},
+                            "zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": 5e7,
+                                                  "zero_quantized_gradients": True}})
+    for name in ("elasticity", "comms_logger", "pipeline", "optimizer.params.max_grad_norm=1.0",
+                 "zero_optimization.zero_quantized_gradients=true"):
         assert name in message
+    assert "aio" not in message and "stage3_prefetch_bucket_size" not in message   # NVMe I/O tuning; FSDP2 prefetch
     assert message.count("megalite cannot honour") == 1
 
 
-def test_auto_keeps_megalite_values_and_disabled_blocks_are_accepted(ds):
-    command_line = ds({"train_batch_size": "auto", "gradient_clipping": "auto", "bf16": {"enabled": "auto"},
-                       "optimizer": {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto"}},
-                       "zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": "auto"},
+def test_a_refusal_carries_the_table_that_shows_it(ds):
+    with pytest.raises(RefusedKeys) as info:
+        ds(json.loads((CONFIGS / "zero_infinity_nvme.json").read_text()), world_size=2)
+    message = str(info.value)
+    assert "\n" not in message
+    assert message.endswith("megalite cannot honour zero_optimization.offload_optimizer.device=nvme (NVMe offload), "
+                            "zero_optimization.offload_param.device=nvme (NVMe offload) (remove them; see "
+                            "docs/zero_and_deepspeed.md)")
+    table = info.value.table
+    assert "0 refused" not in table[0] and ", 2 refused" in table[0]
+    assert any(line.split()[:3] == ["zero_optimization.offload_param.device", "nvme", REFUSED] for line in table)
+    assert any(line.split()[:3] == ["aio", "{...}", IGNORED] for line in table)
+
+
+def test_auto_keeps_megalite_values_and_the_table_shows_them(ds):
+    command_line = ds({"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
+                       "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
+                       "bf16": {"enabled": "auto"}, "fp16": {"enabled": "auto", "loss_scale": 0},
+                       "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto",
+                                                                 "weight_decay": "auto"}},
+                       "scheduler": {"type": "WarmupDecayLR", "params": {
+                           "warmup_min_lr": "auto", "warmup_max_lr": "auto", "warmup_num_steps": "auto",
+                           "total_num_steps": "auto", "warmup_type": "linear"}},
+                       "zero_optimization": {"stage": "auto", "reduce_bucket_size": "auto", "overlap_comm": "auto",
+                                             "stage3_prefetch_bucket_size": "auto",
+                                             "stage3_param_persistence_threshold": "auto"},
                        "tensorboard": {"enabled": False, "output_path": "runs"}},
-                      "--global-batch-size", "16", "--lr", "0.02", "--bf16")
+                      "--global-batch-size", "16", "--lr", "0.02", "--bf16", "--lr-warmup-iters", "3", world_size=2)
     cfg = command_line.config
-    assert (cfg.training.global_batch_size, cfg.optimizer.lr, cfg.optimizer.weight_decay, cfg.training.bf16) == \
-        (16, 0.02, MegaliteConfig().optimizer.weight_decay, True)
-    assert cfg.optimizer.clip_grad == MegaliteConfig().optimizer.clip_grad
-    text = "\n".join(command_line.deepspeed_settings())
-    assert "auto, so megalite's own value is kept: " in text and "zero_optimization.stage3_prefetch_bucket_size" in text
-    assert "tensorboard disabled" in text
+    defaults = MegaliteConfig()
+    assert (cfg.training.global_batch_size, cfg.training.micro_batch_size, cfg.optimizer.lr, cfg.training.bf16) == \
+        (16, defaults.training.micro_batch_size, 0.02, True)
+    assert (cfg.optimizer.weight_decay, cfg.optimizer.clip_grad, cfg.optimizer.lr_decay_style) == \
+        (defaults.optimizer.weight_decay, defaults.optimizer.clip_grad, "linear")
+    validate(cfg, 2)
+    table = rows(command_line)
+    assert table["train_batch_size"] == (MAPPED, "auto: --global-batch-size 16 (the command line's)")
+    assert table["train_micro_batch_size_per_gpu"] == (MAPPED, "auto: --micro-batch-size 2 (megalite's value)")
+    assert table["gradient_accumulation_steps"][1].endswith("= 4 micro-batches")
+    assert table["scheduler.params.warmup_max_lr"] == (MAPPED, "auto: --lr 0.02 (the command line's)")
+    assert table["optimizer.params.lr"][0] == IGNORED   # WarmupDecayLR's peak is its warmup_max_lr
+    assert table["optimizer.params.betas"] == (MAPPED, "auto: --adam-beta1 0.9 --adam-beta2 0.999 (megalite's value)")
+    assert table["scheduler.params.warmup_num_steps"] == (MAPPED, "auto: --lr-warmup-iters 3 (the command line's)")
+    assert table["scheduler.params.total_num_steps"] == (MAPPED, "auto: --lr-decay-iters unset (megalite's value)")
+    assert table["scheduler.params.warmup_min_lr"][1].startswith("nothing to set: the Trainer's default 0")
+    assert table["zero_optimization.stage"] == (MAPPED, "auto: --use-distributed-optimizer=false --zero-stage 1 "
+                                                         "(megalite's value)".replace("--use-distributed-optimizer",
+                                                                                      "optimizer.use_distributed_"
+                                                                                      "optimizer"))
+    assert table["zero_optimization.reduce_bucket_size"] == (MAPPED, "auto: --ddp-bucket-size unset (megalite's "
+                                                                     "value)")
+    assert table["zero_optimization.stage3_prefetch_bucket_size"][0] == IGNORED   # stage 0: not used
+    assert table["fp16.loss_scale"] == (IGNORED, "not used: fp16 is off (in DeepSpeed too)")
+    assert table["tensorboard"][0] == IGNORED
+
+
+def test_the_trainer_docs_warmup_lr_without_warmup_type_is_refused(ds):
+    config = json.loads((CONFIGS / "hf_trainer_zero2_auto.json").read_text())
+    config["scheduler"] = {"type": "WarmupLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
+                                                          "warmup_num_steps": "auto"}}
+    message = error_of(ds, config, world_size=2)
+    assert "megalite cannot honour scheduler.params.warmup_type=log (not given: DeepSpeed's default is log" in message
+    config["scheduler"]["params"]["warmup_type"] = "linear"
+    assert ds(config, world_size=2).config.optimizer.lr_decay_style == "constant"
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in CONFIGS.glob("*.json")))
+def test_the_configs_people_write_are_read_key_by_key(name):
+    """Every key of each file gets a row, and only the NVMe file is refused (its training at DP=2 is
+    tests/multiprocess/test_deepspeed_configs.py)."""
+    argv = ["--deepspeed-config", str(CONFIGS / name)]
+    data = json.loads((CONFIGS / name).read_text())
+    if name == "zero_infinity_nvme.json":
+        with pytest.raises(RefusedKeys):
+            parse_command_line(argv, world_size=2)
+        return
+    command_line = parse_command_line(argv, world_size=2)
+    validate(command_line.config, 2)
+    given = [line.split()[0] for line in command_line.deepspeed_settings()[1:]
+             if line.startswith("  ") and "(not given)" not in line]
+    assert {key.split(".")[0] for key in given} == set(data)
+    assert command_line.deepspeed.counts()[REFUSED] == 0
+
+
+def test_keys_that_only_tune_speed_or_memory_set_nothing(ds):
+    speed = {"stage": 3, "contiguous_gradients": False, "sub_group_size": 1e8, "stage3_max_live_parameters": 1e8,
+             "stage3_max_reuse_distance": 0, "stage3_param_persistence_threshold": 0, "overlap_comm": False,
+             "reduce_bucket_size": 1000, "allgather_bucket_size": 1000, "round_robin_gradients": True,
+             "stage3_gather_16bit_weights_on_model_save": True, "zero_hpz_partition_size": 8, "mics_shard_size": 4,
+             "offload_optimizer": {"device": "none", "pin_memory": True, "ratio": 0.3}}
+    command_line = ds({"zero_optimization": speed, "aio": {"queue_depth": 16}, "disable_python_gc": True,
+                       "checkpoint": {"tag_validation": "Fail", "parallel_write": {"pipeline_stage": True}}},
+                      world_size=2)
+    assert command_line.config == ds({"zero_optimization": {"stage": 3}}, world_size=2).config
+    assert command_line.deepspeed.counts() == {MAPPED: 2, IGNORED: 18, REFUSED: 0}
 
 
 def test_precedence_yaml_then_file_then_overrides_then_flags(ds, tmp_path, monkeypatch):
@@ -338,9 +577,7 @@ def test_precedence_yaml_then_file_then_overrides_then_flags(ds, tmp_path, monke
     assert (o.lr, o.weight_decay, o.adam_eps) == (2.0, 0.05, 0.25)    # the command line beats the file
     o = ds({"optimizer": optimizer}, "optimizer.lr=3", "--lr", "4").config.optimizer
     assert o.lr == 4.0                                                # and a flag beats an override
-    lines = command_line.deepspeed_settings()
-    assert any(line.endswith("optimizer.params.lr 0.5 -> --lr 0.5; overridden by the command line: --lr 2.0")
-               for line in lines), lines
+    assert rows(command_line)["optimizer.params.lr"] == (MAPPED, "--lr 0.5; the command line's --lr 2.0 wins")
 
 
 @pytest.mark.parametrize("text, fragment", [

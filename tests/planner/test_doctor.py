@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -147,3 +149,18 @@ def test_dry_run_of_zero3_shows_the_gathered_layers_and_the_host_states(monkeypa
     out = capsys.readouterr().out
     assert "ZeRO-3+offload+params" in out and "gathered" in out
     assert "of parameter, gradient and optimizer states on the host" in out
+
+
+def test_dry_run_with_a_deepspeed_config_estimates_what_the_file_asks_for(monkeypatch, capsys):
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    config = Path(__file__).resolve().parents[1] / "config" / "deepspeed_configs" / "zero3.json"
+    argv = ["model=gpt_tiny", "data=mock", "--num-layers", "4", "--deepspeed-config", str(config), "--dry-run"]
+    assert pretrain_gpt.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "deepspeed config " in out and "0 refused" in out   # the file's table, then the estimate it implies
+    assert "dry run: TP=1 x PP=1 x DP=4, micro-batch 2, ZeRO-3, 1 micro-batches per step" in out   # 8 = 2 x 1 x 4
+    cfg = parse_args(argv[:-1], world_size=4)
+    prefetched = stage_memory(cfg.model, Layout.from_config(cfg, 4), 0, 8, dtype_bytes=4, numerics=numerics_for(
+        cfg, cuda=False), prefetch_bucket_size=cfg.optimizer.zero3_prefetch_bucket_size)
+    assert cfg.optimizer.zero3_prefetch_bucket_size == 50_000_000
+    assert f"{prefetched.gathered / 2**30:.3f}" in out   # all three following layers gathered ahead

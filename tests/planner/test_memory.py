@@ -151,6 +151,10 @@ def test_zero3_working_memory_is_the_root_unit_and_a_layer_three_times_plus_fp32
     # The stage's total counts it once, beside the states and the activations.
     stage = stage_memory(model, Layout(dp=8, zero=3), 0, 8)
     assert stage.gathered == expected and stage.total == stage.states + stage.gathered + stage.activations
+    # --zero3-prefetch-bucket-size: each layer prefetches the next ones that fit (at least one), each p bytes more
+    for budget, ahead in [(1, 1), (layer, 1), (2 * layer, 2), (3 * layer - 1, 2), (10**12, model.num_layers - 1)]:
+        prefetched = model_state_bytes(model, Layout(dp=8, zero=3), prefetch_bucket_size=budget).gathered
+        assert prefetched == expected + (ahead - 1) * 2 * layer, budget
 
 
 # ---- activations ----------------------------------------------------------------------------------------------------

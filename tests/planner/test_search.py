@@ -150,6 +150,29 @@ def test_the_command_line_tool(capsys):
     assert plan_parallelism.main(["--model", "nope"]) == 2
 
 
+def test_the_command_line_tool_with_a_deepspeed_config(capsys):
+    sys.path.insert(0, str(ROOT / "tools"))
+    import plan_parallelism
+    configs = ROOT / "tests" / "config" / "deepspeed_configs"
+    argv = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "4", "--vocab-size", "1000",
+            "--seq-length", "128", "--gpus", "4", "--deepspeed-config", str(configs / "zero3_offload_finetune.json")]
+    assert plan_parallelism.main(argv + ["--global-batch-size", "64", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    written = data["deepspeed_config"]["as_written"]
+    assert data["global_batch_size"] == 64 and written["layout"]["dp"] == 4 and written["layout"]["zero"] == 3
+    assert written["layout"]["optimizer_cpu_offload"] and written["layout"]["offload_params"]
+    assert written["memory"]["host_optimizer_bytes"] > 0 and written["fits"]
+    assert data["deepspeed_config"]["table"][0].endswith("0 refused (the command line wins over the file)")
+    assert plan_parallelism.main(argv) == 0   # the batch "auto": the tool's 512
+    text = capsys.readouterr().out
+    assert "as written (TP=1 x PP=1 x DP=4, micro-batch 2, ZeRO-3+offload+params)" in text
+    assert "Alternatives for the same model, batch and precision:" in text and "global batch 512" in text
+    argv[-1] = str(configs / "zero_infinity_nvme.json")
+    assert plan_parallelism.main(argv) == 2
+    captured = capsys.readouterr()
+    assert "2 refused" in captured.out and "offload_param.device=nvme" in captured.err
+
+
 # ---- the step-time model ---------------------------------------------------------------------------------------------
 
 def test_tensor_parallel_traffic_is_8bsh_times_t_minus_1_over_t():

@@ -35,6 +35,7 @@ import json
 import math
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Iterable, Optional
 
 from megalite.config.flags import BY_KEY, argv, get, override
@@ -147,7 +148,7 @@ def load(path: str) -> dict:
         raise ConfigError(f"--deepspeed-config {path}: {name} is not a valid number here")
 
     try:
-        text = open(path).read()
+        text = Path(path).read_text()
     except (OSError, UnicodeDecodeError) as error:
         reason = getattr(error, "strerror", None) or str(error)
         raise ConfigError(f"--deepspeed-config {path}: cannot read it ({reason})") from None
@@ -240,10 +241,10 @@ class _Reader:
     def map(self, key: str, value: Any, settings: dict[str, Any], note: str = "") -> None:
         self.rows.append(Row(key, value, MAPPED, tuple(settings.items()), note=note))
 
-    def keep(self, key: str, *settings: str, note: str = "") -> None:
+    def keep(self, key: str, *settings: str) -> None:
         """An "auto" key: megalite keeps its own value of ``settings`` (shown in the table)."""
         self.read.add(key)
-        self.rows.append(Row(key, AUTO, MAPPED, keeps=settings, note=note))
+        self.rows.append(Row(key, AUTO, MAPPED, keeps=settings))
 
     def matches(self, key: str, value: Any, why: str) -> None:
         """A key asking for what megalite does anyway: mapped, nothing to set."""
@@ -286,11 +287,9 @@ class _Reader:
             self.rows.append(Row(path, AUTO, MAPPED, note=f"the Trainer's default {_show(wanted[0])}: {why}"))
             return _MISSING
         value = self.take(path, kind)
-        if value is _MISSING:
-            pass
-        elif any(value == w and type(value) is type(w) for w in wanted):
+        if value is not _MISSING and any(value == w and type(value) is type(w) for w in wanted):
             self.matches(path, value, why)
-        else:
+        elif value is not _MISSING:
             self.refuse(path, value, refusal)
         return value
 
@@ -767,7 +766,8 @@ def _batch(r: _Reader) -> None:
     if ga in autos:
         r.rows.append(Row(ga, AUTO, MAPPED, note=accumulation))
     elif ga in file:
-        r.matches(ga, file[ga], ("gives way to the command line's batch sizes: " if gives_way else "") + accumulation)
+        gives = f"gives way to the {'command line' if user else 'auto'} batch sizes: " if gives_way else ""
+        r.matches(ga, file[ga], gives + accumulation)
     elif derived == ga:
         r.rows.append(Row(ga, _MISSING, MAPPED, note=f"{how}: {accumulation}"))
 
@@ -794,11 +794,11 @@ def _recompute(r: _Reader) -> None:
     a = "activation_checkpointing"
     if r.block(a) is None:
         return
-    r.read.add(a + ".")   # the block's keys are read below, one by one
-    settings = {"model.recompute_granularity": "full"}
-    if "model.recompute_granularity" not in r.user_keys or r.current.model.recompute_granularity == "full":
-        settings.update(_RECOMPUTE_FULL)
-    r.map(a, r.peek(a), settings, "every layer, as the training scripts that use DeepSpeed's checkpointing do")
+    r.read.add(a + ".")   # a marker: refuse_unread looks inside the block for keys the lines below did not read
+    # A --recompute-granularity other than full on the command line wins: then the file sets no method to go with it.
+    full = "model.recompute_granularity" not in r.user_keys or r.current.model.recompute_granularity == "full"
+    r.map(a, r.peek(a), _RECOMPUTE_FULL if full else {"model.recompute_granularity": "full"},
+          "every layer, as the training scripts that use DeepSpeed's checkpointing do")
     partition = r.take(f"{a}.partition_activations", bool)
     tp = r.current.parallel.tensor_model_parallel_size
     if partition is True and tp > 1:

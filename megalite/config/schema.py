@@ -232,9 +232,9 @@ class TrainingConfig:
         False, "Do not stop on a NaN/Inf loss or gradient (by default training stops naming the iteration and "
                "ranks; with --fp16 such a step is skipped instead).")
     deepspeed_config: Optional[str] = option(
-        None, "A DeepSpeed JSON config (batch sizes, ZeRO stage and offload, bf16/fp16, clipping, Adam, LR "
-              "scheduler) mapped onto megalite's options; flags and overrides given beside it win; keys megalite "
-              "cannot honour are refused by name (see docs/zero_and_deepspeed.md).")
+        None, "A DeepSpeed JSON config, read key by key: what megalite can honour becomes its option, what only "
+              "tunes DeepSpeed's speed or memory is ignored, the rest is refused by name; \"auto\" keeps megalite's "
+              "value; flags and overrides beside it win (see docs/zero_and_deepspeed.md).")
     dry_run: bool = option(
         False, "Print the planner's per-GPU memory estimate for this layout (weights, gradients, optimizer states, "
                "activations of each pipeline stage) and exit without training.")

@@ -147,5 +147,6 @@ def test_deepspeed_zero3_offload_example_config(directory):
     o, t = cfg.optimizer, cfg.training
     assert (o.zero_stage, o.optimizer_cpu_offload, o.offload_params) == (3, True, True)
     assert (t.global_batch_size, t.micro_batch_size) == (32, 8)   # DeepSpeed's rule: micro = 32 / DP, no accumulation
-    assert any("zero_optimization.stage 3" in line for line in command_line.deepspeed_settings())
+    assert any(line.split()[:4] == ["zero_optimization.stage", "3", "mapped", "--zero-stage"]
+               for line in command_line.deepspeed_settings())
     check_against_reference(cfg, None, "DeepSpeed ZeRO-3 offload example at DP=4")

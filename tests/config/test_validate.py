@@ -89,6 +89,10 @@ def test_tiny_config_is_valid_on_several_world_sizes():
      "--offload-params needs --zero-stage 3"),
     (tiny_config(optimizer={"zero_stage": 3, "offload_params": True}), 2,
      "--offload-params needs --optimizer-cpu-offload"),
+    (tiny_config(optimizer={"zero3_prefetch_bucket_size": 10**6}), 2,
+     "--zero3-prefetch-bucket-size needs --zero-stage 3"),
+    (tiny_config(optimizer={"zero_stage": 3, "zero3_prefetch_bucket_size": 0}), 2,
+     "--zero3-prefetch-bucket-size must be >= 1, got 0"),
 ])
 def test_bad_values_name_the_numbers(cfg, world, message):
     with pytest.raises(ConfigError) as error:

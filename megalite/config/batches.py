@@ -132,7 +132,7 @@ def _rampup(text: str, final: int) -> BatchSchedule:
         raise ConfigError(f"{FLAG.rampup_batch_size} {text}: {FLAG.global_batch_size} {final} minus START {start} "
                           f"must be a non-negative multiple of INCREMENT {increment}")
     increments = (final - start) // increment
-    if increments == 0:
+    if increments == 0 or samples == 0:   # nothing to ramp over (Megatron divides by zero at SAMPLES 0)
         return BatchSchedule(((0, final),))
     per_increment = samples / increments   # a float, as in Megatron: its steps fall where int(c / per_increment) does
 

@@ -103,7 +103,7 @@ def _unknown_flags_message(unknown: list[str]) -> str:
     known = [f.flag for f in FLAGS]
 
     def described(flag: str) -> str:
-        nearest = difflib.get_close_matches(flag, known, n=1, cutoff=0.75)
+        nearest = difflib.get_close_matches(flag, known, n=1, cutoff=0.85)
         return f"{flag} (did you mean {nearest[0]}?)" if nearest else flag
 
     noun = "flag" if len(unknown) == 1 else "flags"

@@ -23,8 +23,8 @@ from megalite.training.metrics import MetricsLogger
 from ..checkpoint.helpers import CPU
 from ..helpers import losses, read_metrics, single_layout, tiny_config, with_checkpoint
 
-RAMP = {"global_batch_size": 8, "rampup_batch_size": "2 2 12", "train_iters": None, "train_samples": 60}
-SAMPLES = {"lr_warmup_iters": 0, "lr_warmup_samples": 10, "lr_decay_samples": 50}
+RAMP = {"global_batch_size": 8, "rampup_batch_size": "2 2 12", "train_iters": None, "train_samples": 36}
+SAMPLES = {"lr_warmup_iters": 0, "lr_warmup_samples": 10, "lr_decay_samples": 28}
 
 
 def _ramp_config(**sections):
@@ -32,20 +32,26 @@ def _ramp_config(**sections):
                        data={"eval_interval": 0}, **sections)
 
 
-def test_rampup_batches_learning_rates_and_length_follow_the_schedules():
-    cfg = _ramp_config()
+def test_rampup_batches_learning_rates_length_and_resume_follow_the_schedules(tmp_path):
+    cfg = _ramp_config(model={"hidden_dropout": 0.1})
     with single_layout():
         trainer = Trainer(cfg, CPU)
         records = trainer.train()
+        # Resumed mid-ramp (after 3 iterations, before the batch of 6): the uninterrupted run's losses, bit for bit.
+        first = Trainer(with_checkpoint(cfg, save=str(tmp_path)), CPU)
+        head = [first.train_step()["loss"] for _ in range(3)]
+        first.save_checkpoint(str(tmp_path))
+        rest = losses(Trainer(with_checkpoint(cfg, load=str(tmp_path)), CPU).train())
+    assert head + rest == losses(records)
     schedule = batch_schedule(cfg.training, cfg.model.seq_length)
     lr = LRSchedule.from_config(cfg.optimizer, cfg.training, cfg.model.seq_length)
-    # Ramp 2 -> 8 in 3 steps of 2 over 12 samples (a step every 4), then 8s: Megatron counts 9 iterations for 60
-    # samples (4 while consumed <= 12, then (60 - 14) // 8).
-    assert [r["global_batch_size"] for r in records] == [2, 2, 4, 6, 8, 8, 8, 8, 8]
+    # Ramp 2 -> 8 in 3 steps of 2 over 12 samples (a step every 4), then 8s: Megatron counts 6 iterations for 36
+    # samples (4 while consumed <= 12, then (36 - 14) // 8).
+    assert [r["global_batch_size"] for r in records] == [2, 2, 4, 6, 8, 8]
     assert [r["global_batch_size"] for r in records] == [schedule.at(r["consumed_samples"] - r["global_batch_size"])
                                                          for r in records]
-    assert [r["consumed_samples"] for r in records] == [2, 4, 8, 14, 22, 30, 38, 46, 54]
-    assert trainer.train_iters == 9 and len(trainer.data.train) == 54
+    assert [r["consumed_samples"] for r in records] == [2, 4, 8, 14, 22, 30]
+    assert trainer.train_iters == 6 and len(trainer.data.train) == 30
     assert [r["lr"] for r in records] == [lr.at(r["consumed_samples"], 1e-3, 1e-4) for r in records]
     assert [r["decoupled_lr"] for r in records] == [lr.at(r["consumed_samples"], 3e-3, 1e-4) for r in records]
     assert records[0]["lr"] == pytest.approx(1e-3 * 2 / 10) and records[-1]["lr"] == 1e-4
@@ -54,17 +60,6 @@ def test_rampup_batches_learning_rates_and_length_follow_the_schedules():
     assert rates == {False: records[-1]["lr"], True: records[-1]["decoupled_lr"]}
     decoupled = [p for g in trainer.optimizer.inner.param_groups if g["decoupled"] for p in g["params"]]
     assert [p.numel() for p in decoupled] == [trainer.model[0].embedding.word.weight.numel()]
-
-
-def test_resumed_mid_ramp_is_the_uninterrupted_run(tmp_path):
-    cfg = _ramp_config(model={"hidden_dropout": 0.1})
-    with single_layout():
-        whole = losses(Trainer(cfg, CPU).train())
-        first = Trainer(with_checkpoint(cfg, save=str(tmp_path)), CPU)
-        head = [first.train_step()["loss"] for _ in range(3)]   # stops inside the ramp, before batch 6
-        first.save_checkpoint(str(tmp_path))
-        rest = losses(Trainer(with_checkpoint(cfg, load=str(tmp_path)), CPU).train())
-    assert head + rest == whole
 
 
 def test_flags_of_a_megatron_run_end_to_end(tmp_path, monkeypatch, capsys):
@@ -76,18 +71,18 @@ def test_flags_of_a_megatron_run_end_to_end(tmp_path, monkeypatch, capsys):
     seen = []
     original = Trainer.train_step
     monkeypatch.setattr(Trainer, "train_step", lambda self: seen.append(gc.isenabled()) or original(self))
-    argv = ["model=gpt_tiny", "data=mock", "--train-iters", "4", "--eval-interval", "0", "--manual-gc",
+    argv = ["model=gpt_tiny", "data=mock", "--train-iters", "3", "--eval-interval", "0", "--manual-gc",
             "--manual-gc-interval", "2", "--profile", "--profile-step-start", "1", "--profile-step-end", "3",
             "--tensorboard-dir", str(tmp_path / "tb"), "--wandb-project", "megalite-test", "--wandb-exp-name", "run",
             "--wandb-save-dir", str(tmp_path / "wandb"), "--metrics-file", str(tmp_path / "m.jsonl")]
     assert pretrain_gpt.main(argv) == 0
-    assert seen == [False] * 4 and gc.isenabled()
+    assert seen == [False] * 3 and gc.isenabled()
     trace = tmp_path / "tb" / "rank0.iterations2-3.pt.trace.json"
     assert "profile of iterations 2-3 written to" in capsys.readouterr().out
     events = json.loads(trace.read_text())["traceEvents"]
     assert any("aten::" in e.get("name", "") for e in events)
     run, = (tmp_path / "wandb" / "wandb").glob("offline-run-*")
-    assert list(run.glob("run-*.wandb")) and len(read_metrics(tmp_path / "m.jsonl")) == 4
+    assert list(run.glob("run-*.wandb")) and len(read_metrics(tmp_path / "m.jsonl")) == 3
 
 
 def test_wandb_logs_the_metrics_and_missing_wandb_is_one_line(tmp_path, monkeypatch, capsys):
@@ -115,7 +110,7 @@ def test_wandb_logs_the_metrics_and_missing_wandb_is_one_line(tmp_path, monkeypa
 
 
 def test_grad_reduce_in_bf16_keeps_bf16_gradients_and_learns():
-    cfg = tiny_config(training={"bf16": True, "train_iters": 6}, optimizer={"grad_reduce_in_bf16": True},
+    cfg = tiny_config(training={"bf16": True, "train_iters": 3}, optimizer={"grad_reduce_in_bf16": True},
                       data={"eval_interval": 0})
     with single_layout():
         trainer = Trainer(cfg, CPU)

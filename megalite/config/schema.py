@@ -214,7 +214,7 @@ class DataConfig:
     tokenizer_model: Optional[str] = option(None, "SentencePiece model file of the data given by --data-path.")
     tiktoken_pattern: Optional[str] = option(
         None, "With --tokenizer-type TikTokenizer: the pre-tokenization regex, v1 or v2 (Megatron's two patterns; v2 "
-              "splits digits into runs of at most 3).")
+              "also splits a word where lower case turns to upper).")
     tiktoken_num_special_tokens: int = option(
         1000, "With TikTokenizer: ids reserved for special tokens before the BPE ranks (<unk>, <s>, </s>, then "
               "<SPECIAL_i> fillers).")

@@ -12,7 +12,7 @@ import sys
 
 from megalite.checkpoint import check_checkpoint
 from megalite.config.cli import parse_command_line
-from megalite.config import ConfigError, validate
+from megalite.config import ConfigError, megatron, validate
 from megalite.data import check_data_files
 from megalite.planner.doctor import is_out_of_memory, out_of_memory_message
 from megalite.planner.dry_run import format_dry_run
@@ -24,7 +24,7 @@ from megalite.training.stopping import TrainingError
 def main(argv: list[str]) -> int:
     try:
         command_line = parse_command_line(argv, world_size_from_env())   # the world size: --deepspeed-config's DP
-        cfg = command_line.config
+        cfg, warnings = megatron.adjust(command_line.config)   # --sequence-parallel at TP=1 off, as Megatron does
         # Every rank checks the options on its own before any collective, so a bad value cannot hang the job.
         validate(cfg, world_size_from_env())
         check_data_files(cfg)   # data files too: a corrupt file stops every rank here, not in a collective
@@ -39,6 +39,8 @@ def main(argv: list[str]) -> int:
     finish_checks(failed=False)
     if os.environ.get("RANK", "0") == "0":
         for line in command_line.deepspeed_settings():   # a --deepspeed-config file's table: each key, what it became
+            print(line, flush=True)
+        for line in warnings + megatron.start_lines(cfg):   # Megatron's flags that were adjusted or change nothing
             print(line, flush=True)
     if cfg.training.dry_run:   # the planner's memory estimate for this layout; no process group, no training
         if os.environ.get("RANK", "0") == "0":

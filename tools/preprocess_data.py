@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 from megalite.config import ConfigError  # noqa: E402
 from megalite.data.documents import iter_documents  # noqa: E402
 from megalite.data.preprocess import preprocess  # noqa: E402
-from megalite.data.tokenizer import TOKENIZER_TYPES, build_tokenizer  # noqa: E402
+from megalite.data.tokenizer import MEGATRON_TOKENIZERS, TOKENIZER_TYPES, build_tokenizer  # noqa: E402
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -27,9 +27,15 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--input", nargs="+", required=True, metavar="PATH",
                         help="Text files, directories (read recursively) or .jsonl files.")
     parser.add_argument("--output-prefix", required=True, help="Write PREFIX.bin and PREFIX.idx.")
-    parser.add_argument("--tokenizer-type", default="SentencePieceTokenizer", choices=TOKENIZER_TYPES)
+    parser.add_argument("--tokenizer-type", default="SentencePieceTokenizer",
+                        choices=TOKENIZER_TYPES + tuple(MEGATRON_TOKENIZERS))
     parser.add_argument("--tokenizer-model", help="SentencePiece model file.")
     parser.add_argument("--vocab-size", type=int, default=0, help="Vocabulary of the NullTokenizer.")
+    parser.add_argument("--tiktoken-pattern", choices=("v1", "v2"), help="TikTokenizer's pre-tokenization pattern.")
+    parser.add_argument("--tiktoken-num-special-tokens", type=int, default=1000,
+                        help="TikTokenizer's ids reserved for special tokens (default 1000).")
+    parser.add_argument("--tiktoken-special-tokens", nargs="+", metavar="TOKEN",
+                        help="TikTokenizer's special tokens in id order (default <unk> <s> </s>).")
     parser.add_argument("--json-keys", nargs="+", default=["text"], metavar="KEY",
                         help="Keys of the JSON-lines records to tokenize, each one document (default text).")
     parser.add_argument("--whole-files", action="store_true",
@@ -43,7 +49,10 @@ def parse(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str]) -> int:
     args = parse(argv)
     try:
-        tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_size)
+        tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_size,
+                                    tiktoken_pattern=args.tiktoken_pattern,
+                                    tiktoken_num_special_tokens=args.tiktoken_num_special_tokens,
+                                    tiktoken_special_tokens=args.tiktoken_special_tokens)
         documents = iter_documents(args.input, args.json_keys, args.whole_files)
         stats = preprocess(documents, tokenizer, args.output_prefix, args.workers, args.append_eod,
                            progress=None if args.quiet else sys.stderr)

@@ -12,8 +12,8 @@ Its canonical tensors are already in Hugging Face's layout, so converting is ren
 - Canonical tensors carry no vocabulary padding, so the HF vocabulary is the tokenizer's.
 
 What megalite would compute differently is refused by name: rope scaling (Llama 3.1's ``llama3``, ``linear``,
-``dynamic``, ...), attention or MLP biases, an activation other than SiLU, a head dimension other than hidden size /
-heads. HF's Llama has no hidden dropout: megalite's (training only) is not exported and is 0 on import.
+``dynamic``, ...), attention or MLP biases, an activation other than SiLU. A ``head_dim`` other than hidden size /
+heads is megalite's ``--kv-channels``. HF's Llama has no hidden dropout: megalite's (training only) is not exported and is 0 on import.
 
 config.json is written by transformers' own ``LlamaConfig`` (imported only then), so it is in the format the
 installed transformers reads (``rope_parameters`` from v5, ``rope_theta`` before); importing reads plain JSON in
@@ -45,7 +45,8 @@ _MAPPED_FIELDS = {"num_layers", "hidden_size", "ffn_hidden_size", "num_attention
                   "max_position_embeddings", "vocab_size", "make_vocab_size_divisible_by", "init_method_std",
                   "hidden_dropout", "attention_dropout", "layernorm_epsilon", "untie_embeddings_and_output_weights",
                   "rotary_base", "group_query_attention", "num_query_groups", "recompute_granularity",
-                  "recompute_method", "recompute_num_layers", *LLAMA_OPTIONS}
+                  "recompute_method", "recompute_num_layers", "kv_channels", *LLAMA_OPTIONS,
+                  "no_position_embedding"}   # HF's head_dim; no learned positions beside rope anyway
 
 # LlamaConfig's defaults, for config.json files that leave keys out (None: derived from other keys).
 _HF_DEFAULTS = {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
@@ -186,11 +187,10 @@ def model_config_from(hf: dict[str, Any]) -> ModelConfig:
         if hf[key]:
             raise CheckpointError(f"{key}={hf[key]} is not supported (megalite's Llama has no biases)")
     hidden, heads = hf["hidden_size"], hf["num_attention_heads"]
-    if hidden % heads:
+    # head_dim other than hidden / heads (Qwen3-style): megalite's --kv-channels.
+    kv_channels = hf["head_dim"] if hf["head_dim"] is not None and hf["head_dim"] * heads != hidden else None
+    if kv_channels is None and hidden % heads:
         raise CheckpointError(f"hidden_size {hidden} is not divisible by num_attention_heads {heads}")
-    if hf["head_dim"] is not None and hf["head_dim"] != hidden // heads:
-        raise CheckpointError(f"head_dim {hf['head_dim']} is not supported (megalite's head dimension is "
-                              f"hidden_size / num_attention_heads = {hidden // heads})")
     groups = hf["num_key_value_heads"] or heads
     grouped = groups != heads
     return ModelConfig(num_layers=hf["num_hidden_layers"], hidden_size=hidden,
@@ -202,7 +202,7 @@ def model_config_from(hf: dict[str, Any]) -> ModelConfig:
                        untie_embeddings_and_output_weights=not hf["tie_word_embeddings"],
                        position_embedding_type="rope", rotary_base=int(theta), normalization="RMSNorm",
                        swiglu=True, group_query_attention=grouped, num_query_groups=groups if grouped else 1,
-                       disable_bias_linear=True)
+                       disable_bias_linear=True, kv_channels=kv_channels)
 
 
 def hf_config_from(model: ModelConfig, eod: int | None = None, dtype: torch.dtype = torch.float32) -> dict[str, Any]:

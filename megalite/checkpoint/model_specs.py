@@ -70,6 +70,8 @@ def check_options_mapped(model: ModelConfig, mapped_fields: set[str], architectu
     defaults = ModelConfig()
     for field in dataclasses.fields(ModelConfig):
         value = getattr(model, field.name)
+        if field.metadata.get("accepted_only"):   # a Megatron flag that changes nothing here (--attention-backend)
+            continue
         if field.name not in mapped_fields and value != getattr(defaults, field.name):
             raise CheckpointError(f"cannot export as {architecture}: model option {field.name}={value!r} has no "
                                   f"{family} counterpart")

@@ -182,7 +182,8 @@ def _specs(cfg: MegaliteConfig, parameters) -> dict[str, TensorSpec]:
 def _save_tokenizer(tokenizer: Optional[Tokenizer], directory: Path) -> Optional[dict]:
     if isinstance(tokenizer, SentencePieceTokenizer):
         ckpt_dir.write_file(directory / TOKENIZER_FILE, tokenizer.model_path.read_bytes())
-        return {"type": "SentencePieceTokenizer", "file": TOKENIZER_FILE, "eod": tokenizer.eod}
+        # The class's name: Megatron's Llama2Tokenizer / GPTSentencePieceTokenizer are SentencePiece models too.
+        return {"type": type(tokenizer).__name__, "file": TOKENIZER_FILE, "eod": tokenizer.eod}
     if isinstance(tokenizer, NullTokenizer):
         return {"type": "NullTokenizer", "vocab_size": tokenizer.vocab_size, "eod": tokenizer.eod}
     return None

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import os
 import typing
 from typing import Optional
@@ -90,11 +91,23 @@ def _join_multi_word_values(argv: list[str]) -> list[str]:
 def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
     """(Hydra overrides, flag overrides) for argv; the latter already formatted as ``section.field=value``."""
     namespace, rest = build_parser().parse_known_args(_join_multi_word_values(list(argv)))
-    unknown = [arg for arg in rest if arg.startswith("-")]
+    unknown = list(dict.fromkeys(arg.split("=")[0] for arg in rest if arg.startswith("-")))
     if unknown:
-        raise ConfigError(f"unknown flag {unknown[0].split('=')[0]} (see --help)")
+        raise ConfigError(_unknown_flags_message(unknown))
     flag_overrides = [override(key, value) for key, value in vars(namespace).items()]
     return rest, flag_overrides
+
+
+def _unknown_flags_message(unknown: list[str]) -> str:
+    """Every unknown flag of the command line at once, each with the nearest known spelling (if one is near)."""
+    known = [f.flag for f in FLAGS]
+
+    def described(flag: str) -> str:
+        nearest = difflib.get_close_matches(flag, known, n=1, cutoff=0.85)
+        return f"{flag} (did you mean {nearest[0]}?)" if nearest else flag
+
+    noun = "flag" if len(unknown) == 1 else "flags"
+    return f"unknown {noun} {', '.join(described(f) for f in unknown)} (see --help)"
 
 
 @dataclasses.dataclass(frozen=True)

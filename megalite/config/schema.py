@@ -38,12 +38,25 @@ class ModelConfig:
     hidden_dropout: float = option(0.1, "Dropout after attention/MLP outputs and on embeddings.")
     attention_dropout: float = option(0.1, "Dropout on attention probabilities.")
     layernorm_epsilon: float = option(1e-5, "Epsilon of the LayerNorms.")
+    apply_layernorm_1p: bool = option(
+        False, "Zero-centred norm weights: LayerNorm and RMSNorm scale by (1 + weight), the weight starting at 0 "
+               "(Megatron's zero-centred gamma; Gemma's RMSNorm).")
     untie_embeddings_and_output_weights: bool = option(
         False, "Give the output layer its own weight instead of reusing the word embedding.")
     position_embedding_type: str = option(
-        "learned_absolute", "learned_absolute (a learned position table added to the embeddings) or rope (rotary "
-                            "embeddings applied to queries and keys in every layer, rotate-half convention).")
+        "learned_absolute", "learned_absolute (a learned position table added to the embeddings), rope (rotary "
+                            "embeddings applied to queries and keys in every layer, rotate-half convention) or none "
+                            "(no position information: causal attention alone, 'NoPE').")
+    no_position_embedding: bool = option(
+        False, "No learned position table (Megatron's legacy flag): turns learned_absolute into none; with rope, which "
+               "has no table, it changes nothing.")
     rotary_base: int = option(10000, "With rope: base of the rotary frequencies (Llama 2: 10000, Llama 3: 500000).")
+    rotary_percent: float = option(
+        1.0, "With rope: the fraction of each head's channels that is rotated (the first int(head dim x this), whose "
+             "frequencies are base^(-2i/that)); the other channels pass unrotated (GPT-NeoX, StableLM, Phi).")
+    kv_channels: Optional[int] = option(
+        None, "Head dimension of queries, keys and values; default hidden size / attention heads (Qwen3 and Gemma use "
+              "another: the attention projections are then heads x this wide).")
     normalization: str = option("LayerNorm", "LayerNorm or RMSNorm (a learned scale only: no bias, no centering).")
     swiglu: bool = option(
         False, "SwiGLU MLP: down(silu(gate(x)) * up(x)), gate and up each of --ffn-hidden-size (Llama's MLP).")
@@ -59,6 +72,10 @@ class ModelConfig:
               "(only the first --recompute-num-layers layers of each model chunk, one by one).")
     recompute_num_layers: int = option(
         1, "With full recompute: layers per recomputed group (uniform) or recomputed layers per chunk (block).")
+    attention_backend: str = option(
+        "auto", "Megatron's choice of attention implementation (flash, fused, unfused, local or auto): megalite picks "
+                "its attention core itself (scaled_dot_product_attention, flash or memory-efficient kernels on GPUs; "
+                "--use-fused-kernels on for the fused masked softmax).", accepted_only=True)
 
     @property
     def ffn_size(self) -> int:
@@ -66,7 +83,21 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
+
+    @property
+    def query_size(self) -> int:
+        """Width of the queries (and of the attention's output before its projection): heads x head dim."""
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def learned_positions(self) -> bool:
+        return self.position_embedding_type == "learned_absolute" and not self.no_position_embedding
+
+    @property
+    def rotary_dim(self) -> int:
+        """Channels of each head that rope rotates."""
+        return int(self.head_dim * self.rotary_percent)
 
     @property
     def query_groups(self) -> int:
@@ -111,6 +142,16 @@ class OptimizerConfig:
     lr_decay_style: str = option("cosine", "Decay after warm-up: cosine, linear or constant.")
     lr_warmup_iters: int = option(0, "Iterations of linear warm-up from 0 to lr.")
     lr_decay_iters: Optional[int] = option(None, "Iteration at which the decay reaches min_lr; default train iters.")
+    lr_warmup_samples: int = option(0, "With --train-samples: samples of linear warm-up from 0 to lr.")
+    lr_decay_samples: Optional[int] = option(
+        None, "With --train-samples: samples after which the decay reaches min_lr; default train samples.")
+    lr_warmup_fraction: Optional[float] = option(
+        None, "Warm up over this fraction of the decay (iterations or samples), instead of --lr-warmup-iters or "
+              "--lr-warmup-samples.")
+    decoupled_lr: Optional[float] = option(
+        None, "Peak learning rate of the word embedding and the output layer (same warm-up and decay); default lr.")
+    decoupled_min_lr: Optional[float] = option(
+        None, "With --decoupled-lr: the word embedding's and output layer's final learning rate; default min lr.")
     weight_decay: float = option(0.01, "AdamW weight decay (not applied to biases and norm weights).")
     clip_grad: float = option(1.0, "Clip gradients to this global L2 norm; 0 disables clipping.")
     adam_beta1: float = option(0.9, "Adam beta1.")
@@ -127,6 +168,9 @@ class OptimizerConfig:
     overlap_param_gather: bool = option(
         False, "With the distributed optimizer: gather updated parameters asynchronously, waiting only when the "
                "next forward needs them.")
+    grad_reduce_in_bf16: bool = option(
+        False, "With --bf16: accumulate and reduce gradients in bfloat16 (half the gradient memory and traffic); the "
+               "optimizer still steps fp32 main parameters.")
     ddp_bucket_size: Optional[int] = option(
         None, "Elements per gradient-reduction bucket; default max(40M, 1M x data-parallel size).")
     zero3_prefetch_bucket_size: Optional[int] = option(
@@ -172,6 +216,24 @@ class DataConfig:
         "SentencePieceTokenizer", "SentencePieceTokenizer (needs --tokenizer-model) or NullTokenizer (token ids "
                                   "below --vocab-size, EOD = vocab size - 1).")
     tokenizer_model: Optional[str] = option(None, "SentencePiece model file of the data given by --data-path.")
+    tiktoken_pattern: Optional[str] = option(
+        None, "With --tokenizer-type TikTokenizer: the pre-tokenization regex, v1 or v2 (Megatron's two patterns; v2 "
+              "also splits a word where lower case turns to upper).")
+    tiktoken_num_special_tokens: int = option(
+        1000, "With TikTokenizer: ids reserved for special tokens before the BPE ranks (<unk>, <s>, </s>, then "
+              "<SPECIAL_i> fillers).")
+    tiktoken_special_tokens: Optional[str] = option(
+        None, "With TikTokenizer: the special tokens' names in id order (must include <unk>, <s> and </s>).",
+        nargs="+", metavar="TOKEN")
+    num_workers: Optional[int] = option(
+        None, "Megatron's data-loader worker processes: megalite reads samples in the training process (the "
+              "memory-mapped files need no workers).", accepted_only=True)
+    no_mmap_bin_files: bool = option(
+        False, "Megatron's switch from memory-mapped to read() access of the .bin files: megalite always maps them.",
+        accepted_only=True)
+    no_create_attention_mask_in_dataloader: bool = option(
+        False, "Megatron's switch off of the data loader's attention masks: megalite never builds one (causal "
+               "attention needs none).", accepted_only=True)
     eval_interval: int = option(1000, "Compute the validation loss every this many iterations; 0 disables it.")
     eval_iters: int = option(100, "Global batches per validation-loss evaluation.")
 
@@ -215,8 +277,21 @@ class DataConfig:
 @dataclass
 class TrainingConfig:
     micro_batch_size: int = option(2, "Samples per micro-batch on one data-parallel rank.")
-    global_batch_size: int = option(8, "Samples per optimizer step over all data-parallel ranks.")
-    train_iters: int = option(20, "Number of optimizer steps.")
+    global_batch_size: int = option(
+        8, "Samples per optimizer step over all data-parallel ranks (with a batch-size ramp: its largest, final size).")
+    train_iters: Optional[int] = option(None, "Number of optimizer steps; default 20, unless --train-samples is given.")
+    train_samples: Optional[int] = option(
+        None, "Train on this many samples instead of a number of iterations (Megatron's sample-based training: the "
+              "iterations are counted from the batch sizes, a partial last batch is dropped, and the learning-rate "
+              "schedule is given in samples: --lr-warmup-samples, --lr-decay-samples).")
+    rampup_batch_size: Optional[str] = option(
+        None, "Batch-size ramp-up (Megatron's): START INCREMENT SAMPLES grows the global batch from START by INCREMENT "
+              "at even steps over the first SAMPLES samples, up to --global-batch-size.",
+        nargs="+", metavar="START INCREMENT SAMPLES")
+    step_batch_size_schedule: Optional[str] = option(
+        None, "Global batch size by consumed tokens: 'T0:B0 T1:B1 ...' (T0 = 0, K/M/B/T suffixes: 1e3 ... 1e12; each "
+              "threshold / seq length is a sample count); the largest B must be --global-batch-size.",
+        nargs="+", metavar="TOKENS:BATCH")
     seed: int = option(1234, "Seed for initialization, data order and dropout.")
     bf16: bool = option(False, "bfloat16 parameters and compute; fp32 gradients, main parameters and Adam states.")
     fp16: bool = option(False, "float16 parameters and compute with loss scaling; fp32 gradients and main parameters.")
@@ -238,6 +313,21 @@ class TrainingConfig:
     dry_run: bool = option(
         False, "Print the planner's per-GPU memory estimate for this layout (weights, gradients, optimizer states, "
                "activations of each pipeline stage) and exit without training.")
+    manual_gc: bool = option(
+        False, "Turn Python's automatic garbage collector off and collect on every rank at the same points (every "
+               "--manual-gc-interval iterations and around evaluations), so no rank stalls the others at random.")
+    manual_gc_interval: int = option(
+        0, "With --manual-gc: collect every this many iterations (0: only around evaluations and at the end).")
+    empty_unused_memory_level: int = option(
+        0, "On GPUs, hand cached unused memory back to the driver: 1 after each optimizer step, 2 also after each "
+           "forward-backward (fewer fragmentation failures, some speed lost); 0 never.")
+    calculate_per_token_loss: bool = option(
+        False, "Megatron's loss normalized by the token count of the whole global batch instead of per micro-batch: "
+               "megalite always normalizes so (and its samples have no masked tokens, so Megatron's default gives the "
+               "same loss).", accepted_only=True)
+    use_mcore_models: bool = option(
+        False, "Megatron's switch from its legacy models to Megatron Core's: megalite has one model.",
+        accepted_only=True)
 
 
 @dataclass
@@ -250,6 +340,31 @@ class LoggingConfig:
            "reduction and optimizer step, 2 also the pipeline's wait for its neighbours.")
     peak_tflops: Optional[float] = option(
         None, "The device's peak TFLOP/s for MFU; default: known for A100/H100/H200 (bf16 dense), else no MFU.")
+    log_throughput: bool = option(
+        False, "Megatron's switch for throughput in the log: megalite always logs tokens/s, TFLOP/s per device and MFU.",
+        accepted_only=True)
+    profile: bool = option(
+        False, "Record a torch.profiler trace of iterations --profile-step-start + 1 to --profile-step-end on the ranks "
+               "of --profile-ranks (Chrome trace JSON: TensorBoard's profiler plugin and Perfetto open it); on GPUs "
+               "the same range is also marked for nsys --capture-range=cudaProfilerApi.")
+    profile_step_start: int = option(10, "With --profile: the iterations already done when recording starts.")
+    profile_step_end: int = option(12, "With --profile: the iterations done when recording stops.")
+    profile_ranks: str = option("0", "With --profile: the global ranks that record a trace.", nargs="+",
+                                metavar="RANK")
+    profile_dir: Optional[str] = option(
+        None, "With --profile: directory of the traces; default --tensorboard-dir, else ./megalite-profile.")
+    use_pytorch_profiler: bool = option(
+        False, "Megatron's choice of torch.profiler over nsys for --profile: megalite always records with "
+               "torch.profiler (and marks the range for nsys on GPUs).", accepted_only=True)
+    wandb_project: Optional[str] = option(
+        None, "Also log every metric to this Weights & Biases project (rank 0; needs the wandb package: pip install "
+              "'megalite[wandb]'; WANDB_MODE=offline keeps the run on disk).")
+    wandb_exp_name: Optional[str] = option(None, "With --wandb-project: the run's name.")
+    wandb_save_dir: Optional[str] = option(None, "With --wandb-project: the directory wandb writes its files in.")
+
+    def profile_rank_list(self) -> list[int]:
+        """The ranks of --profile-ranks ('0 3' -> [0, 3]); raises ValueError on a word that is not an integer."""
+        return [int(word) for word in self.profile_ranks.replace(",", " ").split()]
 
 
 @dataclass
@@ -268,6 +383,9 @@ class CheckpointConfig:
     finetune: bool = option(
         False, "With --load: load the model weights only and start at iteration 0 (fresh optimizer, data position "
                "and random state).")
+    ckpt_format: str = option(
+        "torch_dist", "Megatron's checkpoint format: megalite writes torch.distributed.checkpoint shards with a JSON "
+                      "manifest, which is torch_dist's kind; other formats are refused.", accepted_only=True)
 
 
 @dataclass
@@ -285,6 +403,9 @@ class KernelConfig:
     no_cross_entropy_loss_fusion: bool = option(
         False, "Compute the vocab-parallel cross entropy with torch ops, not the fused per-shard kernels (fused by "
                "default here, where Megatron's --cross-entropy-loss-fusion is opt-in).")
+    cross_entropy_loss_fusion: bool = option(
+        False, "Megatron's opt-in for the fused cross entropy: megalite fuses it by default (see "
+               "--no-cross-entropy-loss-fusion).", accepted_only=True)
 
 
 @dataclass

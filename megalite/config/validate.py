@@ -5,8 +5,13 @@ from __future__ import annotations
 
 from typing import Any, Iterable
 
+from megalite.config.batches import batch_schedule
 from megalite.config.flags import FLAG
 from megalite.config.schema import ConfigError, MegaliteConfig
+
+
+# Megatron's tokenizer names that megalite.data.tokenizer serves beside its SentencePiece and Null tokenizers.
+MEGATRON_TOKENIZERS = ("Llama2Tokenizer", "GPTSentencePieceTokenizer", "TikTokenizer")
 
 
 def _require(condition: bool, message: str) -> None:
@@ -36,6 +41,7 @@ def validate(cfg: MegaliteConfig, world_size: int) -> None:
                   ("micro_batch_size", t.micro_batch_size), ("global_batch_size", t.global_batch_size),
                   ("log_interval", cfg.logging.log_interval), ("exit_interval", t.exit_interval)])
     _at_least(0, [("train_iters", t.train_iters)])
+    _check_training_length(cfg)
     _one_of("timing_log_level", cfg.logging.timing_log_level, (0, 1, 2))
     for name, value in [("exit_duration_in_mins", t.exit_duration_in_mins),
                         ("distributed_timeout_minutes", t.distributed_timeout_minutes)]:
@@ -46,9 +52,10 @@ def validate(cfg: MegaliteConfig, world_size: int) -> None:
              f"{FLAG.pipeline_model_parallel_size} {pp} = {tp * pp}")
     dp = world_size // (tp * pp)
     _check_pipeline(cfg, dp)
-    _require(m.hidden_size % m.num_attention_heads == 0,
+    _at_least(1, [("kv_channels", m.kv_channels)])
+    _require(m.kv_channels is not None or m.hidden_size % m.num_attention_heads == 0,
              f"{FLAG.hidden_size} {m.hidden_size} is not divisible by {FLAG.num_attention_heads} "
-             f"{m.num_attention_heads}")
+             f"{m.num_attention_heads} (or give the head dimension: {FLAG.kv_channels})")
     for name, value in [("num_attention_heads", m.num_attention_heads), ("ffn_hidden_size", m.ffn_size)]:
         _require(value % tp == 0,
                  f"{getattr(FLAG, name)} {value} is not divisible by {FLAG.tensor_model_parallel_size} {tp}")
@@ -56,14 +63,60 @@ def validate(cfg: MegaliteConfig, world_size: int) -> None:
     _require(t.global_batch_size % (t.micro_batch_size * dp) == 0,
              f"{FLAG.global_batch_size} {t.global_batch_size} is not divisible by {FLAG.micro_batch_size} "
              f"{t.micro_batch_size} x data-parallel size {dp} = {t.micro_batch_size * dp}")
+    _check_batch_ramp(cfg, dp)
     _require(m.max_positions >= m.seq_length,
              f"{FLAG.max_position_embeddings} {m.max_positions} is smaller than {FLAG.seq_length} {m.seq_length}")
     for name, value in [("hidden_dropout", m.hidden_dropout), ("attention_dropout", m.attention_dropout)]:
         _require(0.0 <= value < 1.0, f"{getattr(FLAG, name)} must be in [0, 1), got {value}")
     _check_optimizer(cfg, dp)
     _check_data(cfg)
+    _check_logging(cfg, world_size)
     _check_checkpoint(cfg)
     _check_kernels(cfg)
+
+
+def _check_training_length(cfg: MegaliteConfig) -> None:
+    """Iteration-based or sample-based training, with the schedule options of one kind only (Megatron's rules)."""
+    t, o = cfg.training, cfg.optimizer
+    _at_least(1, [("train_samples", t.train_samples), ("lr_decay_samples", o.lr_decay_samples)])
+    _at_least(0, [("lr_warmup_samples", o.lr_warmup_samples)])
+    _require(o.lr_warmup_fraction is None or 0 <= o.lr_warmup_fraction <= 1,
+             f"{FLAG.lr_warmup_fraction} must be in [0, 1], got {o.lr_warmup_fraction}")
+    if t.train_samples is None:
+        for name, value in [("lr_decay_samples", o.lr_decay_samples), ("lr_warmup_samples", o.lr_warmup_samples)]:
+            _require(not value, f"{getattr(FLAG, name)} is for sample-based training: it needs {FLAG.train_samples} "
+                                f"(use the _iters form with {FLAG.train_iters})")
+        _require(o.lr_warmup_fraction is None or o.lr_warmup_iters == 0,
+                 f"give one of {FLAG.lr_warmup_fraction} and {FLAG.lr_warmup_iters}")
+        return
+    _require(t.train_iters is None, f"give one of {FLAG.train_iters} and {FLAG.train_samples}")
+    for name, value in [("lr_decay_iters", o.lr_decay_iters), ("lr_warmup_iters", o.lr_warmup_iters)]:
+        _require(not value, f"with {FLAG.train_samples} the schedule is in samples: {getattr(FLAG, name)} becomes "
+                            f"{getattr(FLAG, name.replace('_iters', '_samples'))}")
+    _require(o.lr_warmup_fraction is None or o.lr_warmup_samples == 0,
+             f"give one of {FLAG.lr_warmup_fraction} and {FLAG.lr_warmup_samples}")
+
+
+def _check_batch_ramp(cfg: MegaliteConfig, dp: int) -> None:
+    """Every global batch a ramp takes runs on this layout: whole micro-batches on every DP rank, and with the
+    interleaved schedule a multiple of PP of them (Megatron finds out when the batch grows; this finds out now)."""
+    t, p = cfg.training, cfg.parallel
+    schedule = batch_schedule(t, cfg.model.seq_length)
+    if not schedule.ramps:
+        return
+    flag = FLAG.rampup_batch_size if t.rampup_batch_size is not None else FLAG.step_batch_size_schedule
+    _require(schedule.largest == t.global_batch_size,
+             f"the largest batch of {flag} is {schedule.largest}: {FLAG.global_batch_size} must be that "
+             f"(got {t.global_batch_size})")
+    step = t.micro_batch_size * dp
+    pp, chunks = p.pipeline_model_parallel_size, p.virtual_stages(cfg.model.num_layers)
+    for size in schedule.sizes():
+        _require(size % step == 0,
+                 f"{flag} reaches global batch {size}, which is not divisible by {FLAG.micro_batch_size} "
+                 f"{t.micro_batch_size} x data-parallel size {dp} = {step}")
+        _require(chunks == 1 or size // step % pp == 0,
+                 f"{flag} reaches global batch {size}: {size // step} micro-batches, which the interleaved schedule "
+                 f"needs to be a multiple of {FLAG.pipeline_model_parallel_size} {pp}")
 
 
 def _check_pipeline(cfg: MegaliteConfig, dp: int) -> None:
@@ -100,11 +153,18 @@ def _check_architecture(cfg: MegaliteConfig) -> None:
     """Positions, norms, grouped-query attention, sequence parallelism and recompute (heads already divide TP)."""
     m, p = cfg.model, cfg.parallel
     tp = p.tensor_model_parallel_size
-    _one_of("position_embedding_type", m.position_embedding_type, ("learned_absolute", "rope"))
-    _require(m.position_embedding_type != "rope" or m.head_dim % 2 == 0,
-             f"rope needs an even head dimension, got {FLAG.hidden_size} {m.hidden_size} / "
-             f"{FLAG.num_attention_heads} {m.num_attention_heads} = {m.head_dim}")
+    _one_of("position_embedding_type", m.position_embedding_type, ("learned_absolute", "rope", "none"))
+    _require(0 < m.rotary_percent <= 1, f"{FLAG.rotary_percent} must be in (0, 1], got {m.rotary_percent}")
+    head_dim = (f"{FLAG.kv_channels} {m.kv_channels}" if m.kv_channels else
+                f"{FLAG.hidden_size} {m.hidden_size} / {FLAG.num_attention_heads} {m.num_attention_heads} = {m.head_dim}")
+    _require(m.position_embedding_type != "rope" or m.rotary_percent < 1 or m.head_dim % 2 == 0,
+             f"rope needs an even head dimension, got {head_dim}")
+    _require(m.position_embedding_type != "rope" or m.rotary_percent == 1 or (m.rotary_dim >= 2
+                                                                              and m.rotary_dim % 2 == 0),
+             f"rope rotates channel pairs: it needs an even number of rotated channels, got head dimension "
+             f"{m.head_dim} x {FLAG.rotary_percent} {m.rotary_percent:g} = {m.rotary_dim}")
     _at_least(1, [("rotary_base", m.rotary_base)])
+    _one_of("attention_backend", m.attention_backend, ("auto", "flash", "fused", "unfused", "local"))
     _one_of("normalization", m.normalization, ("LayerNorm", "RMSNorm"))
     if m.group_query_attention:
         g, heads = m.num_query_groups, m.num_attention_heads
@@ -148,6 +208,14 @@ def _check_optimizer(cfg: MegaliteConfig, dp: int) -> None:
              f"need 0 <= {FLAG.min_lr} <= {FLAG.lr}, got {FLAG.lr} {o.lr} and {FLAG.min_lr} {o.min_lr}")
     _at_least(0, [("lr_warmup_iters", o.lr_warmup_iters), ("lr_decay_iters", o.lr_decay_iters),
                   ("clip_grad", o.clip_grad)])
+    if o.decoupled_lr is not None or o.decoupled_min_lr is not None:
+        _require(o.decoupled_lr is not None, f"{FLAG.decoupled_min_lr} needs {FLAG.decoupled_lr}")
+        floor = o.min_lr if o.decoupled_min_lr is None else o.decoupled_min_lr
+        _require(0 <= floor <= o.decoupled_lr,
+                 f"need 0 <= {FLAG.decoupled_min_lr} <= {FLAG.decoupled_lr}, got {o.decoupled_lr} and {floor}"
+                 + ("" if o.decoupled_min_lr is not None else f" (the default, {FLAG.min_lr})"))
+    _require(not o.grad_reduce_in_bf16 or t.bf16,
+             f"{FLAG.grad_reduce_in_bf16} needs {FLAG.bf16} (gradients are kept in the parameters' dtype)")
     _require(0 <= o.adam_beta1 < 1 and 0 <= o.adam_beta2 < 1,
              f"{FLAG.adam_beta1} and {FLAG.adam_beta2} must be in [0, 1), got {o.adam_beta1}, {o.adam_beta2}")
     _require(not (t.bf16 and t.fp16), f"{FLAG.bf16} and {FLAG.fp16} exclude each other")
@@ -194,12 +262,17 @@ def _check_checkpoint(cfg: MegaliteConfig) -> None:
     _at_least(1, [("save_interval", c.save_interval)])
     _require(c.save_interval is None or c.save is not None, f"{FLAG.save_interval} needs {FLAG.save}")
     _require(not c.finetune or c.load is not None, f"{FLAG.finetune} needs {FLAG.load}")
+    _require(c.ckpt_format == "torch_dist",
+             f"{FLAG.ckpt_format} {c.ckpt_format} is not supported: megalite writes torch.distributed.checkpoint "
+             f"shards with a manifest (Megatron's torch_dist kind); use {FLAG.ckpt_format} torch_dist or leave it out")
 
 
 def _check_kernels(cfg: MegaliteConfig) -> None:
     """The fused-kernel mode; ``on`` needs a GPU here (whether the extension builds is checked when the model is)."""
     mode = cfg.kernels.use_fused_kernels
     _one_of("use_fused_kernels", mode, ("auto", "on", "off"))
+    _require(not (cfg.kernels.cross_entropy_loss_fusion and cfg.kernels.no_cross_entropy_loss_fusion),
+             f"{FLAG.cross_entropy_loss_fusion} and {FLAG.no_cross_entropy_loss_fusion} exclude each other")
     if mode == "on":
         import torch   # noqa: PLC0415 - only here: checking the other options needs no torch
 
@@ -208,11 +281,44 @@ def _check_kernels(cfg: MegaliteConfig) -> None:
                  f"where there is a GPU, torch ops elsewhere) or off")
 
 
+def _check_megatron_tokenizer(cfg: MegaliteConfig) -> None:
+    """Megatron's tokenizer names (megalite.data.tokenizer): each reads --tokenizer-model; TikTokenizer a pattern."""
+    d = cfg.data
+    _require(d.tokenizer_type not in MEGATRON_TOKENIZERS or d.mock_data or d.tokenizer_model is not None,
+             f"{FLAG.tokenizer_type} {d.tokenizer_type} needs {FLAG.tokenizer_model}")
+    _one_of("tiktoken_pattern", d.tiktoken_pattern, (None, "v1", "v2"))
+    _at_least(3, [("tiktoken_num_special_tokens", d.tiktoken_num_special_tokens)])
+    if d.tokenizer_type == "TikTokenizer" and not d.mock_data:
+        _require(d.tiktoken_pattern is not None, f"{FLAG.tokenizer_type} TikTokenizer needs {FLAG.tiktoken_pattern} "
+                                                 f"v1 or v2")
+
+
+def _check_logging(cfg: MegaliteConfig, world_size: int) -> None:
+    """Profiling, Weights & Biases, and the memory-housekeeping options."""
+    g, t = cfg.logging, cfg.training
+    _at_least(0, [("profile_step_start", g.profile_step_start), ("manual_gc_interval", t.manual_gc_interval)])
+    _one_of("empty_unused_memory_level", t.empty_unused_memory_level, (0, 1, 2))
+    if g.profile:
+        _require(g.profile_step_end > g.profile_step_start,
+                 f"{FLAG.profile_step_end} {g.profile_step_end} must be greater than {FLAG.profile_step_start} "
+                 f"{g.profile_step_start}")
+    try:
+        ranks = g.profile_rank_list()
+    except ValueError:
+        ranks = [-1]
+    _require(all(0 <= r < world_size for r in ranks),
+             f"{FLAG.profile_ranks} {g.profile_ranks!r} must be ranks in [0, {world_size})")
+    for name in ("wandb_exp_name", "wandb_save_dir"):
+        _require(getattr(g, name) is None or g.wandb_project is not None,
+                 f"{getattr(FLAG, name)} needs {FLAG.wandb_project}")
+
+
 def _check_data(cfg: MegaliteConfig) -> None:
     """The data options alone (no file is opened here: megalite.data.check_data_files does that)."""
     d = cfg.data
     d.split_fractions()
-    _one_of("tokenizer_type", d.tokenizer_type, ("SentencePieceTokenizer", "NullTokenizer"))
+    _one_of("tokenizer_type", d.tokenizer_type, ("SentencePieceTokenizer", "NullTokenizer", *MEGATRON_TOKENIZERS))
+    _check_megatron_tokenizer(cfg)
     _at_least(0, [("eval_interval", d.eval_interval), ("eval_iters", d.eval_iters)])
     if d.mock_data:
         _require(d.data_path is None, f"{FLAG.mock_data} and {FLAG.data_path} exclude each other")

@@ -64,7 +64,9 @@ def run_tokenizer(cfg: MegaliteConfig) -> Optional[Tokenizer]:
         return None
     if d.data_path is None:
         return build_tokenizer("SentencePieceTokenizer", ensure_default_corpus().tokenizer_model, cfg.model.vocab_size)
-    return build_tokenizer(d.tokenizer_type, d.tokenizer_model, cfg.model.vocab_size)
+    return build_tokenizer(d.tokenizer_type, d.tokenizer_model, cfg.model.vocab_size,
+                           tiktoken_pattern=d.tiktoken_pattern, tiktoken_num_special_tokens=d.tiktoken_num_special_tokens,
+                           tiktoken_special_tokens=d.tiktoken_special_tokens)
 
 
 def run_vocab_size(cfg: MegaliteConfig) -> int:

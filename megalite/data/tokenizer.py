@@ -12,9 +12,12 @@ of its own (training reads lines, so it would never see one otherwise) and byte 
 from __future__ import annotations
 
 import abc
+import base64
+import binascii
 import hashlib
 import io
 import itertools
+import json
 import os
 import re
 from collections.abc import Iterable, Iterator, Sequence
@@ -144,8 +147,12 @@ class NullTokenizer(Tokenizer):
         return " ".join(str(int(i)) for i in ids)
 
 
-def build_tokenizer(tokenizer_type: str, tokenizer_model: str | None, vocab_size: int) -> Tokenizer:
-    """The tokenizer named by the data options; ``vocab_size`` (the model's) is used by NullTokenizer only."""
+def build_tokenizer(tokenizer_type: str, tokenizer_model: str | None, vocab_size: int,
+                    **megatron_options) -> Tokenizer:
+    """The tokenizer named by the data options; ``vocab_size`` (the model's) is used by NullTokenizer only;
+    ``megatron_options`` (tiktoken_pattern, tiktoken_num_special_tokens, tiktoken_special_tokens) by TikTokenizer."""
+    if tokenizer_type in MEGATRON_TOKENIZERS:   # Megatron's names: see the end of this module
+        return build_megatron_tokenizer(tokenizer_type, tokenizer_model, **megatron_options)
     if tokenizer_type == "SentencePieceTokenizer":
         if tokenizer_model is None:
             raise DataError("SentencePieceTokenizer needs --tokenizer-model")
@@ -196,3 +203,134 @@ def train_sentencepiece(documents: Iterable[str], model_prefix: str | os.PathLik
     write_atomically(model_path, model.getvalue())
     return model_path
 
+
+
+# ---- Megatron's tokenizer names ----------------------------------------------------------------------------------
+# --tokenizer-type Llama2Tokenizer | GPTSentencePieceTokenizer (SentencePiece models) | TikTokenizer (a tiktoken BPE
+# file), as Megatron-LM's megatron/training/tokenizer builds them: same ids for the same files.
+
+class GPTSentencePieceTokenizer(SentencePieceTokenizer):
+    """Megatron's GPTSentencePieceTokenizer: the model's own pieces, EOD = its end-of-sentence id (this module's
+    SentencePieceTokenizer under Megatron's name)."""
+
+
+class Llama2Tokenizer(SentencePieceTokenizer):
+    """Megatron's Llama2Tokenizer: a Llama SentencePiece model; every document starts with the model's BOS id
+    (Megatron's text-completion default), EOD = its EOS id."""
+
+    def _load(self, proto: bytes) -> None:
+        super()._load(proto)
+        if self._sp.bos_id() < 0:
+            raise DataError(f"{self.model_path}: Llama2Tokenizer needs a model with a beginning-of-sentence piece "
+                            f"(bos_id is -1)")
+
+    def encode(self, text: str) -> list[int]:
+        return [self._sp.bos_id(), *self._sp.encode(text)]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._sp.decode([int(i) for i in ids if int(i) != self._sp.bos_id()])
+
+
+# Megatron's two pre-tokenization patterns for TikTokenizer (--tiktoken-pattern v1 | v2), as its tokenizer has them.
+TIKTOKEN_PATTERNS = {
+    "v1": r"[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]++[\r\n]*|\s*[\r\n]|\s+(?!\S)|\s+",
+    "v2": r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+          r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+          r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+}
+TIKTOKEN_REQUIRED_SPECIAL = ("<unk>", "<s>", "</s>")
+
+
+class TikTokenizer(Tokenizer):
+    """Megatron's TikTokenizer: byte-level BPE from a JSON file (a list of {"rank", "token_bytes" (base64),
+    "token_str"}, rank i at index i, the 256 single bytes first) through the tiktoken package, local files only.
+
+    Ids 0 .. num_special_tokens - 1 are the special tokens (``special_tokens``, which must include <unk>, <s> and
+    </s>, then <SPECIAL_i> fillers); BPE rank r is id num_special_tokens + r; EOD is </s>. Text is encoded as plain
+    text (special tokens' spellings are not parsed). The vocabulary is every rank of the file after the special ids:
+    Megatron cuts the file to --vocab-size (default 2^17) and needs it to fill that, so the two agree whenever
+    Megatron accepts the file.
+    """
+
+    def __init__(self, path: str | os.PathLike, pattern: str = "v2", num_special_tokens: int = 1000,
+                 special_tokens: Sequence[str] | None = None, contents: bytes | None = None):
+        try:
+            import tiktoken   # optional: pip install 'megalite[tiktoken]'
+        except ImportError:
+            raise DataError("TikTokenizer needs the tiktoken package: pip install tiktoken") from None
+        self.path = Path(path)
+        if pattern not in TIKTOKEN_PATTERNS:
+            raise DataError(f"TikTokenizer: pattern must be {' or '.join(TIKTOKEN_PATTERNS)}, got {pattern!r}")
+        names = list(special_tokens) if special_tokens is not None else list(TIKTOKEN_REQUIRED_SPECIAL)
+        missing = [t for t in TIKTOKEN_REQUIRED_SPECIAL if t not in names]
+        if missing or len(set(names)) != len(names) or len(names) > num_special_tokens:
+            raise DataError(f"TikTokenizer: special tokens {names} must be unique, at most {num_special_tokens} "
+                            f"(--tiktoken-num-special-tokens), and include {', '.join(TIKTOKEN_REQUIRED_SPECIAL)}")
+        names += [f"<SPECIAL_{i}>" for i in range(len(names), num_special_tokens)]
+        if contents is None and not self.path.is_file():
+            raise DataError(f"{self.path}: tokenizer file not found")
+        self._contents = self.path.read_bytes() if contents is None else contents
+        ranks = self._ranks(self._contents)
+        self._special = {name: i for i, name in enumerate(names)}
+        self._pattern, self._num_special = pattern, num_special_tokens
+        self._model = tiktoken.Encoding(name=f"megalite-{self.path.stem}", pat_str=TIKTOKEN_PATTERNS[pattern],
+                                        mergeable_ranks={b: r + num_special_tokens for b, r in ranks.items()},
+                                        special_tokens=self._special)
+        self._vocab_size = num_special_tokens + len(ranks)
+
+    def _ranks(self, contents: bytes) -> dict[bytes, int]:
+        try:
+            entries = json.loads(contents)
+            ranks = {base64.b64decode(e["token_bytes"], validate=True): e["rank"] for e in entries}
+            ordered = all(e["rank"] == i for i, e in enumerate(entries))
+        except (ValueError, TypeError, KeyError, binascii.Error) as error:
+            raise DataError(f"{self.path}: not a TikTokenizer vocabulary (a JSON list of rank/token_bytes/token_str "
+                            f"objects): {error}") from None
+        if not ordered or len(ranks) != len(entries):
+            raise DataError(f"{self.path}: ranks must be 0, 1, 2, ... in order, each token's bytes once")
+        if any(ranks.get(bytes([i])) != i for i in range(256)):
+            raise DataError(f"{self.path}: ranks 0-255 must be the 256 single bytes, in order")
+        return ranks
+
+    # Preprocessor workers get the vocabulary itself (not a path they might not see), and build the tiktoken model.
+    def __getstate__(self) -> dict:
+        return {"path": str(self.path), "pattern": self._pattern, "num_special_tokens": self._num_special,
+                "special_tokens": list(self._special), "contents": self._contents}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(**state)
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab_size
+
+    @property
+    def eod(self) -> int:
+        return self._special["</s>"]
+
+    def encode(self, text: str) -> list[int]:
+        return self._model.encode_ordinary(text)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._model.decode([int(i) for i in ids])
+
+    def files(self) -> dict[str, bytes]:
+        return {"tokenizer.json": self._contents}
+
+
+MEGATRON_TOKENIZERS = {"Llama2Tokenizer": Llama2Tokenizer, "GPTSentencePieceTokenizer": GPTSentencePieceTokenizer,
+                       "TikTokenizer": TikTokenizer}
+
+
+def build_megatron_tokenizer(tokenizer_type: str, tokenizer_model: str | None, tiktoken_pattern: str | None = None,
+                             tiktoken_num_special_tokens: int = 1000,
+                             tiktoken_special_tokens: str | Sequence[str] | None = None) -> Tokenizer:
+    """One of Megatron's tokenizer names, built from --tokenizer-model (and the --tiktoken-* options)."""
+    if tokenizer_model is None:
+        raise DataError(f"{tokenizer_type} needs --tokenizer-model")
+    if tokenizer_type != "TikTokenizer":
+        return MEGATRON_TOKENIZERS[tokenizer_type](tokenizer_model)
+    if tiktoken_pattern is None:
+        raise DataError("TikTokenizer needs --tiktoken-pattern v1 or v2")
+    special = tiktoken_special_tokens.split() if isinstance(tiktoken_special_tokens, str) else tiktoken_special_tokens
+    return TikTokenizer(tokenizer_model, tiktoken_pattern, tiktoken_num_special_tokens, special)

@@ -1,7 +1,7 @@
 """The data-parallel engine: gradients in contiguous fp32 buckets, reduced over DP ranks, optionally overlapped.
 
-Each parameter's gradient is accumulated (in fp32, whatever the parameter dtype) into its slice of a flat buffer
-by a hook that runs as soon as autograd has produced it. A bucket whose parameters all have their gradient for the
+Each parameter's gradient is accumulated (in fp32, whatever the parameter dtype; in bf16 with
+``--grad-reduce-in-bf16``, half the memory and traffic) into its slice of a flat buffer by a hook that runs as soon as autograd has produced it. A bucket whose parameters all have their gradient for the
 *last* micro-batch of the global batch is ready; with ``overlap_grad_reduce`` its reduction starts there and then,
 asynchronously, while backward goes on with the other buckets; otherwise all buckets are reduced at the end. No
 reduction ever happens for the earlier micro-batches.
@@ -62,8 +62,9 @@ class DataParallel(DataParallelEngine):
                  embedding_group: Optional[GroupInfo] = None, tied_params: list[torch.nn.Parameter] = (),
                  bucket_size: Optional[int] = None, zero: int = 0,
                  overlap_grad_reduce: bool = False, overlap_param_gather: bool = False,
-                 tensor_group: Optional[GroupInfo] = None):
+                 tensor_group: Optional[GroupInfo] = None, grad_dtype: torch.dtype = torch.float32):
         self.group = data_group
+        self.grad_dtype = grad_dtype
         self.embedding_group = embedding_group
         self.tensor_group = tensor_group
         self.dp, self.dp_rank = data_group.size, data_group.rank
@@ -90,10 +91,10 @@ class DataParallel(DataParallelEngine):
             p.data = self.param_buffer[start:end].view_as(p)
 
         if self.zero2:
-            self.grad_shards = [torch.zeros(b.shard(0, self.dp)[1] - b.start, dtype=torch.float32, device=device)
+            self.grad_shards = [torch.zeros(b.shard(0, self.dp)[1] - b.start, dtype=grad_dtype, device=device)
                                 for b in self.buckets]
         else:
-            self.grad_buffer = torch.zeros(self.plan.total, dtype=torch.float32, device=device)
+            self.grad_buffer = torch.zeros(self.plan.total, dtype=grad_dtype, device=device)
             for p in self.params:
                 start, end = self.range(p)
                 p.main_grad = self.grad_buffer[start:end].view_as(p)
@@ -180,7 +181,7 @@ class DataParallel(DataParallelEngine):
 
     def _launch(self, bucket: Bucket, async_op: bool) -> None:
         if self.zero2:
-            scratch = torch.zeros(bucket.end - bucket.start, dtype=torch.float32, device=self.param_buffer.device)
+            scratch = torch.zeros(bucket.end - bucket.start, dtype=self.grad_dtype, device=self.param_buffer.device)
             for p in bucket.params:
                 if p.grad is not None:
                     start, end = self.range(p)
@@ -197,7 +198,7 @@ class DataParallel(DataParallelEngine):
             return
         start, end = self.shard(bucket)
         if self.dp > 1:
-            shard_sum = torch.empty(end - start, dtype=torch.float32, device=full.device)
+            shard_sum = torch.empty(end - start, dtype=self.grad_dtype, device=full.device)
             work = _reduce_scatter(shard_sum, full, group=self.group.group, async_op=async_op)
         else:
             shard_sum, work = full, None

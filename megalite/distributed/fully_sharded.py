@@ -23,7 +23,8 @@ does not know, and this engine adds:
   tensors having the same shape) are summed over the embedding group.
 
 Precision: the sharded parameters stay fp32 (they are the optimizer's main parameters, no separate copy); with bf16
-or fp16 FSDP2 casts the gathered copy for compute and reduces gradients in fp32 (``MixedPrecisionPolicy``).
+or fp16 FSDP2 casts the gathered copy for compute and reduces gradients in fp32 (``MixedPrecisionPolicy``; in bf16
+with ``--grad-reduce-in-bf16``).
 With ``offload_params`` the parameter and gradient shards live on the CPU (``CPUOffloadPolicy``) and the optimizer
 steps them there.
 
@@ -71,7 +72,8 @@ class FullyShardedDataParallel(DataParallelEngine):
     def __init__(self, modules: list[torch.nn.Module], *, data_group: GroupInfo,
                  tensor_group: Optional[GroupInfo] = None, embedding_group: Optional[GroupInfo] = None,
                  tied_params: list[torch.nn.Parameter] = (), compute_dtype: torch.dtype = torch.float32,
-                 offload_params: bool = False, prefetch_bucket_size: Optional[int] = None):
+                 offload_params: bool = False, prefetch_bucket_size: Optional[int] = None,
+                 grad_dtype: torch.dtype = torch.float32):
         self.group, self.tensor_group, self.embedding_group = data_group, tensor_group, embedding_group
         self.dp, self.dp_rank = data_group.size, data_group.rank
         self.device = device = next(modules[0].parameters()).device
@@ -79,7 +81,7 @@ class FullyShardedDataParallel(DataParallelEngine):
         # by mesh: naming the mesh after its group keeps a later layout (tests build many) off a destroyed group.
         mesh = DeviceMesh.from_group(data_group.group, device.type,
                                      mesh_dim_names=(f"data_parallel_{data_group.group.group_name}",))
-        precision = (MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+        precision = (MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=grad_dtype)
                      if compute_dtype != torch.float32 else MixedPrecisionPolicy())
         # Pinned host memory only helps (and only exists) with a GPU to copy to.
         offload = CPUOffloadPolicy(pin_memory=device.type == "cuda") if offload_params else OffloadPolicy()

@@ -27,13 +27,13 @@ def peak_bf16_tflops(device_name: str) -> Optional[float]:
 
 def dense_macs_per_token_per_layer(model: ModelConfig) -> int:
     """Multiply-adds of one layer's matrices per token: QKV, output projection, MLP."""
-    h, f = model.hidden_size, model.ffn_size
-    qkv = h * (h + 2 * model.query_groups * model.head_dim)
-    return qkv + h * h + h * f * (3 if model.swiglu else 2)
+    h, f, q = model.hidden_size, model.ffn_size, model.query_size
+    qkv = h * (q + 2 * model.query_groups * model.head_dim)
+    return qkv + q * h + h * f * (3 if model.swiglu else 2)
 
 
 def model_flops_per_iteration(model: ModelConfig, global_batch_size: int) -> float:
     """Model FLOPs of one training iteration (forward + backward, no recompute): see the module docstring."""
     s, L, h = model.seq_length, model.num_layers, model.hidden_size
-    per_token = L * dense_macs_per_token_per_layer(model) + 2 * L * s * h + model.vocab_size * h
+    per_token = L * dense_macs_per_token_per_layer(model) + 2 * L * s * model.query_size + model.vocab_size * h
     return 6.0 * global_batch_size * s * per_token

@@ -47,7 +47,7 @@ class GPTEmbedding(nn.Module):
         self.word = VocabParallelEmbedding(cfg.vocab_size, padded_vocab_size, cfg.hidden_size,
                                            init_std=cfg.init_method_std, sequence_parallel=sequence_parallel)
         self.position = None
-        if cfg.position_embedding_type == "learned_absolute":
+        if cfg.learned_positions:
             self.position = position_embedding(cfg.max_positions, cfg.hidden_size, cfg.init_method_std)
             if sequence_parallel:
                 mark_sequence_parallel(self.position.weight)
@@ -94,6 +94,10 @@ class GPTModel(nn.Module):
                 sequence_parallel=sequence_parallel)
             if self.holds_embedding_copy:
                 self.output_layer.weight.is_embedding_copy = True
+        # What --decoupled-lr steps at its own rate (Megatron's is_embedding_or_output_parameter).
+        for module in (self.embedding.word if pre_process else None, self.output_layer if post_process else None):
+            if module is not None and module.weight is not None:
+                module.weight.is_embedding_or_output = True
 
     def canonical_named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         """Parameters with layers numbered globally (``layers.7.mlp...`` on the stage that starts at layer 6)."""

@@ -7,6 +7,10 @@ data-parallel engine sums their gradients over TP.
 
 On CUDA tensors both run as fused kernels when the kernel policy says so (``--use-fused-kernels``,
 ``--no-layernorm-fusion``); elsewhere LayerNorm is torch's and RMSNorm the torch ops of ``megalite.kernels.torch_ops``.
+
+``--apply-layernorm-1p`` (Megatron's zero-centred gamma) stores the scale minus one: the weight starts at 0 and the
+norm multiplies by (1 + weight), so the learned part is small and keeps its precision in low-precision copies of the
+weights. Gemma's RMSNorm is this form.
 """
 
 from __future__ import annotations
@@ -22,46 +26,56 @@ from megalite.tensor_parallel.partition import REPLICATED, mark, normal_init, on
 
 
 class RMSNorm(nn.Module):
-    """y = x * rsqrt(mean(x^2) + eps) * weight, in fp32 whatever the input dtype; saves x and the per-token rstd."""
+    """y = x * rsqrt(mean(x^2) + eps) * weight, in fp32 whatever the input dtype; saves x and the per-token rstd.
+    ``zero_centered``: the scale is (1 + weight)."""
 
-    def __init__(self, hidden_size: int, eps: float, kernels: KernelPolicy = DEFAULT_POLICY):
+    def __init__(self, hidden_size: int, eps: float, kernels: KernelPolicy = DEFAULT_POLICY,
+                 zero_centered: bool = False):
         super().__init__()
-        self.eps, self.kernels = eps, kernels
-        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps, self.kernels, self.zero_centered = eps, kernels, zero_centered
+        self.weight = nn.Parameter(torch.zeros(hidden_size) if zero_centered else torch.ones(hidden_size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return fused.rms_norm(x, self.weight, self.eps, self.kernels.ops(LAYERNORM, x) or torch_ops)
+        weight = self.weight + 1 if self.zero_centered else self.weight
+        return fused.rms_norm(x, weight, self.eps, self.kernels.ops(LAYERNORM, x) or torch_ops)
 
 
 class LayerNorm(nn.LayerNorm):
-    """torch's LayerNorm (same parameters and state dict), run by the fused kernel where the policy picks it."""
+    """torch's LayerNorm (same parameters and state dict), run by the fused kernel where the policy picks it.
+    ``zero_centered``: the scale is (1 + weight)."""
 
-    def __init__(self, hidden_size: int, eps: float, kernels: KernelPolicy = DEFAULT_POLICY):
+    def __init__(self, hidden_size: int, eps: float, kernels: KernelPolicy = DEFAULT_POLICY,
+                 zero_centered: bool = False):
         super().__init__(hidden_size, eps=eps)
-        self.kernels = kernels
+        self.kernels, self.zero_centered = kernels, zero_centered
+        if zero_centered:
+            nn.init.zeros_(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.weight + 1 if self.zero_centered else self.weight
         ops = self.kernels.ops(LAYERNORM, x)
         if ops is None:
-            return super().forward(x)
-        return fused.layer_norm(x, self.weight, self.bias, self.eps, ops)
+            return torch.nn.functional.layer_norm(x, self.normalized_shape, weight, self.bias, self.eps)
+        return fused.layer_norm(x, weight, self.bias, self.eps, ops)
 
 
-def layer_norm(hidden_size: int, eps: float, kernels: KernelPolicy = DEFAULT_POLICY) -> LayerNorm:
+def layer_norm(hidden_size: int, eps: float, kernels: KernelPolicy = DEFAULT_POLICY,
+               zero_centered: bool = False) -> LayerNorm:
     """A LayerNorm every TP rank holds whole; its gradients agree across TP because its inputs do."""
-    norm = LayerNorm(hidden_size, eps, kernels)
-    mark(norm.weight, norm.weight.shape, REPLICATED, ones_init)
+    norm = LayerNorm(hidden_size, eps, kernels, zero_centered)
+    mark(norm.weight, norm.weight.shape, REPLICATED, zeros_init if zero_centered else ones_init)
     mark(norm.bias, norm.bias.shape, REPLICATED, zeros_init)
     return norm
 
 
 def norm(cfg: ModelConfig, sequence_parallel: bool = False, kernels: KernelPolicy = DEFAULT_POLICY) -> nn.Module:
     """The configured norm (LayerNorm or RMSNorm) over the hidden size, replicated over TP."""
+    zero_centered = cfg.apply_layernorm_1p
     if cfg.normalization == "RMSNorm":
-        module = RMSNorm(cfg.hidden_size, cfg.layernorm_epsilon, kernels)
-        mark(module.weight, module.weight.shape, REPLICATED, ones_init)
+        module = RMSNorm(cfg.hidden_size, cfg.layernorm_epsilon, kernels, zero_centered)
+        mark(module.weight, module.weight.shape, REPLICATED, zeros_init if zero_centered else ones_init)
     else:
-        module = layer_norm(cfg.hidden_size, cfg.layernorm_epsilon, kernels)
+        module = layer_norm(cfg.hidden_size, cfg.layernorm_epsilon, kernels, zero_centered)
     if sequence_parallel:
         for param in module.parameters():
             mark_sequence_parallel(param)

@@ -10,6 +10,10 @@ neither saved in checkpoints nor cast to bf16 with the model.
 
 On CUDA tensors the rotation runs as a fused kernel when the kernel policy says so (``--no-rope-fusion`` turns it
 off), which applies the fp32 cos and sin as they are; the torch ops below cast them to the input's dtype first.
+
+Partial rotary (``--rotary-percent``, as Megatron, GPT-NeoX and StableLM): the module is built for the rotated
+channels only (``head_dim`` = int(head dim x percent), frequencies base^(-2i/that)); given wider heads it rotates their
+first ``head_dim`` channels and passes the rest through.
 """
 
 from __future__ import annotations
@@ -43,7 +47,12 @@ class RotaryEmbedding(nn.Module):
         return self._cache[key]
 
     def forward(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate queries and keys, both [batch, heads, seq, head_dim]."""
+        """Rotate queries and keys, both [batch, heads, seq, channels]: all channels, or the first head_dim."""
+        if q.shape[-1] > self.head_dim:   # partial rotary
+            split = [self.head_dim, q.shape[-1] - self.head_dim]
+            (q_rot, q_pass), (k_rot, k_pass) = q.split(split, dim=-1), k.split(split, dim=-1)
+            q_rot, k_rot = self(q_rot, k_rot)
+            return torch.cat([q_rot, q_pass], dim=-1), torch.cat([k_rot, k_pass], dim=-1)
         cos, sin = self.cos_sin(q.shape[-2], q.device)
         ops = self.kernels.ops(ROPE, q)
         if ops is not None:

@@ -2,8 +2,8 @@
 
 from megalite.optimizer.clip_grads import clip_by_global_norm_, global_grad_norm
 from megalite.optimizer.loss_scaler import ConstantLossScaler, DynamicLossScaler
-from megalite.optimizer.lr_schedule import learning_rate
+from megalite.optimizer.lr_schedule import LRSchedule, learning_rate
 from megalite.optimizer.optimizer import MegaliteOptimizer
 
-__all__ = ["MegaliteOptimizer", "learning_rate", "clip_by_global_norm_", "global_grad_norm",
+__all__ = ["LRSchedule", "MegaliteOptimizer", "learning_rate", "clip_by_global_norm_", "global_grad_norm",
            "ConstantLossScaler", "DynamicLossScaler"]

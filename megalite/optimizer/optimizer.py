@@ -26,6 +26,11 @@ from megalite.optimizer.clip_grads import clip_by_global_norm_, global_grad_norm
 from megalite.optimizer.loss_scaler import ConstantLossScaler, DynamicLossScaler
 
 
+def is_embedding_or_output(param: torch.nn.Parameter) -> bool:
+    """The word embedding or the output layer (or its copy on the last stage): what --decoupled-lr applies to."""
+    return getattr(param, "is_embedding_or_output", False)
+
+
 @dataclass
 class MainPiece(Piece):
     """A piece with the fp32 main copy the optimizer updates (which may alias ``model_view``)."""
@@ -48,9 +53,15 @@ class MegaliteOptimizer:
     def __init__(self, engine: DataParallelEngine, cfg: OptimizerConfig, training: TrainingConfig):
         self.engine, self.cfg = engine, cfg
         self.pieces = [MainPiece.of(piece, cfg.optimizer_cpu_offload) for piece in engine.pieces()]
-        decay = [p.main for p in self.pieces if p.param.dim() > 1]
-        no_decay = [p.main for p in self.pieces if p.param.dim() <= 1]   # biases and norm weights
-        groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        # Weight decay for matrices only (not biases and norm weights); with --decoupled-lr the word embedding and
+        # the output layer (flagged by the model) form groups of their own, stepped at their own rate.
+        groups = []
+        for decoupled in (False, True) if cfg.decoupled_lr is not None else (False,):
+            for decay in (True, False):
+                params = [p.main for p in self.pieces if (p.param.dim() > 1) == decay
+                          and decoupled == (cfg.decoupled_lr is not None and is_embedding_or_output(p.param))]
+                groups.append({"params": params, "weight_decay": cfg.weight_decay if decay else 0.0,
+                               "decoupled": decoupled})
         kwargs = dict(lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps)
         if cfg.optimizer_cpu_offload:
             from megalite.optimizer.cpu_adam import CPUAdamW   # builds the C++ kernel on first use
@@ -79,8 +90,9 @@ class MegaliteOptimizer:
         return any(not bool(torch.isfinite(p.grad).all()) for p in self.pieces)
 
     @torch.no_grad()
-    def step(self, lr: float) -> dict:
-        """Update the model from the reduced gradients; returns ``grad_norm`` (None when skipped) and flags."""
+    def step(self, lr: float, decoupled_lr: Optional[float] = None) -> dict:
+        """Update the model from the reduced gradients at rate ``lr`` (``decoupled_lr`` for the word embedding and
+        output layer, with --decoupled-lr); returns ``grad_norm`` (None when skipped) and flags."""
         grads = [p.grad for p in self.pieces]
         result: dict = {}
         if self.scaler is not None:
@@ -95,10 +107,11 @@ class MegaliteOptimizer:
         if not math.isfinite(norm):
             return {**result, "grad_norm": norm, "skipped": True}
         clip_by_global_norm_(grads, norm, self.cfg.clip_grad)
-        for p in self.pieces:
-            p.main.grad = p.grad if p.grad.device == p.main.device else p.grad.to(p.main.device)
+        for p in self.pieces:   # bf16 gradients (--grad-reduce-in-bf16) step the fp32 main copy in fp32
+            same = p.grad.device == p.main.device and p.grad.dtype == p.main.dtype
+            p.main.grad = p.grad if same else p.grad.to(p.main.device, p.main.dtype)
         for group in self.inner.param_groups:
-            group["lr"] = lr
+            group["lr"] = decoupled_lr if group["decoupled"] else lr
         self.inner.step()
         for p in self.pieces:
             p.main.grad = None

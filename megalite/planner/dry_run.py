@@ -1,7 +1,8 @@
 """``pretrain_gpt.py --dry-run``: the planner's per-GPU memory estimate for the layout on the command line.
 
 Runs after the options and data files are checked and before any process group exists, so it needs no GPU and no
-other rank. The vocabulary is the tokenizer's, as the trainer will use it (--vocab-size only sizes mock data).
+other rank. The vocabulary is the tokenizer's, as the trainer will use it (--vocab-size only sizes mock data). With a
+batch-size ramp-up the estimate is for its largest (final) global batch, the most micro-batches in flight.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import dataclasses
 import torch
 
 from megalite.config import MegaliteConfig
+from megalite.config.batches import batch_schedule, describe
 from megalite.data import run_vocab_size
 from megalite.planner.hardware import GiB
 from megalite.planner.layout import Layout
@@ -39,7 +41,8 @@ def run_memory(cfg: MegaliteConfig, world_size: int, cuda: bool | None = None) -
     model = dataclasses.replace(cfg.model, vocab_size=run_vocab_size(cfg))
     stages = memory_per_stage(model, layout, cfg.training.global_batch_size, dtype_bytes=dtype_bytes(cfg),
                               numerics=numerics_for(cfg, cuda), bucket_size=cfg.optimizer.ddp_bucket_size,
-                              prefetch_bucket_size=cfg.optimizer.zero3_prefetch_bucket_size)
+                              prefetch_bucket_size=cfg.optimizer.zero3_prefetch_bucket_size,
+                              grad_bytes=2 if cfg.optimizer.grad_reduce_in_bf16 else 4)
     return layout, stages
 
 
@@ -49,8 +52,10 @@ def format_dry_run(cfg: MegaliteConfig, world_size: int, cuda: bool | None = Non
     layout, stages = run_memory(cfg, world_size, cuda)
     model = dataclasses.replace(cfg.model, vocab_size=run_vocab_size(cfg))
     params = count_parameters(model, layout.tp, layout.pp, layout.virtual_stages)
-    m = layout.num_micro_batches(cfg.training.global_batch_size)
-    lines = [f"megalite: dry run: {layout.describe()}, {m} micro-batches per step; {params.total / 1e6:,.2f}M "
+    m = layout.num_micro_batches(cfg.training.global_batch_size)   # the largest batch, when it ramps up
+    batches = batch_schedule(cfg.training, cfg.model.seq_length)
+    ramp = f" at the largest {describe(batches)}" if batches.ramps else ""
+    lines = [f"megalite: dry run: {layout.describe()}, {m} micro-batches per step{ramp}; {params.total / 1e6:,.2f}M "
              f"parameters; {'bf16' if cfg.training.bf16 else 'fp16' if cfg.training.fp16 else 'fp32'}; "
              f"activations as {'CUDA' if cuda else 'the CPU'} keeps them",
              "memory per GPU (GiB), DP rank 0:",

@@ -5,7 +5,8 @@ allocate; in fact exact, bucket padding included):
 
 - weights: this rank's parameters, in the model dtype, living in one flat buffer per rank, padded per bucket to a
   multiple of DP x 16 elements (megalite.distributed.buckets) - the padding is real memory;
-- gradients: always fp32 (``main_grad`` buckets), whatever the model dtype: the whole padded buffer, or with ZeRO-2
+- gradients: fp32 (``main_grad`` buckets) whatever the model dtype (bf16 with ``--grad-reduce-in-bf16``, the
+  ``grad_bytes`` argument): the whole padded buffer, or with ZeRO-2
   only this rank's 1/DP shard of each bucket (plus, transiently, the bf16 ``param.grad`` of a bucket not yet
   reduced: not counted);
 - optimizer: Adam's exp_avg and exp_avg_sq in fp32 (8 bytes), plus a separate fp32 main copy (4 bytes) when the
@@ -165,7 +166,7 @@ class ModelStates:
 
 def model_state_bytes(model: ModelConfig, layout: Layout, pp_rank: int = 0, *, dtype_bytes: int = 2,
                       dp_rank: int = 0, bucket_size: Optional[int] = None,
-                      prefetch_bucket_size: Optional[int] = None) -> ModelStates:
+                      prefetch_bucket_size: Optional[int] = None, grad_bytes: int = 4) -> ModelStates:
     """Exact model-state bytes of one rank, from megalite's own bucket layout (DP rank 0 holds the most: bucket
     padding sits at the end of each bucket, in the last rank's shard), or at ZeRO-3 from FSDP2's row shards (DP rank
     0 holds the most: ceil(rows / DP) rows, the last ranks fewer). ``bucket_size``: --ddp-bucket-size at stages 0-2;
@@ -177,7 +178,8 @@ def model_state_bytes(model: ModelConfig, layout: Layout, pp_rank: int = 0, *, d
             _STATES_CACHE[key] = _fully_sharded_state_bytes(model, *key[1:])
         return _STATES_CACHE[key]
     key = (dataclasses.astuple(model), layout.tp, layout.pp, layout.virtual_stages, layout.dp, layout.zero,
-           layout.optimizer_cpu_offload, pp_rank, dtype_bytes, dp_rank, bucket_size or default_bucket_size(layout.dp))
+           layout.optimizer_cpu_offload, pp_rank, dtype_bytes, dp_rank, bucket_size or default_bucket_size(layout.dp),
+           grad_bytes)
     if key not in _STATES_CACHE:   # the search asks again for every micro-batch size and recompute option
         _STATES_CACHE[key] = _model_state_bytes(model, *key[1:])
     return _STATES_CACHE[key]
@@ -187,15 +189,15 @@ _STATES_CACHE: dict[tuple, ModelStates] = {}
 
 
 def _model_state_bytes(model: ModelConfig, tp: int, pp: int, v: int, dp: int, zero: int, offload: bool, pp_rank: int,
-                       dtype_bytes: int, dp_rank: int, bucket_size: int) -> ModelStates:
+                       dtype_bytes: int, dp_rank: int, bucket_size: int, grad_bytes: int) -> ModelStates:
     tensors = [t for chunk in rank_tensors(model, tp, pp, v, pp_rank) for t in chunk]
     params = [_Sized(t.numel) for t in tensors]
     plan = plan_buckets(params, bucket_size, dp, [p for p, t in zip(params, tensors) if t.deferred])
     weights = plan.total * dtype_bytes
     if zero == 2:
-        gradients = sum((b.end - b.start) // dp for b in plan.buckets) * 4
+        gradients = sum((b.end - b.start) // dp for b in plan.buckets) * grad_bytes
     else:
-        gradients = plan.total * 4
+        gradients = plan.total * grad_bytes
     if zero:   # the real elements of this rank's shard of each bucket
         owned = 0
         for bucket in plan.buckets:
@@ -344,10 +346,10 @@ def layer_activation_bytes(model: ModelConfig, tp: int, sequence_parallel: bool,
     if tp > g:   # a key/value head split over TP/G ranks is gathered into a new [k; v] tensor, which v views
         split += p * s * b * 2 * kv_heads * d
     if tp <= g or not rope:                          # q or v still views the fused QKV output, keeping it whole
-        split += p * s * b * (h + 2 * g * d) / tp
+        split += p * s * b * (model.query_size + 2 * g * d) / tp
     if rope:
-        split += p * s * b * (h / tp + kv_heads * d) + 2 * p * s * d   # rotated q and k; this pass's cos and sin
-    split += p * sbh / tp                            # the attention output = the output projection's input
+        split += p * s * b * (model.query_size / tp + kv_heads * d) + 2 * p * s * d   # rotated q and k; cos, sin
+    split += p * s * b * model.query_size / tp       # the attention output = the output projection's input
     split += p * s * b * f / tp * (4 if model.swiglu else 2)
     core = 0.0
     if model.recompute_granularity != "selective":
@@ -366,7 +368,7 @@ def embedding_activation_bytes(model: ModelConfig, tp: int, sequence_parallel: b
     """The first virtual stage, per micro-batch: token (and position) ids, and the embedding dropout mask."""
     s, b, h = model.seq_length, micro_batch_size, model.hidden_size
     ids = 8 * s * b + (s * b if tp > 1 else 0)      # int64 ids; under TP also the out-of-range mask (bool)
-    if model.position_embedding_type == "learned_absolute":
+    if model.learned_positions:
         ids += 8 * s // (tp if sequence_parallel else 1)
     mask = numerics.mask_bytes * s * b * h / (tp if sequence_parallel else 1) if model.hidden_dropout > 0 else 0
     return ids + mask
@@ -486,12 +488,13 @@ class StageMemory:
 
 def stage_memory(model: ModelConfig, layout: Layout, pp_rank: int, global_batch_size: int, *,
                  dtype_bytes: int = 2, numerics: Optional[Numerics] = None,
-                 bucket_size: Optional[int] = None, prefetch_bucket_size: Optional[int] = None) -> StageMemory:
+                 bucket_size: Optional[int] = None, prefetch_bucket_size: Optional[int] = None,
+                 grad_bytes: int = 4) -> StageMemory:
     """Everything one GPU of pipeline stage ``pp_rank`` holds (DP rank 0, the most loaded)."""
     numerics = numerics or Numerics.gpu(dtype_bytes)
     model = layout.model_config(model) if layout.recompute != model.recompute_granularity else model
     states = model_state_bytes(model, layout, pp_rank, dtype_bytes=dtype_bytes, bucket_size=bucket_size,
-                               prefetch_bucket_size=prefetch_bucket_size)
+                               prefetch_bucket_size=prefetch_bucket_size, grad_bytes=grad_bytes)
     acts = activation_bytes(model, layout, pp_rank, layout.num_micro_batches(global_batch_size), numerics)
     return StageMemory(pp_rank, states.weights, states.gradients, states.optimizer, acts,
                        host_optimizer=states.host_optimizer, gathered=states.gathered,

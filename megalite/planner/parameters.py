@@ -58,7 +58,7 @@ def _row(name: str, rows: int, cols: int, tp: int) -> Tensor:
 def layer_tensors(cfg: ModelConfig, tp: int, index: int) -> list[Tensor]:
     """One transformer layer's parameters at TP ``tp`` (megalite.model.transformer, attention, mlp)."""
     h, f, d = cfg.hidden_size, cfg.ffn_size, cfg.head_dim
-    qkv = h + 2 * cfg.query_groups * d
+    qkv = cfg.query_size + 2 * cfg.query_groups * d
     fc1 = 2 * f if cfg.swiglu else f
     bias = not cfg.disable_bias_linear
     p = f"layers.{index}"
@@ -70,7 +70,7 @@ def layer_tensors(cfg: ModelConfig, tp: int, index: int) -> list[Tensor]:
         return [_row(f"{name}.weight", h, cols, tp)] + ([Tensor(f"{name}.bias", h, h)] if bias else [])
 
     return (_norm(cfg, f"{p}.input_norm") + column(f"{p}.self_attention.linear_qkv", qkv)
-            + row(f"{p}.self_attention.linear_proj", h) + _norm(cfg, f"{p}.pre_mlp_norm")
+            + row(f"{p}.self_attention.linear_proj", cfg.query_size) + _norm(cfg, f"{p}.pre_mlp_norm")
             + column(f"{p}.mlp.linear_fc1", fc1) + row(f"{p}.mlp.linear_fc2", f))
 
 
@@ -86,7 +86,7 @@ def chunk_tensors(cfg: ModelConfig, tp: int, first_layer: int, num_layers: int, 
         # every chunk's tied_embedding_weights() to the data-parallel engine).
         tensors.append(Tensor("embedding.word.weight", vocab * h // tp, cfg.vocab_size * h, vocab // tp,
                               deferred=tied))
-        if cfg.position_embedding_type == "learned_absolute":
+        if cfg.learned_positions:
             tensors.append(Tensor("embedding.position.weight", cfg.max_positions * h, cfg.max_positions * h,
                                   cfg.max_positions))
     for i in range(first_layer, first_layer + num_layers):

@@ -1,19 +1,30 @@
-"""What rank 0 reports each logged iteration: a console line, the metrics file, TensorBoard.
+"""What rank 0 reports each logged iteration: a console line, the metrics file, TensorBoard, Weights & Biases.
 
 The metrics file is a contract for tools and tests: one JSON object per line, with at least ``iteration`` (1-based),
 ``loss`` (mean LM loss over the global batch), ``grad_norm``, ``lr``, ``consumed_samples``, ``elapsed_ms`` (per
 iteration, averaged over the log interval) and ``tokens_per_sec``; evaluations add objects with ``eval_loss``.
+
+With ``--wandb-project`` the same numbers go to Weights & Biases (``wandb.log`` with the iteration as step, the run's
+config as the run's config) when the ``wandb`` package is installed (``pip install 'megalite[wandb]'``); without it
+the run says so in one line and goes on. ``WANDB_MODE=offline`` keeps the run in ``--wandb-save-dir`` for
+``wandb sync``.
 """
 
 from __future__ import annotations
 
 import json
+from typing import Optional
 
-from megalite.config import LoggingConfig
+from megalite.config import LoggingConfig, MegaliteConfig, to_dict
+
+
+def _scalars(record: dict) -> dict:
+    return {k: v for k, v in record.items() if k != "iteration" and isinstance(v, (int, float))}
 
 
 class MetricsLogger:
-    def __init__(self, cfg: LoggingConfig, enabled: bool, total_iters: int):
+    def __init__(self, cfg: LoggingConfig, enabled: bool, total_iters: int,
+                 run_config: Optional[MegaliteConfig] = None):
         self.enabled = enabled
         self.total_iters = total_iters
         self.metrics_path = cfg.metrics_file if enabled else None
@@ -21,6 +32,18 @@ class MetricsLogger:
         if enabled and cfg.tensorboard_dir:
             from torch.utils.tensorboard import SummaryWriter   # imported lazily: it is slow to import
             self.tensorboard = SummaryWriter(log_dir=cfg.tensorboard_dir)
+        self.wandb = self._start_wandb(cfg, run_config) if enabled and cfg.wandb_project else None
+
+    @staticmethod
+    def _start_wandb(cfg: LoggingConfig, run_config: Optional[MegaliteConfig]):
+        try:
+            import wandb   # optional: pip install 'megalite[wandb]'
+        except ImportError:
+            print(f"megalite: warning: --wandb-project {cfg.wandb_project} needs the wandb package (pip install "
+                  f"'megalite[wandb]'): metrics go to the console and the metrics file only", flush=True)
+            return None
+        return wandb.init(project=cfg.wandb_project, name=cfg.wandb_exp_name, dir=cfg.wandb_save_dir,
+                          config=to_dict(run_config) if run_config is not None else None)
 
     def log(self, record: dict) -> None:
         if not self.enabled:
@@ -30,9 +53,10 @@ class MetricsLogger:
             with open(self.metrics_path, "a") as f:
                 f.write(json.dumps(record) + "\n")
         if self.tensorboard is not None:
-            for key, value in record.items():
-                if key != "iteration" and isinstance(value, (int, float)):
-                    self.tensorboard.add_scalar(key, value, record["iteration"])
+            for key, value in _scalars(record).items():
+                self.tensorboard.add_scalar(key, value, record["iteration"])
+        if self.wandb is not None:
+            self.wandb.log(_scalars(record), step=record["iteration"])
 
     def print(self, message: str) -> None:
         if self.enabled:
@@ -53,4 +77,7 @@ class MetricsLogger:
     def close(self) -> None:
         if self.tensorboard is not None:
             self.tensorboard.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+            self.wandb = None
 

@@ -20,16 +20,19 @@ import torch.distributed as dist
 
 from megalite import checkpoint, parallel_state
 from megalite.config import MegaliteConfig
+from megalite.config.batches import batch_schedule, describe as describe_batches, train_iterations
 from megalite.data import build_datasets, micro_batch_indices
 from megalite.distributed import DataParallel, DataParallelEngine, FullyShardedDataParallel
 from megalite.kernels import KernelPolicy
 from megalite.model import GPTModel
 from megalite.model.flops import model_flops_per_iteration
-from megalite.optimizer import MegaliteOptimizer, learning_rate
+from megalite.optimizer import LRSchedule, MegaliteOptimizer
 from megalite.optimizer.clip_grads import counts_toward_norm
 from megalite.pipeline import PipelineLinks, build_schedule, chunks_of_rank, run_schedule
 from megalite.tensor_parallel import TensorParallelRNG
+from megalite.training.housekeeping import MemoryHousekeeping
 from megalite.training.metrics import MetricsLogger
+from megalite.training.profiling import StepProfiler
 from megalite.training.stopping import StopRequests, check_finite
 from megalite.training.timers import Timers, peak_memory_gib, peak_tflops
 
@@ -61,8 +64,11 @@ class Trainer:
 
     def __init__(self, cfg: MegaliteConfig, device: torch.device):
         t, d = cfg.training, cfg.data
+        # The global batch of each iteration (constant, or ramping up with the consumed samples) and the run's length.
+        self.batches = batch_schedule(t, cfg.model.seq_length)
+        self.train_iters = train_iterations(t, self.batches)
         valid_samples = d.eval_iters * t.global_batch_size if d.eval_interval > 0 else 0
-        self.data = build_datasets(cfg, (t.train_iters * t.global_batch_size, valid_samples, 0))
+        self.data = build_datasets(cfg, (self.batches.consumed_after(self.train_iters), valid_samples, 0))
         # The tokenizer decides the vocabulary (as in Megatron); --vocab-size only sizes mock data.
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=self.data.vocab_size))
         self.cfg, self.device = cfg, device
@@ -88,22 +94,25 @@ class Trainer:
                       embedding_group=parallel_state.get_embedding_group(),
                       tied_params=[w for chunk in self.model for w in chunk.tied_embedding_weights()])
         self.engine: DataParallelEngine
+        grad_dtype = torch.bfloat16 if o.grad_reduce_in_bf16 else torch.float32
         if o.zero_level == 3:   # FSDP2 keeps fp32 shards as main parameters and casts the gathered copies itself
             self.engine = FullyShardedDataParallel(list(self.model), **shared, compute_dtype=self.dtype,
                                                    offload_params=o.offload_params,
-                                                   prefetch_bucket_size=o.zero3_prefetch_bucket_size)
+                                                   prefetch_bucket_size=o.zero3_prefetch_bucket_size,
+                                                   grad_dtype=grad_dtype)
         else:
             self.model.to(self.dtype)
             self.engine = DataParallel(
                 list(self.model), **shared, bucket_size=o.ddp_bucket_size,
-                zero=o.zero_level,
+                zero=o.zero_level, grad_dtype=grad_dtype,
                 overlap_grad_reduce=o.overlap_grad_reduce, overlap_param_gather=o.overlap_param_gather)
         self.tied_embedding_weights = [w for chunk in self.model for w in chunk.tied_embedding_weights()]
         self.optimizer = MegaliteOptimizer(self.engine, o, cfg.training)
+        self.lr_schedule = LRSchedule.from_config(o, cfg.training, m.seq_length)
         self.state = TrainState()
-        dp = parallel_state.get_data_parallel_world_size()
-        self.num_micro_batches = cfg.training.global_batch_size // (cfg.training.micro_batch_size * dp)
-        self.schedule = build_schedule(self.pp, self.pp_rank, self.num_micro_batches, self.virtual_stages)
+        # Micro-batches per step at the largest (evaluation's) global batch; a ramp-up runs fewer while it grows.
+        self.num_micro_batches = self.micro_batches_in(cfg.training.global_batch_size)
+        self._schedules: dict[int, list] = {}
         self.links = (PipelineLinks(parallel_state.get_pipeline_model_parallel_group(),
                                     (cfg.training.micro_batch_size,   # sequence parallel: this rank's shard
                                      m.seq_length // (parallel_state.get_tensor_model_parallel_world_size()
@@ -111,13 +120,14 @@ class Trainer:
                                     self.dtype,
                                     device) if self.pp > 1 else None)
         is_logging_rank = not dist.is_initialized() or dist.get_rank() == 0
-        self.logger = MetricsLogger(cfg.logging, is_logging_rank, cfg.training.train_iters)
+        self.logger = MetricsLogger(cfg.logging, is_logging_rank, self.train_iters, cfg)
         # The iteration the latest saved (or loaded) checkpoint holds, so the end of training does not save it again.
         self._checkpointed_iteration = self.load_checkpoint() if cfg.checkpoint.load else None
         self.stop_requests = StopRequests(cfg.training, device)
         self.timers = Timers(cfg.logging.timing_log_level, device)
+        self.memory = MemoryHousekeeping(cfg.training, device)
         self.peak_tflops = peak_tflops(device, cfg.logging.peak_tflops)
-        self.flops_per_iteration = model_flops_per_iteration(m, cfg.training.global_batch_size)
+        self.flops_per_sample = model_flops_per_iteration(m, 1)
 
     def describe(self) -> str:
         """One line for the start of a run: layout, schedule, model size, data."""
@@ -133,8 +143,10 @@ class Trainer:
         sharding = {0: "unsharded optimizer", 3: "ZeRO-3 (FSDP2)"}.get(o.zero_level, f"ZeRO-{o.zero_level}")
         offload = (", parameters and optimizer on the CPU" if o.offload_params else
                    ", optimizer on the CPU" if o.optimizer_cpu_offload else "")
+        micro = (f"{self.micro_batches_in(self.batches.smallest)}-{self.num_micro_batches}" if self.batches.ramps
+                 else f"{self.num_micro_batches}")
         return (f"megalite: TP={tp} x PP={self.pp} x DP={dp} (V={self.virtual_stages}, {schedule}, "
-                f"{self.num_micro_batches} micro-batches per step); {sharding}{offload}; "
+                f"{micro} micro-batches per step, {describe_batches(self.batches)}); {sharding}{offload}; "
                 f"{counted.item() / 1e6:.2f}M parameters; {str(self.dtype).removeprefix('torch.')}; {data}")
 
     def canonical_named_parameters(self):
@@ -142,22 +154,36 @@ class Trainer:
         for chunk in self.model:
             yield from chunk.canonical_named_parameters()
 
-    def _micro_batches(self, dataset, consumed_samples: int) -> list[torch.Tensor]:
+    def micro_batches_in(self, global_batch_size: int) -> int:
+        """Micro-batches each DP rank runs for one global batch of ``global_batch_size`` samples."""
+        return global_batch_size // (self.cfg.training.micro_batch_size * parallel_state.get_data_parallel_world_size())
+
+    def schedule(self, num_micro_batches: int) -> list:
+        """This rank's pipeline schedule for a step of ``num_micro_batches`` (one per size a ramp-up reaches)."""
+        if num_micro_batches not in self._schedules:
+            self._schedules[num_micro_batches] = build_schedule(self.pp, self.pp_rank, num_micro_batches,
+                                                                self.virtual_stages)
+        return self._schedules[num_micro_batches]
+
+    def _micro_batches(self, dataset, consumed_samples: int, num_micro_batches: int) -> list[torch.Tensor]:
         t = self.cfg.training
-        indices = micro_batch_indices(consumed_samples, t.micro_batch_size, self.num_micro_batches,
+        indices = micro_batch_indices(consumed_samples, t.micro_batch_size, num_micro_batches,
                                       parallel_state.get_data_parallel_rank(),
                                       parallel_state.get_data_parallel_world_size())
         return [torch.stack([dataset[i] for i in batch]).to(self.device) for batch in indices]
 
-    def _run_global_batch(self, dataset, consumed_samples: int, forward_only: bool):
-        """Forward (and backward) one global batch through the pipeline schedule.
+    def _run_global_batch(self, dataset, consumed_samples: int, forward_only: bool,
+                          global_batch_size: int | None = None):
+        """Forward (and backward) one global batch (of ``global_batch_size`` samples, default the largest) through
+        the pipeline schedule.
 
         Returns (loss summed over this rank's tokens, token count of the whole global batch, schedule stats)."""
-        micro_batches = self._micro_batches(dataset, consumed_samples)
+        global_batch_size = global_batch_size or self.cfg.training.global_batch_size
+        num_micro_batches = self.micro_batches_in(global_batch_size)
+        micro_batches = self._micro_batches(dataset, consumed_samples, num_micro_batches)
         # Every token counts (our samples have no padding), so the global batch's token count needs no all-reduce.
         loss_masks = [torch.ones_like(b[:, 1:], dtype=torch.float32) for b in micro_batches]
-        global_tokens = torch.tensor(float(self.cfg.training.global_batch_size * self.cfg.model.seq_length),
-                                     device=self.device)
+        global_tokens = torch.tensor(float(global_batch_size * self.cfg.model.seq_length), device=self.device)
         loss_sums: list[torch.Tensor] = []
         loss_scale = self.optimizer.loss_scale   # 1 unless fp16
 
@@ -171,7 +197,8 @@ class Trainer:
             loss_sums.append(loss_sum.detach())
             return loss_sum * (loss_scale / global_tokens)
 
-        steps = self.schedule if not forward_only else [s for s in self.schedule if s.kind == "F"]
+        schedule = self.schedule(num_micro_batches)
+        steps = schedule if not forward_only else [s for s in schedule if s.kind == "F"]
         stats = run_schedule(steps, forward_step, pp=self.pp, rank=self.pp_rank,
                              virtual_stages=self.virtual_stages, links=self.links, forward_only=forward_only)
         loss_sum = torch.stack(loss_sums).sum() if loss_sums else torch.zeros((), device=self.device)
@@ -180,18 +207,25 @@ class Trainer:
     def train_step(self) -> dict:
         """One optimizer step over one global batch; returns the iteration's metrics."""
         self.model.train()
-        self.engine.start_iteration(self.num_micro_batches)
+        batch = self.batches.at(self.state.consumed_samples)
+        self.engine.start_iteration(self.micro_batches_in(batch))
         with self.timers("forward-backward"):
             loss_sum, global_tokens, stats = self._run_global_batch(self.data.train, self.state.consumed_samples,
-                                                                    forward_only=False)
+                                                                    forward_only=False, global_batch_size=batch)
+        self.memory.after_forward_backward()
         self.timers.add("pipeline-wait", stats.total_s - stats.busy_s)
         with self.timers("grads-reduce"):
             self.engine.finish_grad_sync()
 
         iteration = self.state.iteration + 1
-        lr = learning_rate(iteration, self.cfg.optimizer, self.cfg.training.train_iters)
+        o, consumed = self.cfg.optimizer, self.state.consumed_samples + batch
+        lr = self.lr_schedule.at(consumed, o.lr, o.min_lr)
+        decoupled_lr = (None if o.decoupled_lr is None else
+                        self.lr_schedule.at(consumed, o.decoupled_lr, o.min_lr if o.decoupled_min_lr is None
+                                            else o.decoupled_min_lr))
         with self.timers("optimizer"):   # unscale, clip, AdamW, and the parameter gather unless overlapped
-            step = self.optimizer.step(lr)
+            step = self.optimizer.step(lr, decoupled_lr)
+        self.memory.after_step()
         # Which ranks saw a NaN/Inf (only looked for when the global norm, equal on every rank, is not finite).
         norm_bad = step["grad_norm"] is not None and not math.isfinite(step["grad_norm"])
         local_bad = not bool(torch.isfinite(loss_sum)) or (norm_bad and self.optimizer.has_nonfinite_grads())
@@ -203,9 +237,13 @@ class Trainer:
         per_stage = _gather_over_pipeline(torch.stack([loss, torch.tensor(stats.bubble_fraction, device=self.device),
                                                        torch.tensor(float(stats.peak_in_flight), device=self.device)]))
         self.state.iteration = iteration
-        self.state.consumed_samples += self.cfg.training.global_batch_size
+        self.state.consumed_samples = consumed
         record = {"iteration": iteration, "loss": float(per_stage[-1][0]), "grad_norm": step["grad_norm"],
                   "lr": lr, "consumed_samples": self.state.consumed_samples}
+        if decoupled_lr is not None:
+            record["decoupled_lr"] = decoupled_lr
+        if self.batches.ramps:
+            record["global_batch_size"] = batch
         if step["skipped"]:
             record["skipped"] = True
         if "loss_scale" in step:
@@ -222,7 +260,8 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> float:
-        """Mean validation loss over ``eval_iters`` global batches (the first ones of the validation set)."""
+        """Mean validation loss over ``eval_iters`` global batches (the first ones of the validation set, at the
+        largest global batch whatever a ramp-up is at)."""
         self.engine.finish_param_sync()
         self.model.eval()
         total, tokens = torch.zeros((), device=self.device), torch.zeros((), device=self.device)
@@ -265,32 +304,39 @@ class Trainer:
     def _should_evaluate(self, iteration: int) -> bool:
         d = self.cfg.data
         return (d.eval_interval > 0 and d.eval_iters > 0 and self.data.valid is not None
-                and (iteration % d.eval_interval == 0 or iteration == self.cfg.training.train_iters))
+                and (iteration % d.eval_interval == 0 or iteration == self.train_iters))
 
     def train(self) -> list[dict]:
-        """Run to ``train_iters``; return the logged records (every rank computes them, rank 0 writes them)."""
-        t, interval = self.cfg.training, self.cfg.logging.log_interval
-        records, window_start, window_iters = [], time.perf_counter(), 0
-        while self.state.iteration < t.train_iters:
+        """Run to the last iteration; return the logged records (every rank computes them, rank 0 writes them)."""
+        interval = self.cfg.logging.log_interval
+        records, window_start, window_iters, window_samples = [], time.perf_counter(), 0, 0
+        profiler = StepProfiler(self.cfg.logging, self.state.iteration)
+        self.memory.start()
+        while self.state.iteration < self.train_iters:
+            profiler.before_step(self.state.iteration)
             record = self.train_step()
+            profiler.after_step(self.state.iteration)
+            self.memory.collect_if_due(record["iteration"])
             window_iters += 1
-            if record["iteration"] % interval == 0 or record["iteration"] == t.train_iters:
+            window_samples += record.get("global_batch_size", self.cfg.training.global_batch_size)
+            if record["iteration"] % interval == 0 or record["iteration"] == self.train_iters:
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)
-                elapsed_s = (time.perf_counter() - window_start) / window_iters
-                record["elapsed_ms"] = elapsed_s * 1000.0
-                record["tokens_per_sec"] = t.global_batch_size * self.cfg.model.seq_length / elapsed_s
+                window_s = time.perf_counter() - window_start
+                record["elapsed_ms"] = window_s / window_iters * 1000.0
+                record["tokens_per_sec"] = window_samples * self.cfg.model.seq_length / window_s
                 devices = dist.get_world_size() if dist.is_initialized() else 1
-                record["tflops_per_device"] = self.flops_per_iteration / elapsed_s / devices / 1e12
+                record["tflops_per_device"] = self.flops_per_sample * window_samples / window_s / devices / 1e12
                 if self.peak_tflops:
                     record["mfu"] = record["tflops_per_device"] / self.peak_tflops
                 record["peak_memory_gib"] = peak_memory_gib(self.device)
                 record.update(self.timers.report(window_iters))
                 self.logger.log(record)
                 records.append(record)
-                window_start, window_iters = time.perf_counter(), 0
+                window_start, window_iters, window_samples = time.perf_counter(), 0, 0
             if self._should_evaluate(record["iteration"]):
-                evaluation = {"iteration": record["iteration"], "eval_loss": self.evaluate()}
+                with self.memory.around_evaluation():
+                    evaluation = {"iteration": record["iteration"], "eval_loss": self.evaluate()}
                 self.logger.log(evaluation)
                 records.append(evaluation)
                 window_start = time.perf_counter()   # evaluation time is not training time
@@ -302,8 +348,10 @@ class Trainer:
             if reason is not None:   # every rank agreed: save below (with --save) and stop
                 self.logger.print(f"megalite: stopping after iteration {record['iteration']}: {reason}")
                 break
+        profiler.close()
         if self.cfg.checkpoint.save and self._checkpointed_iteration != self.state.iteration:
             self.save_checkpoint(self.cfg.checkpoint.save)
         self.engine.finish_param_sync()
+        self.memory.finish()
         self.logger.close()
         return records

@@ -91,6 +91,22 @@ def test_export_gives_the_same_logits(tmp_path, tie):
     assert actual.shape == (2, 32, VOCAB) and difference < RTOL
 
 
+def test_head_dim_imports_as_kv_channels_with_the_same_logits(tmp_path):
+    """A head_dim other than hidden / heads (Qwen3-style) is megalite's --kv-channels, both ways."""
+    torch.manual_seed(5)
+    hf = perturb_and_save(transformers.LlamaForCausalLM(_llama_config(head_dim=32)).eval(), tmp_path / "hf")
+    import_hf(tmp_path / "hf", tmp_path / "ckpt")
+    model = load_pretrained(tmp_path / "ckpt")
+    assert model.config.model.kv_channels == 32 and model.config.model.head_dim == 32
+    tokens = _tokens(2)
+    with torch.no_grad():
+        difference = _relative(model(tokens), hf(tokens).logits)
+    print(f"HF Llama head_dim 32 -> megalite --kv-channels 32: max rel logit diff {difference:.1e}")
+    assert difference < RTOL
+    export_hf(tmp_path / "ckpt", tmp_path / "hf2")
+    assert json.loads((tmp_path / "hf2" / "config.json").read_text())["head_dim"] == 32
+
+
 def test_multi_head_llama_round_trips_without_grouping(tmp_path):
     """num_key_value_heads == heads imports as plain multi-head attention, and exports back the same."""
     torch.manual_seed(3)
@@ -120,7 +136,6 @@ def test_tool_picks_the_architecture_and_round_trips(tmp_path, capsys):
     ({"attention_bias": True}, "attention_bias=True is not supported"),
     ({"mlp_bias": True}, "mlp_bias=True is not supported"),
     ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
-    ({"head_dim": 32}, "head_dim 32 is not supported"),
 ])
 def test_tool_refuses_what_megalite_would_compute_differently(tmp_path, capsys, overrides, message):
     _llama_config(**overrides).save_pretrained(tmp_path / "hf")   # refused on reading config.json: no weights needed

@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from megalite import parallel_state
 from megalite.config import ParallelConfig
+from megalite.config.batches import batch_schedule, train_iterations
 from megalite.distributed import full_local_tensor
 from megalite.tensor_parallel import unshard
 from megalite.training import Trainer
@@ -74,7 +75,8 @@ def check_against_reference(cfg, ranks=None, label=""):
     expected_evaluations = [r["eval_loss"] for r in expected_records if "eval_loss" in r]
     records = [r for r in records if "loss" in r]
     expected_records = [r for r in expected_records if "loss" in r]
-    assert len(records) == len(expected_records) == cfg.training.train_iters
+    assert len(records) == len(expected_records) == train_iterations(cfg.training, batch_schedule(
+        cfg.training, cfg.model.seq_length))
     assert len(evaluations) == len(expected_evaluations) == 2    # every 5 iterations, forward-only schedule
     eval_diff = max_relative_difference(evaluations, expected_evaluations)
     loss_diff = max_relative_difference([r["loss"] for r in records], [r["loss"] for r in expected_records])

@@ -1,5 +1,5 @@
 """Count what a step hands to torch.distributed: elements and bytes per collective / point-to-point call, by process
-group kind (tensor, pipeline, data, embedding, model, world), without touching megalite.
+group kind (tensor, context, pipeline, data, data_context, embedding, model, world), without touching megalite.
 
 ``with count_communication() as counter: step()`` swaps the torch.distributed functions (and the aliases megalite
 modules took of them at import time, e.g. ``megalite.distributed.data_parallel._reduce_scatter``, which torch 2.13's
@@ -55,7 +55,7 @@ def _group_kinds() -> dict[int, str]:
         return kinds
     state = parallel_state.state()
     # Later kinds do not overwrite earlier ones: with DP=1 the model group may equal another; name it once.
-    for kind in ("tensor", "pipeline", "data", "embedding", "model"):
+    for kind in ("tensor", "context", "pipeline", "data", "data_context", "embedding", "model"):
         info = getattr(state, kind)
         if info is not None and info.group is not None:
             kinds.setdefault(id(info.group), kind)

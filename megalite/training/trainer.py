@@ -35,7 +35,8 @@ from megalite.training.timers import Timers, peak_memory_gib, peak_tflops
 
 
 def _sum_over_data_parallel(value: torch.Tensor) -> torch.Tensor:
-    info = parallel_state.get_data_parallel_group()
+    """Sum over DP x CP: every rank holding a share of the global batch's tokens."""
+    info = parallel_state.get_data_parallel_group(with_context_parallel=True)
     if info.size > 1:
         dist.all_reduce(value, group=info.group)
     return value
@@ -83,7 +84,9 @@ class Trainer:
         self.dtype = (torch.bfloat16 if cfg.training.bf16 else torch.float16 if cfg.training.fp16
                       else torch.float32)
         o = cfg.optimizer
-        shared = dict(data_group=parallel_state.get_data_parallel_group(),
+        # Context-parallel ranks hold the same weights: gradients are summed over DP x CP, and the distributed
+        # optimizer and ZeRO-3 shard over it.
+        shared = dict(data_group=parallel_state.get_data_parallel_group(with_context_parallel=True),
                       tensor_group=parallel_state.get_tensor_model_parallel_group(),
                       embedding_group=parallel_state.get_embedding_group(),
                       tied_params=[w for chunk in self.model for w in chunk.tied_embedding_weights()])

@@ -42,7 +42,8 @@ def full_parameters(trainer: Trainer) -> dict[str, torch.Tensor]:
 def train(cfg, ranks=None):
     """(records, final full parameters) on member ranks, None elsewhere."""
     p = cfg.parallel
-    with layout(p.tensor_model_parallel_size, p.pipeline_model_parallel_size, ranks=ranks) as member:
+    with layout(p.tensor_model_parallel_size, p.pipeline_model_parallel_size, ranks=ranks,
+                cp=p.context_parallel_size) as member:
         if not member:
             return None
         trainer = Trainer(cfg, CPU)

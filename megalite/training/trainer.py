@@ -24,6 +24,7 @@ from megalite.data import build_datasets, micro_batch_indices
 from megalite.distributed import DataParallel, DataParallelEngine, FullyShardedDataParallel
 from megalite.kernels import KernelPolicy
 from megalite.model import GPTModel
+from megalite.model.context_parallel import SequenceShard, shard_sequence
 from megalite.model.flops import model_flops_per_iteration
 from megalite.optimizer import MegaliteOptimizer, learning_rate
 from megalite.optimizer.clip_grads import counts_toward_norm
@@ -52,6 +53,24 @@ def _gather_over_pipeline(value: torch.Tensor) -> list[torch.Tensor]:
 
 
 @dataclass
+class MicroBatch:
+    """What one micro-batch feeds this rank: its tokens of the samples (all of them without context parallelism),
+    the next tokens as labels, which of them count in the loss, and where they sit in the samples."""
+    inputs: torch.Tensor      # [micro-batch, local tokens]
+    labels: torch.Tensor      # [micro-batch, local tokens]
+    loss_mask: torch.Tensor   # [micro-batch, local tokens], fp32
+    shard: SequenceShard
+
+    @classmethod
+    def of(cls, samples: torch.Tensor, cfg: MegaliteConfig) -> "MicroBatch":
+        """From samples of seq length + 1 tokens [micro-batch, seq + 1]."""
+        inputs, labels = samples[:, :-1], samples[:, 1:]
+        shard = shard_sequence(inputs.shape[1], samples.device, comm_type=cfg.parallel.cp_comm_type)
+        loss_mask = torch.ones_like(labels, dtype=torch.float32)
+        return cls(shard.take(inputs), shard.take(labels), shard.take(loss_mask), shard)
+
+
+@dataclass
 class TrainState:
     iteration: int = 0            # optimizer steps taken
     consumed_samples: int = 0
@@ -72,7 +91,7 @@ class Trainer:
         self.pp_rank = parallel_state.get_pipeline_model_parallel_rank()
         self.virtual_stages = cfg.parallel.virtual_stages(m.num_layers)
         self.rng = rng = TensorParallelRNG(seed, parallel_state.get_tensor_model_parallel_rank(), self.pp_rank,
-                                           device)
+                                           device, parallel_state.get_context_parallel_rank())
         kernels = KernelPolicy.from_config(cfg.kernels)   # fused CUDA kernels or torch ops, per op
         self.model = torch.nn.ModuleList(
             GPTModel(m, rng, pre_process=c.is_first, post_process=c.is_last, layer_offset=c.first_layer,
@@ -106,10 +125,12 @@ class Trainer:
         dp = parallel_state.get_data_parallel_world_size()
         self.num_micro_batches = cfg.training.global_batch_size // (cfg.training.micro_batch_size * dp)
         self.schedule = build_schedule(self.pp, self.pp_rank, self.num_micro_batches, self.virtual_stages)
+        self.cp = parallel_state.get_context_parallel_world_size()
         self.links = (PipelineLinks(parallel_state.get_pipeline_model_parallel_group(),
-                                    (cfg.training.micro_batch_size,   # sequence parallel: this rank's shard
-                                     m.seq_length // (parallel_state.get_tensor_model_parallel_world_size()
-                                                      if cfg.parallel.sequence_parallel else 1), m.hidden_size),
+                                    (cfg.training.micro_batch_size,   # this rank's tokens: its CP and SP shard
+                                     m.seq_length // self.cp // (parallel_state.get_tensor_model_parallel_world_size()
+                                                                 if cfg.parallel.sequence_parallel else 1),
+                                     m.hidden_size),
                                     self.dtype,
                                     device) if self.pp > 1 else None)
         is_logging_rank = not dist.is_initialized() or dist.get_rank() == 0
@@ -135,7 +156,8 @@ class Trainer:
         sharding = {0: "unsharded optimizer", 3: "ZeRO-3 (FSDP2)"}.get(o.zero_level, f"ZeRO-{o.zero_level}")
         offload = (", parameters and optimizer on the CPU" if o.offload_params else
                    ", optimizer on the CPU" if o.optimizer_cpu_offload else "")
-        return (f"megalite: TP={tp} x PP={self.pp} x DP={dp} (V={self.virtual_stages}, {schedule}, "
+        context = f"CP={self.cp} ({self.cfg.parallel.cp_comm_type}) x " if self.cp > 1 else ""
+        return (f"megalite: TP={tp} x {context}PP={self.pp} x DP={dp} (V={self.virtual_stages}, {schedule}, "
                 f"{self.num_micro_batches} micro-batches per step); {sharding}{offload}; "
                 f"{counted.item() / 1e6:.2f}M parameters; {str(self.dtype).removeprefix('torch.')}; {data}")
 
@@ -144,12 +166,14 @@ class Trainer:
         for chunk in self.model:
             yield from chunk.canonical_named_parameters()
 
-    def _micro_batches(self, dataset, consumed_samples: int) -> list[torch.Tensor]:
+    def _micro_batches(self, dataset, consumed_samples: int) -> list[MicroBatch]:
+        """This rank's micro-batches of the global batch: its DP rank's samples, its CP rank's tokens of them."""
         t = self.cfg.training
         indices = micro_batch_indices(consumed_samples, t.micro_batch_size, self.num_micro_batches,
                                       parallel_state.get_data_parallel_rank(),
                                       parallel_state.get_data_parallel_world_size())
-        return [torch.stack([dataset[i] for i in batch]).to(self.device) for batch in indices]
+        return [MicroBatch.of(torch.stack([dataset[i] for i in batch]).to(self.device), self.cfg)
+                for batch in indices]
 
     def _run_global_batch(self, dataset, consumed_samples: int, forward_only: bool):
         """Forward (and backward) one global batch through the pipeline schedule.
@@ -157,16 +181,16 @@ class Trainer:
         Returns (loss summed over this rank's tokens, token count of the whole global batch, schedule stats)."""
         micro_batches = self._micro_batches(dataset, consumed_samples)
         # Every token counts (our samples have no padding), so the global batch's token count needs no all-reduce.
-        loss_masks = [torch.ones_like(b[:, 1:], dtype=torch.float32) for b in micro_batches]
         global_tokens = torch.tensor(float(self.cfg.training.global_batch_size * self.cfg.model.seq_length),
                                      device=self.device)
         loss_sums: list[torch.Tensor] = []
         loss_scale = self.optimizer.loss_scale   # 1 unless fp16
 
         def forward_step(chunk_index: int, micro_batch: int, input_tensor: torch.Tensor | None) -> torch.Tensor:
-            chunk, batch, mask = self.model[chunk_index], micro_batches[micro_batch], loss_masks[micro_batch]
-            output = chunk(batch[:, :-1] if chunk.pre_process else input_tensor,
-                           batch[:, 1:] if chunk.post_process else None)
+            chunk, batch = self.model[chunk_index], micro_batches[micro_batch]
+            mask = batch.loss_mask
+            output = chunk(batch.inputs if chunk.pre_process else input_tensor,
+                           batch.labels if chunk.post_process else None, batch.shard)
             if not chunk.post_process:
                 return output
             loss_sum = (output.float() * mask).sum()

@@ -3,9 +3,11 @@ gradient reduction over DP (and the tied-embedding sum across stages) -> optimiz
 parameter gather) -> log; every ``eval_interval`` iterations, the validation loss over ``eval_iters`` global batches
 (the same validation samples each time, so evaluations are comparable).
 
-The loss is normalized by the number of tokens in the whole global batch (global batch x sequence length), so
-each rank backpropagates its share of the global mean and the DP reduction is a plain sum: the result is the same
-whatever the DP size or micro-batch size, which is what the equivalence tests check.
+The loss is normalized by the number of tokens in the whole global batch (global batch x sequence length, or the
+tokens left by ``--eod-mask-loss``, counted over every rank), so each rank backpropagates its share of the global
+mean and the DP reduction is a plain sum: the result is the same whatever the DP size or micro-batch size, which is
+what the equivalence tests check. Under context parallelism each rank holds some tokens of every sample of its DP
+rank's micro-batches (megalite.model.context_parallel); their loss sums over DP x CP like the DP ranks' do.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch.distributed as dist
 from megalite import checkpoint, parallel_state
 from megalite.config import MegaliteConfig
 from megalite.data import build_datasets, micro_batch_indices
+from megalite.data.packing import packed_documents
 from megalite.distributed import DataParallel, DataParallelEngine, FullyShardedDataParallel
 from megalite.kernels import KernelPolicy
 from megalite.model import GPTModel
@@ -62,11 +65,17 @@ class MicroBatch:
     shard: SequenceShard
 
     @classmethod
-    def of(cls, samples: torch.Tensor, cfg: MegaliteConfig) -> "MicroBatch":
-        """From samples of seq length + 1 tokens [micro-batch, seq + 1]."""
+    def of(cls, samples: torch.Tensor, cfg: MegaliteConfig, eod: int | None) -> "MicroBatch":
+        """From samples of seq length + 1 tokens [micro-batch, seq + 1]; ``eod`` ends the packed documents."""
         inputs, labels = samples[:, :-1], samples[:, 1:]
-        shard = shard_sequence(inputs.shape[1], samples.device, comm_type=cfg.parallel.cp_comm_type)
-        loss_mask = torch.ones_like(labels, dtype=torch.float32)
+        d = cfg.data
+        packing = (packed_documents(inputs, eod, reset_position_ids=d.reset_position_ids,
+                                    reset_attention_mask=d.reset_attention_mask, eod_mask_loss=d.eod_mask_loss)
+                   if eod is not None else None)
+        shard = shard_sequence(inputs.shape[1], samples.device, comm_type=cfg.parallel.cp_comm_type,
+                               positions=packing.positions if packing else None,
+                               documents=packing.documents if packing else None)
+        loss_mask = packing.loss_mask if packing is not None else torch.ones_like(labels, dtype=torch.float32)
         return cls(shard.take(inputs), shard.take(labels), shard.take(loss_mask), shard)
 
 
@@ -172,7 +181,10 @@ class Trainer:
         indices = micro_batch_indices(consumed_samples, t.micro_batch_size, self.num_micro_batches,
                                       parallel_state.get_data_parallel_rank(),
                                       parallel_state.get_data_parallel_world_size())
-        return [MicroBatch.of(torch.stack([dataset[i] for i in batch]).to(self.device), self.cfg)
+        d = self.cfg.data
+        packing = d.reset_position_ids or d.reset_attention_mask or d.eod_mask_loss
+        eod = self.data.tokenizer.eod if packing else None   # validation refused packing without a tokenizer
+        return [MicroBatch.of(torch.stack([dataset[i] for i in batch]).to(self.device), self.cfg, eod)
                 for batch in indices]
 
     def _run_global_batch(self, dataset, consumed_samples: int, forward_only: bool):
@@ -180,9 +192,12 @@ class Trainer:
 
         Returns (loss summed over this rank's tokens, token count of the whole global batch, schedule stats)."""
         micro_batches = self._micro_batches(dataset, consumed_samples)
-        # Every token counts (our samples have no padding), so the global batch's token count needs no all-reduce.
-        global_tokens = torch.tensor(float(self.cfg.training.global_batch_size * self.cfg.model.seq_length),
-                                     device=self.device)
+        if self.cfg.data.eod_mask_loss:   # the tokens that count, over every rank's share of the global batch
+            global_tokens = _sum_over_data_parallel(torch.stack([b.loss_mask.sum() for b in micro_batches]).sum())
+            global_tokens = global_tokens.clamp(min=1.0)
+        else:   # every token counts (our samples have no padding): the count needs no all-reduce
+            global_tokens = torch.tensor(float(self.cfg.training.global_batch_size * self.cfg.model.seq_length),
+                                         device=self.device)
         loss_sums: list[torch.Tensor] = []
         loss_scale = self.optimizer.loss_scale   # 1 unless fp16
 

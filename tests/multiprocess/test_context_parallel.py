@@ -9,13 +9,17 @@ to rounding.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from megalite.model.context_parallel import context_parallel_attention, shard_sequence
 from megalite.training import Trainer
 
+from ..data.helpers import write_progressions
 from ..helpers import losses, tiny_config
 from .equivalence import CPU, check_against_reference, reference
 from .groups import layout, requires_world
@@ -100,3 +104,28 @@ def test_bf16_ring_attention_stays_close_to_fp32():
         bf16 = losses(Trainer(cp_config(2, training={"bf16": True}, optimizer={"adam_eps": 1e-5}), CPU).train())
     print(f"bf16 CP=2 vs fp32 single process after 10 iterations: {bf16[-1]:.5f} vs {fp32[-1]:.5f}")
     assert abs(bf16[-1] - fp32[-1]) / fp32[-1] < 0.02
+
+
+@pytest.fixture
+def packed_data(directory):
+    """A dataset of short documents ended by EOD (NullTokenizer, vocabulary 301): every sample packs several."""
+    prefix = Path(directory) / "progressions"
+    if dist.get_rank() == 0:
+        write_progressions(prefix, 600, 301)
+    dist.barrier()
+    return {"mock_data": False, "data_path": str(prefix), "tokenizer_type": "NullTokenizer",
+            "reset_position_ids": True, "reset_attention_mask": True, "eod_mask_loss": True}
+
+
+@requires_world(4)
+@pytest.mark.parametrize("label, cp, comm_type, pp, model", [
+    ("packed documents, p2p CP=2 x DP=2", 2, "p2p", 1, {}),
+    ("packed documents, a2a CP=4", 4, "a2a", 1, {}),
+    ("packed documents, allgather CP=2 x PP=2 (V=2, interleaved), rotary", 2, "allgather", 2,
+     {"num_layers": 4, "position_embedding_type": "rope"}),
+])
+def test_packed_documents_match_single_process(packed_data, label, cp, comm_type, pp, model):
+    cfg = cp_config(cp, comm_type, pp=pp, model=model, data=packed_data,
+                    parallel={"num_virtual_stages_per_pipeline_rank": 2 if pp > 1 else None},
+                    training={"micro_batch_size": 1 if pp > 1 else 2})
+    check_against_reference(cfg, label=label)

@@ -28,6 +28,14 @@ LLAMA = {"position_embedding_type": "rope", "normalization": "RMSNorm", "swiglu"
          "group_query_attention": True, "num_query_groups": 2}
 
 
+def slug(value) -> str | None:
+    """The label of a case as a test id ``-k`` can select ('p2p CP=2 x DP=2' -> 'p2p_CP2_x_DP2'); pytest's own
+    ids for the other parameters."""
+    if not isinstance(value, str) or " " not in value:
+        return None
+    return "".join(c if c.isalnum() else "_" for c in value.replace("=", "")).strip("_")
+
+
 def cp_config(cp: int, comm_type: str = "p2p", tp: int = 1, pp: int = 1, model=None, parallel=None, **sections):
     return tiny_config(tp=tp, pp=pp, model={"seq_length": 64, **(model or {})},
                        parallel={"context_parallel_size": cp, "cp_comm_type": comm_type, **(parallel or {})},
@@ -83,7 +91,7 @@ def test_attention_over_the_whole_sequence(cp, comm_type):
      {"recompute_granularity": "selective"}, {}, {"use_distributed_optimizer": True, "overlap_grad_reduce": True}),
     ("p2p CP=2 x DP=2, ZeRO-3 over DP x CP, full recompute", 2, "p2p", 1,
      {"recompute_granularity": "full", "recompute_method": "uniform"}, {}, {"zero_stage": 3}),
-])
+], ids=slug)
 def test_losses_and_weights_match_single_process(label, cp, comm_type, tp, model, parallel, optimizer):
     cfg = cp_config(cp, comm_type, tp, model=model, parallel=parallel, optimizer=optimizer)
     check_against_reference(cfg, label=label)
@@ -123,7 +131,7 @@ def packed_data(directory):
     ("packed documents, a2a CP=4", 4, "a2a", 1, {}),
     ("packed documents, allgather CP=2 x PP=2 (V=2, interleaved), rotary", 2, "allgather", 2,
      {"num_layers": 4, "position_embedding_type": "rope"}),
-])
+], ids=slug)
 def test_packed_documents_match_single_process(packed_data, label, cp, comm_type, pp, model):
     cfg = cp_config(cp, comm_type, pp=pp, model=model, data=packed_data,
                     parallel={"num_virtual_stages_per_pipeline_rank": 2 if pp > 1 else None},

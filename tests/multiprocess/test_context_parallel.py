@@ -9,6 +9,7 @@ to rounding.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -20,7 +21,7 @@ from megalite.model.context_parallel import context_parallel_attention, shard_se
 from megalite.training import Trainer
 
 from ..data.helpers import write_progressions
-from ..helpers import losses, tiny_config
+from ..helpers import losses, max_relative_difference, tiny_config, with_checkpoint
 from .equivalence import CPU, check_against_reference, reference
 from .groups import layout, requires_world
 
@@ -137,3 +138,56 @@ def test_packed_documents_match_single_process(packed_data, label, cp, comm_type
                     parallel={"num_virtual_stages_per_pipeline_rank": 2 if pp > 1 else None},
                     training={"micro_batch_size": 1 if pp > 1 else 2})
     check_against_reference(cfg, label=label)
+
+
+@requires_world(4)
+def test_checkpoints_move_between_context_parallel_sizes(directory):
+    """Saved at CP=2 x DP=2 (distributed optimizer: Adam states sharded over DP x CP) after 4 of 6 iterations,
+    resumed at CP=1 x DP=4 with the plain optimizer, which saves after iteration 5, resumed in turn at CP=4 with the
+    distributed optimizer: every resumed iteration equals the uninterrupted run's (dropout off: RNG states come back
+    at the identical layout only)."""
+    cfg = cp_config(2, optimizer={"use_distributed_optimizer": True, "adam_eps": 1e-5},
+                    training={"train_iters": 6}, data={"eval_interval": 0})
+
+    def run(cp, distributed, load=None, save_after=None, save=None):
+        """The losses of the iterations left, saving to ``save`` after iteration ``save_after``."""
+        run_cfg = dataclasses.replace(with_checkpoint(cfg, load=load),
+                                      parallel=dataclasses.replace(cfg.parallel, context_parallel_size=cp),
+                                      optimizer=dataclasses.replace(cfg.optimizer,
+                                                                    use_distributed_optimizer=distributed))
+        with layout(cp=cp):
+            trainer, result = Trainer(run_cfg, CPU), []
+            while trainer.state.iteration < 6:
+                result.append(trainer.train_step()["loss"])
+                if trainer.state.iteration == save_after:
+                    trainer.save_checkpoint(save)
+            return result
+
+    uninterrupted = run(2, True, save_after=4, save=f"{directory}/a")
+    for label, resumed, expected in [
+        ("saved at CP=2 x DP=2 after 4 iterations, resumed at CP=1 x DP=4",
+         run(1, False, f"{directory}/a", save_after=5, save=f"{directory}/b"), uninterrupted[4:]),
+        ("saved at CP=1 x DP=4 after 5 iterations, resumed at CP=4", run(4, True, f"{directory}/b"),
+         uninterrupted[5:])]:
+        difference = max_relative_difference(resumed, expected)
+        print(f"{label}: max rel loss diff {difference:.1e}")
+        assert difference < 1e-5
+
+
+@requires_world(4)
+def test_exact_resume_at_the_same_context_parallel_layout(directory):
+    """With dropout on, CP=2 x DP=2 (ZeRO-1): 6 iterations straight and 3 + save + resume for 3 give the same losses
+    bit for bit: every rank's RNG states (each CP rank draws its own masks) come back."""
+    cfg = cp_config(2, model={"hidden_dropout": 0.1}, optimizer={"use_distributed_optimizer": True},
+                    training={"train_iters": 6}, data={"eval_interval": 0})
+    with layout(cp=2):
+        straight = losses(Trainer(cfg, CPU).train())
+    with layout(cp=2):
+        trainer = Trainer(cfg, CPU)
+        first = [trainer.train_step()["loss"] for _ in range(3)]
+        trainer.save_checkpoint(directory)
+    with layout(cp=2):
+        second = losses(Trainer(with_checkpoint(cfg, load=directory), CPU).train())
+    difference = max_relative_difference(first + second, straight)
+    print(f"exact resume at CP=2 x DP=2, with dropout: max rel loss diff {difference:.1e}")
+    assert len(second) == 3 and difference <= 1e-7

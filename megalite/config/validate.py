@@ -166,10 +166,10 @@ def _check_context_parallel(cfg: MegaliteConfig) -> None:
                  f"{FLAG.cp_comm_type} a2a splits each tensor-parallel rank's {heads} attention heads "
                  f"({FLAG.num_attention_heads} {m.num_attention_heads} / {FLAG.tensor_model_parallel_size} {tp}) over "
                  f"{FLAG.context_parallel_size} {cp}, which does not divide them: use p2p or allgather")
-    else:
+    if kind == "p2p":
         _require(m.attention_dropout == 0.0,
-                 f"{FLAG.cp_comm_type} {kind} computes attention blockwise without dropout: set "
-                 f"{FLAG.attention_dropout} 0 (or use {FLAG.cp_comm_type} a2a)")
+                 f"{FLAG.cp_comm_type} p2p computes attention blockwise without dropout: set "
+                 f"{FLAG.attention_dropout} 0 (or use {FLAG.cp_comm_type} a2a or allgather)")
     _require(k.use_fused_kernels != "on" or k.no_masked_softmax_fusion,
              f"{FLAG.use_fused_kernels} on replaces the attention core by the fused causal softmax, which context "
              f"parallelism does not use: add {FLAG.no_masked_softmax_fusion}")

@@ -251,9 +251,9 @@ def _grouped(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
 
 
 def _scores(q: torch.Tensor, k: torch.Tensor, shard: SequenceShard, query: torch.Tensor, key: torch.Tensor,
-            causal: bool) -> torch.Tensor:
-    """Masked q k^T of one block: [batch, kv heads, group, queries, keys] (q already scaled)."""
-    scores = q @ k.unsqueeze(2).transpose(-1, -2)
+            causal: bool, stats: torch.dtype) -> torch.Tensor:
+    """Masked q k^T of one block in the statistics' dtype: [batch, kv heads, group, queries, keys] (q scaled)."""
+    scores = (q @ k.unsqueeze(2).transpose(-1, -2)).to(stats)
     allowed = shard.allowed(query, key, causal)
     if allowed is not None:
         scores = scores.masked_fill(~allowed.unsqueeze(2), float("-inf"))
@@ -261,73 +261,72 @@ def _scores(q: torch.Tensor, k: torch.Tensor, shard: SequenceShard, query: torch
 
 
 class _RingAttention(torch.autograd.Function):
-    """Ring attention (see the module docstring). Inputs q [b, h, L, d], k and v [b, G, L, d] in any float dtype;
-    the blocks are computed in fp32 (or fp64 inputs' own), the K/V blocks travel in the input dtype, the dK/dV
-    accumulators in the compute dtype."""
+    """Ring attention (see the module docstring). Inputs q [b, h, L, d], k and v [b, G, L, d] in any float dtype.
+    As Megatron's unfused attention does, the products run in the input dtype (tensor cores for bf16) and the
+    softmax statistics, the output's and the gradients' accumulation in fp32 (fp64 inputs keep fp64); K/V blocks
+    travel in the input dtype, the dK/dV accumulators in fp32."""
 
     @staticmethod
     def forward(ctx, q, k, v, shard: SequenceShard, group: GroupInfo):
         n, rank = group.size, group.rank
-        kv_heads, local = k.shape[1], q.shape[_SEQUENCE]
+        kv_heads, local, dtype = k.shape[1], q.shape[_SEQUENCE], q.dtype
         scale = 1.0 / math.sqrt(q.shape[-1])
-        ctx.compute = compute = torch.promote_types(q.dtype, torch.float32)
-        q5 = _grouped(q.to(compute) * scale, kv_heads)
-        out = torch.zeros_like(q5)
-        lse = torch.full(q5.shape[:-1], float("-inf"), dtype=compute, device=q.device)   # of each query's scores
+        stats = torch.promote_types(dtype, torch.float32)
+        q5 = _grouped(q * scale, kv_heads)
+        out = torch.zeros(q5.shape, dtype=stats, device=q.device)
+        lse = torch.full(q5.shape[:-1], float("-inf"), dtype=stats, device=q.device)   # of each query's scores
         kv = torch.stack([k, v])
         for step in range(n):
             source = (rank - step) % n
             exchange = _start_ring_exchange(kv, group, _KV_TAG) if step + 1 < n else None
             block = _ring_block(step, source, rank, local)
-            keys = shard.indices_of(source)[block.columns]
-            k_block, v_block = kv[:, :, :, block.columns].to(compute).unbind(0)
-            scores = _scores(q5[..., block.rows, :], k_block, shard, shard.indices[block.rows], keys, block.causal)
+            rows, keys = block.rows, shard.indices_of(source)[block.columns]
+            k_block, v_block = kv[:, :, :, block.columns].unbind(0)
+            scores = _scores(q5[..., rows, :], k_block, shard, shard.indices[rows], keys, block.causal, stats)
             block_lse = scores.logsumexp(-1)
             # A query with no allowed key in this block (another document) has lse -inf: it contributes nothing.
             probs = torch.exp(scores - block_lse.masked_fill(block_lse == float("-inf"), 0.0).unsqueeze(-1))
-            block_out = probs @ v_block.unsqueeze(2)
-            old_lse = lse[..., block.rows]
+            block_out = (probs.to(dtype) @ v_block.unsqueeze(2)).to(stats)
+            old_lse = lse[..., rows]
             new_lse = torch.logaddexp(old_lse, block_lse)
             finite = new_lse.masked_fill(new_lse == float("-inf"), 0.0)
-            out[..., block.rows, :] = (out[..., block.rows, :] * torch.exp(old_lse - finite).unsqueeze(-1)
-                                       + block_out * torch.exp(block_lse - finite).unsqueeze(-1))
-            lse[..., block.rows] = new_lse
+            out[..., rows, :] = (out[..., rows, :] * torch.exp(old_lse - finite).unsqueeze(-1)
+                                 + block_out * torch.exp(block_lse - finite).unsqueeze(-1))
+            lse[..., rows] = new_lse
             if exchange is not None:
                 kv = _finish(exchange)
+        out = out.view(q.shape).to(dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.shard, ctx.group, ctx.scale = shard, group, scale
-        return out.view(q.shape).to(q.dtype)
+        return out
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
         shard, group, scale = ctx.shard, ctx.group, ctx.scale
         n, rank = group.size, group.rank
-        kv_heads, local = k.shape[1], q.shape[_SEQUENCE]
-        compute = ctx.compute
-        q5 = _grouped(q.to(compute) * scale, kv_heads)
-        grad5 = _grouped(grad_out.to(compute), kv_heads)
-        delta = (grad5 * out).sum(-1)   # rowsum(dO * O): the softmax's backward, once per query
-        grad_q = torch.zeros_like(q5)
+        kv_heads, local, dtype, stats = k.shape[1], q.shape[_SEQUENCE], q.dtype, lse.dtype
+        q5, grad5 = _grouped(q * scale, kv_heads), _grouped(grad_out.to(dtype), kv_heads)
+        delta = (grad5.to(stats) * _grouped(out, kv_heads).to(stats)).sum(-1)   # rowsum(dO * O), once per query
+        grad_q = torch.zeros(q5.shape, dtype=stats, device=q.device)
         kv = torch.stack([k, v])
-        grad_kv, grad_exchange = None, None
+        grad_exchange = None
         for step in range(n):
             source = (rank - step) % n
             exchange = _start_ring_exchange(kv, group, _KV_TAG) if step + 1 < n else None
             block = _ring_block(step, source, rank, local)
-            keys = shard.indices_of(source)[block.columns]
-            k_block, v_block = kv[:, :, :, block.columns].to(compute).unbind(0)
-            rows = block.rows
-            scores = _scores(q5[..., rows, :], k_block, shard, shard.indices[rows], keys, block.causal)
+            rows, keys = block.rows, shard.indices_of(source)[block.columns]
+            k_block, v_block = kv[:, :, :, block.columns].unbind(0)
+            scores = _scores(q5[..., rows, :], k_block, shard, shard.indices[rows], keys, block.causal, stats)
             probs = torch.exp(scores - lse[..., rows].unsqueeze(-1))   # the final softmax's entries of this block
-            grad_v_block = (probs.transpose(-1, -2) @ grad5[..., rows, :]).sum(2)
-            grad_scores = probs * (grad5[..., rows, :] @ v_block.unsqueeze(2).transpose(-1, -2)
-                                   - delta[..., rows].unsqueeze(-1))
+            grad_v_block = (probs.to(dtype).transpose(-1, -2) @ grad5[..., rows, :]).to(stats).sum(2)
+            grad_probs = (grad5[..., rows, :] @ v_block.unsqueeze(2).transpose(-1, -2)).to(stats)
+            grad_scores = (probs * (grad_probs - delta[..., rows].unsqueeze(-1))).to(dtype)
             grad_q[..., rows, :] += grad_scores @ k_block.unsqueeze(2)
-            grad_k_block = (grad_scores.transpose(-1, -2) @ q5[..., rows, :]).sum(2)
+            grad_k_block = (grad_scores.transpose(-1, -2) @ q5[..., rows, :]).to(stats).sum(2)
             # The accumulator of the visiting block arrives from the previous rank (which added its share); add ours
             # and pass it on. After CP sends it is back with its owner, complete.
-            grad_kv = (torch.zeros(kv.shape, dtype=compute, device=kv.device) if grad_exchange is None
+            grad_kv = (torch.zeros(kv.shape, dtype=stats, device=kv.device) if grad_exchange is None
                        else _finish(grad_exchange))
             grad_kv[0][:, :, block.columns] += grad_k_block
             grad_kv[1][:, :, block.columns] += grad_v_block
@@ -335,4 +334,4 @@ class _RingAttention(torch.autograd.Function):
             if exchange is not None:
                 kv = _finish(exchange)
         grad_k, grad_v = _finish(grad_exchange).unbind(0)
-        return ((grad_q * scale).view(q.shape).to(q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype), None, None)
+        return ((grad_q * scale).view(q.shape).to(dtype), grad_k.to(k.dtype), grad_v.to(v.dtype), None, None)

@@ -3,6 +3,7 @@
 The metrics file is a contract for tools and tests: one JSON object per line, with at least ``iteration`` (1-based),
 ``loss`` (mean LM loss over the global batch), ``grad_norm``, ``lr``, ``consumed_samples``, ``elapsed_ms`` (per
 iteration, averaged over the log interval) and ``tokens_per_sec``; evaluations add objects with ``eval_loss``.
+With ``--eod-mask-loss``, ``loss_tokens`` is the number of tokens the loss averaged over.
 """
 
 from __future__ import annotations

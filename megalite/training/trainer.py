@@ -247,6 +247,8 @@ class Trainer:
         self.state.consumed_samples += self.cfg.training.global_batch_size
         record = {"iteration": iteration, "loss": float(per_stage[-1][0]), "grad_norm": step["grad_norm"],
                   "lr": lr, "consumed_samples": self.state.consumed_samples}
+        if self.cfg.data.eod_mask_loss:   # the tokens the loss averaged over (fewer than global batch x seq)
+            record["loss_tokens"] = int(global_tokens)
         if step["skipped"]:
             record["skipped"] = True
         if "loss_scale" in step:

@@ -13,7 +13,8 @@ Conventions, so that numbers compare with the textbook formulas:
 - reduce-scatter: the elements of the full (input) tensor; all-gather: the elements of the full (output) tensor,
   so a reduce-scatter + all-gather pair moves as many elements as 2 all-reduces are counted;
 - send/isend: the tensor's elements; receives are counted separately ("recv") and are the same bytes seen from the
-  other end, so a p2p total uses sends only.
+  other end, so a p2p total uses sends only;
+- all-to-all: the elements of the input, this rank's own part included ((n-1)/n of them leave the rank).
 Each rank counts its own calls; totals are sums over ranks.
 """
 
@@ -37,6 +38,7 @@ _COLLECTIVES = {   # name -> (the counted tensor's parameter name, its position)
     "all_gather_single": ("output_tensor", 0),
     "all_gather": ("tensor_list", 0),
     "reduce_scatter": ("input_list", 1),
+    "all_to_all_single": ("input", 1),
     "isend": ("tensor", 0),
     "irecv": ("tensor", 0),
     "send": ("tensor", 0),

@@ -273,7 +273,11 @@ class _RingAttention(torch.autograd.Function):
         scale = 1.0 / math.sqrt(q.shape[-1])
         stats = torch.promote_types(dtype, torch.float32)
         q5 = _grouped(q * scale, kv_heads)
-        out = torch.zeros(q5.shape, dtype=stats, device=q.device)
+        # Token-major storage [b, L, G, g, d], as flash attention's output: the caller's merge of the heads
+        # ([b, L, h x d], the output projection's input) is then a view of it, not a second copy to keep.
+        batch, heads, _, dim = q.shape
+        out = torch.zeros(batch, local, kv_heads, heads // kv_heads, dim, dtype=stats,
+                          device=q.device).permute(0, 2, 3, 1, 4)
         lse = torch.full(q5.shape[:-1], float("-inf"), dtype=stats, device=q.device)   # of each query's scores
         kv = torch.stack([k, v])
         for step in range(n):
@@ -295,7 +299,7 @@ class _RingAttention(torch.autograd.Function):
             lse[..., rows] = new_lse
             if exchange is not None:
                 kv = _finish(exchange)
-        out = out.view(q.shape).to(dtype)
+        out = out.to(dtype).reshape(q.shape)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.shard, ctx.group, ctx.scale = shard, group, scale
         return out

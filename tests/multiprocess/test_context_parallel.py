@@ -17,9 +17,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from megalite import parallel_state
 from megalite.model.context_parallel import context_parallel_attention, shard_sequence
+from megalite.model.transformer import TransformerLayer, run_layers
+from megalite.tensor_parallel import TensorParallelRNG
 from megalite.training import Trainer
 
+from ..activation_memory import saved_bytes
 from ..data.helpers import write_progressions
 from ..helpers import losses, max_relative_difference, tiny_config, with_checkpoint
 from .equivalence import CPU, check_against_reference, reference
@@ -135,8 +139,7 @@ def packed_data(directory):
 ], ids=slug)
 def test_packed_documents_match_single_process(packed_data, label, cp, comm_type, pp, model):
     cfg = cp_config(cp, comm_type, pp=pp, model=model, data=packed_data,
-                    parallel={"num_virtual_stages_per_pipeline_rank": 2 if pp > 1 else None},
-                    training={"micro_batch_size": 1 if pp > 1 else 2})
+                    parallel={"num_virtual_stages_per_pipeline_rank": 2 if pp > 1 else None})
     check_against_reference(cfg, label=label)
 
 
@@ -191,3 +194,71 @@ def test_exact_resume_at_the_same_context_parallel_layout(directory):
     difference = max_relative_difference(first + second, straight)
     print(f"exact resume at CP=2 x DP=2, with dropout: max rel loss diff {difference:.1e}")
     assert len(second) == 3 and difference <= 1e-7
+
+
+@requires_world(4)
+@pytest.mark.parametrize("comm_type, op", [("p2p", "send"), ("a2a", "all_to_all_single"),
+                                           ("allgather", "all_gather")])
+def test_communication_per_step_is_the_planner_s(comm_type, op):
+    """One training step at CP=2 x DP=2, counted at the torch.distributed calls on the context-parallel group: what
+    the planner's model says each layer and micro-batch sends (megalite.planner.performance), and for the ring the
+    analytic minimum of each pass (every rank's K/V block reaches the CP-1 others; its gradient's CP-1 other
+    contributions come back): forward at it, backward CP / (CP-1) times it on the dK/dV part, the accumulator also
+    travelling through its owner's neighbour back home."""
+    from bench.comm_counter import count_communication   # noqa: PLC0415 - the benchmarks' counter, run as a test
+
+    from megalite.planner import Layout   # noqa: PLC0415
+    from megalite.planner.performance import context_parallel_bytes   # noqa: PLC0415
+
+    cfg = cp_config(2, comm_type, training={"train_iters": 1}, data={"eval_interval": 0})
+    with layout(cp=2):
+        trainer = Trainer(cfg, CPU)
+        with count_communication() as counter:
+            trainer.train_step()
+    m, layers = trainer.num_micro_batches, cfg.model.num_layers
+    sent = context_parallel_bytes(cfg.model, Layout(cp=2, dp=2, cp_comm_type=comm_type,
+                                                    micro_batch_size=cfg.training.micro_batch_size), 4)
+    expected = (sent["forward"] + sent["backward"]) / 4 * layers * m   # fp32: 4 bytes an element
+    counted = counter.elements(op, "context")
+    if op == "all_to_all_single":   # counted: whole inputs; the model: the (CP-1)/CP that leaves the rank
+        counted /= 2
+    if op == "all_gather":   # counted: the gathered tensor (CP blocks) forward, reduce-scatter's input backward
+        counted = (counter.elements("all_gather", "context") + counter.elements("reduce_scatter", "context")) / 2
+    print(f"{comm_type} CP=2: {counted:,.0f} elements per step and rank on the CP group, the planner's "
+          f"{expected:,.0f}")
+    assert counted == expected
+    if comm_type == "p2p":   # per layer and micro-batch, in K/V blocks of this rank's tokens
+        block = 2 * cfg.training.micro_batch_size * cfg.model.seq_length // 2 * cfg.model.hidden_size * 4
+        forward, backward = sent["forward"] / block, sent["backward"] / block
+        print(f"ring vs analytic minimum: forward {forward:.0f} block(s) / 1, backward {backward:.0f} / 2 "
+              f"(K/V again and the dK/dV accumulator, which also makes the trip home)")
+        assert (forward, backward) == (1, 3)
+
+
+@requires_world(4)
+@pytest.mark.parametrize("comm_type", ["p2p", "a2a", "allgather"])
+def test_activation_bytes_per_rank_shrink_with_context_parallelism(comm_type):
+    """What autograd keeps for one layer (saved-tensor hooks, tests/activation_memory.py), s = 128, b = 2, hidden
+    dropout on: at CP=2 and 4 against CP=1 and against the planner's estimate (megalite.planner.memory)."""
+    from megalite.planner.memory import Numerics, layer_activation_bytes   # noqa: PLC0415
+
+    cfg = cp_config(1, comm_type, model={"num_layers": 1, "seq_length": 128, "hidden_dropout": 0.1}).model
+    batch, measured = 2, {}
+    for cp in (1, 2, 4):
+        with layout(ranks=list(range(cp)) if cp > 1 else [dist.get_rank()], cp=cp) as member:
+            if member:
+                rng = TensorParallelRNG(0, 0, 0, CPU, parallel_state.get_context_parallel_rank())
+                layers = torch.nn.ModuleList([TransformerLayer(cfg, rng)])
+                shard = shard_sequence(cfg.seq_length, CPU, comm_type=comm_type)
+                x = torch.randn(batch, cfg.seq_length // cp, cfg.hidden_size, requires_grad=True)
+                measured[cp], output = saved_bytes(lambda h: run_layers(layers, h, cfg, rng, shard), x,
+                                                   exclude=list(layers.parameters()))
+                output.sum().backward()
+    if dist.get_rank() != 0:
+        return
+    for cp, held in measured.items():
+        planned = layer_activation_bytes(cfg, 1, False, batch, Numerics.cpu(4), cp=cp, cp_comm_type=comm_type)
+        print(f"{comm_type} CP={cp}: {held:,} bytes per layer and rank, {held / measured[1]:.3f} of CP=1; the "
+              f"planner's estimate {planned:,.0f} ({held / planned:.3f})")
+        assert abs(held / planned - 1) < 0.05
+    assert measured[2] / measured[1] < (0.51 if comm_type == "p2p" else 0.65)

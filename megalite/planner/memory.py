@@ -358,15 +358,16 @@ def context_parallel_core_bytes(model: ModelConfig, tp: int, micro_batch_size: i
 
     - p2p (ring): nothing more: it keeps q, k, v, its output and the log-sum-exp, as flash attention does;
     - a2a: the core's output in the head-sharded layout, a tensor besides the output projection's input;
-    - allgather: the whole sequence's keys and values (the core keeps its inputs), and the boolean mask of the
-      rank's queries against every key."""
+    - allgather: the whole sequence's keys and values (the core keeps its inputs), and the mask of the rank's
+      queries against every key, which SDPA keeps converted to the activation dtype (p bytes per pair, shared by the
+      micro-batch's samples: 8 MiB per layer for 1024 queries x 2048 keys in fp32)."""
     s, b, h, p = model.seq_length // cp, micro_batch_size, model.hidden_size, numerics.activation_bytes
     if cp_comm_type == "p2p":
         return 0.0
     if cp_comm_type == "a2a":
         return p * b * s * h / tp
     kv_channels = max(model.query_groups // tp, 1) * model.head_dim
-    return p * b * model.seq_length * 2 * kv_channels + s * model.seq_length
+    return p * b * model.seq_length * 2 * kv_channels + p * s * model.seq_length
 
 
 def embedding_activation_bytes(model: ModelConfig, tp: int, sequence_parallel: bool, micro_batch_size: int,

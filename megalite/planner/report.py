@@ -68,7 +68,7 @@ _HEADER = ("#", "TP", "CP", "PP", "V", "DP", "mbs", "optimizer", "SP", "recomput
 
 def _row(i: int, e: Estimate, plan: Plan) -> tuple[str, ...]:
     lay, peak, t = e.layout, e.peak, e.time
-    return (str(i), str(lay.tp), str(lay.cp), str(lay.pp), str(lay.virtual_stages), str(lay.dp),
+    return (str(i), str(lay.tp), str(lay.cp) + (f" {lay.cp_comm_type}" if lay.cp > 1 else ""), str(lay.pp), str(lay.virtual_stages), str(lay.dp),
             str(lay.micro_batch_size), lay.optimizer_name, "yes" if lay.sequence_parallel else "-",
             lay.recompute or "-", _g(peak.weights), _g(peak.gradients), _g(peak.optimizer),
             _g(peak.gathered) if peak.gathered else "-", _g(peak.activations), _g(peak.total), _seconds(t.tp),

@@ -172,12 +172,7 @@ def main() -> None:
               "with the compute for them, so what is hidden is whatever the measurement says, not what a GPU with "
               "its copy engines would hide. a2a's core is SDPA's fused kernel on the whole sequence; the ring's "
               "blocks are unfused torch ops (q k^T, softmax, times v), which is most of its cost here."]
-    table = "\n".join(lines)
-    if common.rank() == 0:
-        print(table, flush=True)
-        if args.output:
-            with open(args.output, "w") as file:
-                file.write(table + "\n")
+    common.print_table(lines, args.output)
     for state in layouts.values():
         with registered(state):
             parallel_state.destroy_model_parallel()

@@ -243,6 +243,20 @@ def _ring_block(step: int, source: int, rank: int, local: int) -> _Block:
     return _Block(slice(half, local), slice(0, local), False)
 
 
+def _visiting_blocks(kv: torch.Tensor, shard: SequenceShard, group: GroupInfo, local: int):
+    """The ring's steps, for the caller to compute: (the step's block, its keys' sample indices, K, V). The next
+    rank's block is in flight while the caller computes on this one; the exchange is waited for when it asks for
+    the next."""
+    n, rank = group.size, group.rank
+    for step in range(n):
+        source = (rank - step) % n
+        exchange = _start_ring_exchange(kv, group, _KV_TAG) if step + 1 < n else None
+        block = _ring_block(step, source, rank, local)
+        yield (block, shard.indices_of(source)[block.columns], *kv[:, :, :, block.columns].unbind(0))
+        if exchange is not None:
+            kv = _finish(exchange)
+
+
 def _grouped(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
     """[batch, heads, L, d] -> [batch, kv heads, heads / kv heads, L, d]: query head i uses key/value head
     i // (heads / kv heads), as SDPA's grouped-query attention."""
@@ -268,7 +282,6 @@ class _RingAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, shard: SequenceShard, group: GroupInfo):
-        n, rank = group.size, group.rank
         kv_heads, local, dtype = k.shape[1], q.shape[_SEQUENCE], q.dtype
         scale = 1.0 / math.sqrt(q.shape[-1])
         stats = torch.promote_types(dtype, torch.float32)
@@ -279,13 +292,8 @@ class _RingAttention(torch.autograd.Function):
         out = torch.zeros(batch, local, kv_heads, heads // kv_heads, dim, dtype=stats,
                           device=q.device).permute(0, 2, 3, 1, 4)
         lse = torch.full(q5.shape[:-1], float("-inf"), dtype=stats, device=q.device)   # of each query's scores
-        kv = torch.stack([k, v])
-        for step in range(n):
-            source = (rank - step) % n
-            exchange = _start_ring_exchange(kv, group, _KV_TAG) if step + 1 < n else None
-            block = _ring_block(step, source, rank, local)
-            rows, keys = block.rows, shard.indices_of(source)[block.columns]
-            k_block, v_block = kv[:, :, :, block.columns].unbind(0)
+        for block, keys, k_block, v_block in _visiting_blocks(torch.stack([k, v]), shard, group, local):
+            rows = block.rows
             scores = _scores(q5[..., rows, :], k_block, shard, shard.indices[rows], keys, block.causal, stats)
             block_lse = scores.logsumexp(-1)
             # A query with no allowed key in this block (another document) has lse -inf: it contributes nothing.
@@ -297,8 +305,6 @@ class _RingAttention(torch.autograd.Function):
             out[..., rows, :] = (out[..., rows, :] * torch.exp(old_lse - finite).unsqueeze(-1)
                                  + block_out * torch.exp(block_lse - finite).unsqueeze(-1))
             lse[..., rows] = new_lse
-            if exchange is not None:
-                kv = _finish(exchange)
         out = out.to(dtype).reshape(q.shape)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.shard, ctx.group, ctx.scale = shard, group, scale
@@ -308,19 +314,14 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
         shard, group, scale = ctx.shard, ctx.group, ctx.scale
-        n, rank = group.size, group.rank
         kv_heads, local, dtype, stats = k.shape[1], q.shape[_SEQUENCE], q.dtype, lse.dtype
         q5, grad5 = _grouped(q * scale, kv_heads), _grouped(grad_out.to(dtype), kv_heads)
         delta = (grad5.to(stats) * _grouped(out, kv_heads).to(stats)).sum(-1)   # rowsum(dO * O), once per query
         grad_q = torch.zeros(q5.shape, dtype=stats, device=q.device)
         kv = torch.stack([k, v])
         grad_exchange = None
-        for step in range(n):
-            source = (rank - step) % n
-            exchange = _start_ring_exchange(kv, group, _KV_TAG) if step + 1 < n else None
-            block = _ring_block(step, source, rank, local)
-            rows, keys = block.rows, shard.indices_of(source)[block.columns]
-            k_block, v_block = kv[:, :, :, block.columns].unbind(0)
+        for block, keys, k_block, v_block in _visiting_blocks(kv, shard, group, local):
+            rows = block.rows
             scores = _scores(q5[..., rows, :], k_block, shard, shard.indices[rows], keys, block.causal, stats)
             probs = torch.exp(scores - lse[..., rows].unsqueeze(-1))   # the final softmax's entries of this block
             grad_v_block = (probs.to(dtype).transpose(-1, -2) @ grad5[..., rows, :]).to(stats).sum(2)
@@ -335,7 +336,5 @@ class _RingAttention(torch.autograd.Function):
             grad_kv[0][:, :, block.columns] += grad_k_block
             grad_kv[1][:, :, block.columns] += grad_v_block
             grad_exchange = _start_ring_exchange(grad_kv, group, _GRAD_TAG)
-            if exchange is not None:
-                kv = _finish(exchange)
         grad_k, grad_v = _finish(grad_exchange).unbind(0)
         return ((grad_q * scale).view(q.shape).to(dtype), grad_k.to(k.dtype), grad_v.to(v.dtype), None, None)

@@ -167,11 +167,11 @@ def main() -> None:
             medians = {name: f"{statistics.median(t):.0f}" for name, t in times.items()}
             print(f"{comm_type}: median step ms {medians}", flush=True)
         del trainers
-    lines += ["", "The ring's exchanges are started before each block's compute and waited for after it. Waiting covers "
-              "the transfer and any wait for the peer; on CPU ranks sharing cores, gloo's transfer threads compete "
-              "with the compute for them, so what is hidden is whatever the measurement says, not what a GPU with "
-              "its copy engines would hide. a2a's core is SDPA's fused kernel on the whole sequence; the ring's "
-              "blocks are unfused torch ops (q k^T, softmax, times v), which is most of its cost here."]
+    lines += ["", "The ring's exchanges are started before each block's compute and waited for after it. Waiting "
+              "covers the transfer and any wait for the peer; on CPU ranks sharing cores, gloo's transfer threads "
+              "compete with the compute for them, so what is hidden is whatever the measurement says, not what a GPU "
+              "with its copy engines would hide. a2a's core is SDPA's fused kernel on the whole sequence; the ring's "
+              "blocks are torch's fused CPU flash kernel, one call per block plus the merges of their softmaxes."]
     common.print_table(lines, args.output)
     for state in layouts.values():
         with registered(state):

@@ -14,7 +14,8 @@ document ids of any other rank's tokens are known locally, nothing to send).
 
 The three attentions (q: [batch, heads, local, d], k and v: [batch, key/value heads, local, d]):
 
-- ``p2p``, ring attention (:class:`_RingAttention`): the K/V blocks travel around the CP ring in CP - 1 steps; each
+- ``p2p``, ring attention (:class:`_RingAttention`; each block torch's fused flash kernel on the CPU, unfused torch
+  ops on a GPU or with documents): the K/V blocks travel around the CP ring in CP - 1 steps; each
   step's send/receive of the next block runs while the current block is computed. Queries accumulate their softmax
   online (a running log-sum-exp per query, Milakov & Gimelshein 2018 / flash attention), so no rank ever holds the
   whole sequence's keys. With the load balance, step 0 is the local causal block, a block from an earlier rank is seen
@@ -264,6 +265,69 @@ def _grouped(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
     return q.view(batch, kv_heads, heads // kv_heads, length, dim)
 
 
+def _fused_cpu_kernels():
+    """torch's CPU flash-attention kernels that return (and take back) the log-sum-exp, which SDPA's public function
+    does not expose: (forward, backward), or None on a torch without them."""
+    try:
+        return (torch.ops.aten._scaled_dot_product_flash_attention_for_cpu,
+                torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward)
+    except (AttributeError, RuntimeError):
+        return None
+
+
+_FUSED_CPU = _fused_cpu_kernels()
+
+
+def _fused(q: torch.Tensor, shard: SequenceShard) -> bool:
+    """Whether a block runs as torch's fused CPU kernel: on the CPU, without documents (the kernel's masks would have
+    to spell out fully masked rows, which the blockwise softmax then cannot tell from empty ones)."""
+    return _FUSED_CPU is not None and q.device.type == "cpu" and shard.documents is None
+
+
+def _expanded(k: torch.Tensor, heads: int) -> torch.Tensor:
+    """Key/value heads repeated for their query heads (the fused kernel has no grouped-query attention)."""
+    return k if k.shape[1] == heads else k.repeat_interleave(heads // k.shape[1], dim=1)
+
+
+def _block_forward(q, k, v, shard: SequenceShard, query, key, causal: bool, scale: float, stats: torch.dtype):
+    """One block: queries q [b, h, Lq, d] against keys and values [b, G, Lk, d]: (output [b, h, Lq, d], log-sum-exp
+    [b, h, Lq]) in the statistics' dtype; a query with no allowed key here gets lse -inf and output 0."""
+    if _fused(q, shard):
+        heads = q.shape[1]
+        out, lse = _FUSED_CPU[0](q, _expanded(k, heads), _expanded(v, heads), 0.0, causal, scale=scale)
+        return out.to(stats), lse.to(stats)
+    q5 = _grouped(q * scale, k.shape[1])
+    scores = _scores(q5, k, shard, query, key, causal, stats)
+    lse = scores.logsumexp(-1)
+    probs = torch.exp(scores - lse.masked_fill(lse == float("-inf"), 0.0).unsqueeze(-1))
+    out = (probs.to(q.dtype) @ v.unsqueeze(2)).to(stats)
+    return out.view(q.shape), lse.view(q.shape[:-1])
+
+
+def _block_backward(grad, q, k, v, out, lse, delta, shard: SequenceShard, query, key, causal: bool, scale: float,
+                    stats: torch.dtype):
+    """One block's share of the gradients, from the final output and log-sum-exp of its queries: (dq [b, h, Lq, d],
+    dk and dv [b, G, Lk, d]) in the statistics' dtype. ``delta``: rowsum(dO * O) [b, h, Lq]."""
+    kv_heads = k.shape[1]
+    if _fused(q, shard):
+        heads = q.shape[1]
+        grad_q, grad_k, grad_v = _FUSED_CPU[1](grad, q, _expanded(k, heads), _expanded(v, heads), out, lse, 0.0,
+                                               causal, scale=scale)
+        batch, _, length, dim = grad_k.shape
+        return (grad_q.to(stats), *(g.to(stats).view(batch, kv_heads, heads // kv_heads, length, dim).sum(2)
+                                    for g in (grad_k, grad_v)))
+    dtype = q.dtype
+    q5, grad5 = _grouped(q * scale, kv_heads), _grouped(grad, kv_heads)
+    scores = _scores(q5, k, shard, query, key, causal, stats)
+    probs = torch.exp(scores - _grouped(lse.unsqueeze(-1), kv_heads))   # the final softmax's entries of this block
+    grad_v = (probs.to(dtype).transpose(-1, -2) @ grad5).to(stats).sum(2)
+    grad_probs = (grad5 @ v.unsqueeze(2).transpose(-1, -2)).to(stats)
+    grad_scores = (probs * (grad_probs - _grouped(delta.unsqueeze(-1), kv_heads))).to(dtype)
+    grad_q = (grad_scores @ k.unsqueeze(2)).to(stats) * scale
+    grad_k = (grad_scores.transpose(-1, -2) @ q5).to(stats).sum(2)
+    return grad_q.view(q.shape), grad_k, grad_v
+
+
 def _scores(q: torch.Tensor, k: torch.Tensor, shard: SequenceShard, query: torch.Tensor, key: torch.Tensor,
             causal: bool, stats: torch.dtype) -> torch.Tensor:
     """Masked q k^T of one block in the statistics' dtype: [batch, kv heads, group, queries, keys] (q scaled)."""
@@ -276,36 +340,31 @@ def _scores(q: torch.Tensor, k: torch.Tensor, shard: SequenceShard, query: torch
 
 class _RingAttention(torch.autograd.Function):
     """Ring attention (see the module docstring). Inputs q [b, h, L, d], k and v [b, G, L, d] in any float dtype.
-    As Megatron's unfused attention does, the products run in the input dtype (tensor cores for bf16) and the
-    softmax statistics, the output's and the gradients' accumulation in fp32 (fp64 inputs keep fp64); K/V blocks
+    Each block runs as torch's fused CPU flash-attention kernel where it can (CPU tensors, no documents); otherwise
+    as Megatron's unfused attention does: the products in the input dtype (tensor cores for bf16), the softmax
+    statistics in fp32. The blocks' outputs and gradients accumulate in fp32 (fp64 inputs keep fp64); K/V blocks
     travel in the input dtype, the dK/dV accumulators in fp32."""
 
     @staticmethod
     def forward(ctx, q, k, v, shard: SequenceShard, group: GroupInfo):
-        kv_heads, local, dtype = k.shape[1], q.shape[_SEQUENCE], q.dtype
-        scale = 1.0 / math.sqrt(q.shape[-1])
-        stats = torch.promote_types(dtype, torch.float32)
-        q5 = _grouped(q * scale, kv_heads)
-        # Token-major storage [b, L, G, g, d], as flash attention's output: the caller's merge of the heads
+        batch, heads, local, dim = q.shape
+        scale = 1.0 / math.sqrt(dim)
+        stats = torch.promote_types(q.dtype, torch.float32)
+        # Token-major storage [b, L, h, d], as flash attention's output: the caller's merge of the heads
         # ([b, L, h x d], the output projection's input) is then a view of it, not a second copy to keep.
-        batch, heads, _, dim = q.shape
-        out = torch.zeros(batch, local, kv_heads, heads // kv_heads, dim, dtype=stats,
-                          device=q.device).permute(0, 2, 3, 1, 4)
-        lse = torch.full(q5.shape[:-1], float("-inf"), dtype=stats, device=q.device)   # of each query's scores
+        out = torch.zeros(batch, local, heads, dim, dtype=stats, device=q.device).transpose(1, 2)
+        lse = torch.full((batch, heads, local), float("-inf"), dtype=stats, device=q.device)   # per query
         for block, keys, k_block, v_block in _visiting_blocks(torch.stack([k, v]), shard, group, local):
             rows = block.rows
-            scores = _scores(q5[..., rows, :], k_block, shard, shard.indices[rows], keys, block.causal, stats)
-            block_lse = scores.logsumexp(-1)
-            # A query with no allowed key in this block (another document) has lse -inf: it contributes nothing.
-            probs = torch.exp(scores - block_lse.masked_fill(block_lse == float("-inf"), 0.0).unsqueeze(-1))
-            block_out = (probs.to(dtype) @ v_block.unsqueeze(2)).to(stats)
+            block_out, block_lse = _block_forward(q[:, :, rows], k_block, v_block, shard, shard.indices[rows], keys,
+                                                  block.causal, scale, stats)
             old_lse = lse[..., rows]
             new_lse = torch.logaddexp(old_lse, block_lse)
             finite = new_lse.masked_fill(new_lse == float("-inf"), 0.0)
-            out[..., rows, :] = (out[..., rows, :] * torch.exp(old_lse - finite).unsqueeze(-1)
-                                 + block_out * torch.exp(block_lse - finite).unsqueeze(-1))
+            out[:, :, rows] = (out[:, :, rows] * torch.exp(old_lse - finite).unsqueeze(-1)
+                               + block_out * torch.exp(block_lse - finite).unsqueeze(-1))
             lse[..., rows] = new_lse
-        out = out.to(dtype).reshape(q.shape)
+        out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.shard, ctx.group, ctx.scale = shard, group, scale
         return out
@@ -314,21 +373,18 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
         shard, group, scale = ctx.shard, ctx.group, ctx.scale
-        kv_heads, local, dtype, stats = k.shape[1], q.shape[_SEQUENCE], q.dtype, lse.dtype
-        q5, grad5 = _grouped(q * scale, kv_heads), _grouped(grad_out.to(dtype), kv_heads)
-        delta = (grad5.to(stats) * _grouped(out, kv_heads).to(stats)).sum(-1)   # rowsum(dO * O), once per query
-        grad_q = torch.zeros(q5.shape, dtype=stats, device=q.device)
+        local, stats = q.shape[_SEQUENCE], lse.dtype
+        grad_out = grad_out.to(q.dtype)
+        delta = (grad_out.to(stats) * out.to(stats)).sum(-1)   # rowsum(dO * O), once per query
+        grad_q = torch.zeros(q.shape, dtype=stats, device=q.device)
         kv = torch.stack([k, v])
         grad_exchange = None
         for block, keys, k_block, v_block in _visiting_blocks(kv, shard, group, local):
             rows = block.rows
-            scores = _scores(q5[..., rows, :], k_block, shard, shard.indices[rows], keys, block.causal, stats)
-            probs = torch.exp(scores - lse[..., rows].unsqueeze(-1))   # the final softmax's entries of this block
-            grad_v_block = (probs.to(dtype).transpose(-1, -2) @ grad5[..., rows, :]).to(stats).sum(2)
-            grad_probs = (grad5[..., rows, :] @ v_block.unsqueeze(2).transpose(-1, -2)).to(stats)
-            grad_scores = (probs * (grad_probs - delta[..., rows].unsqueeze(-1))).to(dtype)
-            grad_q[..., rows, :] += grad_scores @ k_block.unsqueeze(2)
-            grad_k_block = (grad_scores.transpose(-1, -2) @ q5[..., rows, :]).to(stats).sum(2)
+            grad_q_block, grad_k_block, grad_v_block = _block_backward(
+                grad_out[:, :, rows], q[:, :, rows], k_block, v_block, out[:, :, rows], lse[..., rows],
+                delta[..., rows], shard, shard.indices[rows], keys, block.causal, scale, stats)
+            grad_q[:, :, rows] += grad_q_block
             # The accumulator of the visiting block arrives from the previous rank (which added its share); add ours
             # and pass it on. After CP sends it is back with its owner, complete.
             grad_kv = (torch.zeros(kv.shape, dtype=stats, device=kv.device) if grad_exchange is None
@@ -337,4 +393,4 @@ class _RingAttention(torch.autograd.Function):
             grad_kv[1][:, :, block.columns] += grad_v_block
             grad_exchange = _start_ring_exchange(grad_kv, group, _GRAD_TAG)
         grad_k, grad_v = _finish(grad_exchange).unbind(0)
-        return ((grad_q * scale).view(q.shape).to(dtype), grad_k.to(k.dtype), grad_v.to(v.dtype), None, None)
+        return grad_q.to(q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype), None, None

@@ -43,7 +43,8 @@ one, else the network):
   forward or backward): what exceeds it shows, and the last dK/dV transfer. a2a moves (CP-1)/CP of q, [k; v] and the
   output per pass; allgather gathers K/V forward and reduce-scatters their gradient backward; neither overlaps.
   Recompute reruns the core's forward communication. The DP reduction runs over DP x CP. The ring's blocks are
-  unfused attention, counted 3x slower than the flash kernel the other cores use (UNFUSED_ATTENTION_SLOWDOWN).
+  unfused attention on a GPU, counted 3x slower than the flash kernel the other cores use
+  (UNFUSED_ATTENTION_SLOWDOWN).
 
 Not modelled: kernel efficiency changing with matrix sizes (one efficiency for all), the optimizer step itself
 (memory-bound, small next to a step; with CPU offload it is the host's Adam, and --offload-params adds host-device
@@ -64,9 +65,9 @@ from megalite.planner.layout import Layout
 from megalite.planner.memory import fully_sharded_units, model_state_bytes, padded_elements
 
 
-# megalite's ring attention computes each block with unfused torch ops (q k^T, softmax, times v, the scores written
-# to memory), which run about 3x slower than a fused flash-attention kernel (Dao et al. 2022, FlashAttention: up to
-# 3x over PyTorch's standard attention on GPT-2): its FLOPs are counted at a third of the kernels' efficiency.
+# megalite's ring attention on a GPU computes each block with unfused torch ops (q k^T, softmax, times v, the scores
+# written to memory), which run about 3x slower than a fused flash-attention kernel (Dao et al. 2022, FlashAttention:
+# up to 3x over PyTorch's standard attention on GPT-2): its FLOPs are counted at a third of the kernels' efficiency.
 UNFUSED_ATTENTION_SLOWDOWN = 3.0
 
 

@@ -17,7 +17,7 @@ Search space (each candidate is also passed through megalite.config.validate, so
 - context parallelism CP in powers of two up to 16, p2p (ring) or a2a (Ulysses): each GPU holds s / CP tokens of
   every sample, so activations shrink by CP, at the price of the ring's K/V transfers (they hide behind the attention
   blocks' compute when blocks are long: compute per block grows with s^2 / CP^2, its bytes with s / CP; but
-  megalite's blocks are unfused attention, slower than flash) or of a2a's all-to-alls (not hidden; its core is
+  megalite's blocks are unfused attention on a GPU, slower than flash) or of a2a's all-to-alls (not hidden; its core is
   flash attention). It wins for long sequences, where activations would not fit otherwise or force recompute.
   Searched from 16k tokens on (MIN_CONTEXT_PARALLEL_SEQUENCE); DP = GPUs / (TP x CP x PP).
 

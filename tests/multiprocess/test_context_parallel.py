@@ -104,7 +104,7 @@ def test_losses_and_weights_match_single_process(label, cp, comm_type, tp, model
 
 @requires_world(8)
 def test_context_pipeline_and_data_parallel_match_single_process():
-    cfg = cp_config(2, pp=2, model={"num_layers": 4}, training={"micro_batch_size": 1})
+    cfg = cp_config(2, pp=2, model={"num_layers": 4})
     check_against_reference(cfg, label="p2p CP=2 x PP=2 x DP=2")
 
 

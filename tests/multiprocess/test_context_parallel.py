@@ -114,7 +114,9 @@ def test_bf16_ring_attention_stays_close_to_fp32():
     with layout(ranks=[0, 1], cp=2) as member:
         if not member:
             return
-        bf16 = losses(Trainer(cp_config(2, training={"bf16": True}, optimizer={"adam_eps": 1e-5}), CPU).train())
+        trainer = Trainer(cp_config(2, training={"bf16": True}, optimizer={"adam_eps": 1e-5}), CPU)
+        assert "TP=1 x CP=2 (p2p) x PP=1 x DP=1" in trainer.describe()   # the start-up line
+        bf16 = losses(trainer.train())
     print(f"bf16 CP=2 vs fp32 single process after 10 iterations: {bf16[-1]:.5f} vs {fp32[-1]:.5f}")
     assert abs(bf16[-1] - fp32[-1]) / fp32[-1] < 0.02
 

@@ -98,6 +98,16 @@ def ratio_spread(ours: list[float], peer: list[float]) -> tuple[float, float]:
     return q[0], q[2]
 
 
+def print_table(lines: list[str], output: str | None) -> None:
+    """Rank 0 prints the table (and writes it to ``output``, when given)."""
+    table = "\n".join(lines)
+    if rank() == 0:
+        print(table, flush=True)
+        if output:
+            with open(output, "w") as file:
+                file.write(table + "\n")
+
+
 def set_threads(ranks_per_machine: int) -> int:
     """Intra-op threads per rank: the machine's cores shared out (4 ranks on 2 cores: 1 each, no fighting)."""
     threads = max(1, (os.cpu_count() or 1) // ranks_per_machine)

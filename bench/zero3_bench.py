@@ -88,12 +88,7 @@ def main() -> None:
             medians = {name: statistics.median(t) for name, t in times.items()}
             print(f"M={micro_batches}: median step ms {medians}, P = {parameters} parameters", flush=True)
         del trainers
-    table = "\n".join(lines)
-    if common.rank() == 0:
-        print(table, flush=True)
-        if args.output:
-            with open(args.output, "w") as file:
-                file.write(table + "\n")
+    common.print_table(lines, args.output)
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
 

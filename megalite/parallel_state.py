@@ -1,12 +1,21 @@
-"""Process groups for a (TP, PP, DP) layout: the one piece of global state megalite keeps.
+"""Process groups for a (TP, CP, DP, PP) layout: the one piece of global state megalite keeps.
 
-Rank order (Megatron's): tensor-parallel ranks are adjacent, then data-parallel, then pipeline-parallel::
+Rank order (Megatron's default): tensor-parallel ranks are adjacent, then context-parallel, then data-parallel, then
+pipeline-parallel::
 
-    rank = pp_rank * (DP * TP) + dp_rank * TP + tp_rank
+    rank = pp_rank * (DP * CP * TP) + dp_rank * (CP * TP) + cp_rank * TP + tp_rank
 
-so a TP group sits inside one node (fast links) and pipeline stages are the farthest apart. For TP=2, PP=2, DP=2
-(8 ranks): TP groups [0,1] [2,3] [4,5] [6,7]; DP groups [0,2] [1,3] [4,6] [5,7]; PP groups [0,4] [1,5] [2,6] [3,7];
-model-parallel groups (TP x PP) [0,1,4,5] [2,3,6,7]; embedding groups (first and last stage) = the PP groups' ends.
+so a TP group sits inside one node (fast links), a CP ring next to it, and pipeline stages are the farthest apart.
+For TP=2, PP=2, DP=2 (8 ranks): TP groups [0,1] [2,3] [4,5] [6,7]; DP groups [0,2] [1,3] [4,6] [5,7]; PP groups
+[0,4] [1,5] [2,6] [3,7]; model-parallel groups (TP x PP) [0,1,4,5] [2,3,6,7]; embedding groups (first and last
+stage) = the PP groups' ends. With CP=2, TP=2 (4 ranks): CP groups [0,2] [1,3].
+
+Every group kind is the set of ranks that differ only in some of the four coordinates (``GROUP_DIMENSIONS``; one
+builder, :func:`layout_groups`, makes them all). Context-parallel ranks hold the same weights and different tokens of
+the same samples, so everything that treats model replicas (gradient reduction, the distributed optimizer, ZeRO-3,
+the gradient norm's shards) runs over ``data_context`` = DP x CP, while the data sampler uses ``data`` (pure DP: the
+CP ranks of one DP rank read the same samples). A new kind (e.g. expert parallelism carved from DP x CP) is one more
+entry of the table and one more field of :class:`ParallelState`.
 
 A layout may cover a subset of the world (``ranks=``): the tests use it to run a 2-rank layout inside a 4-rank launch,
 and a 1x1x1 layout on every rank as the single-process reference. Groups of one member are never created: the
@@ -17,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import itertools
 from dataclasses import dataclass
 from typing import Iterator, Optional, Sequence
 
@@ -42,36 +52,64 @@ class GroupInfo:
 @dataclass(frozen=True)
 class ParallelState:
     tensor: GroupInfo
-    pipeline: GroupInfo
+    context: GroupInfo
     data: GroupInfo
+    data_context: GroupInfo   # DP x CP: the ranks holding the same model shard (gradients are summed over it)
+    pipeline: GroupInfo
     model: GroupInfo       # TP x PP: everything that holds one replica of the model
     embedding: Optional[GroupInfo]   # first and last pipeline stage (tied word embeddings); None elsewhere
 
 
 _STATE: Optional[ParallelState] = None
 
+# The coordinates of a rank, innermost first (the rank order above), and which of them each group kind spans: a
+# group is the ranks that agree on every other coordinate. Its members are listed in rank order.
+DIMENSIONS = ("tp", "cp", "dp", "pp")
+GROUP_DIMENSIONS = {
+    "tensor": ("tp",),
+    "context": ("cp",),
+    "data": ("dp",),
+    "data_context": ("cp", "dp"),
+    "pipeline": ("pp",),
+    "model": ("tp", "pp"),
+}
 
-def layout_groups(num_ranks: int, tp: int, pp: int) -> dict[str, list[list[int]]]:
+
+def rank_of(sizes: dict[str, int], coordinates: dict[str, int]) -> int:
+    """The layout-local rank at ``coordinates`` (TP innermost, then CP, DP, PP)."""
+    rank, stride = 0, 1
+    for dim in DIMENSIONS:
+        rank += coordinates[dim] * stride
+        stride *= sizes[dim]
+    return rank
+
+
+def layout_groups(num_ranks: int, tp: int, pp: int, cp: int = 1) -> dict[str, list[list[int]]]:
     """All groups of the layout as lists of layout-local ranks (pure function, tested on its own)."""
-    if num_ranks % (tp * pp):
-        raise ValueError(f"{num_ranks} ranks are not divisible by TP {tp} x PP {pp}")
-    dp = num_ranks // (tp * pp)
+    if num_ranks % (tp * cp * pp):
+        raise ValueError(f"{num_ranks} ranks are not divisible by TP {tp} x CP {cp} x PP {pp}")
+    sizes = {"tp": tp, "cp": cp, "dp": num_ranks // (tp * cp * pp), "pp": pp}
 
-    def rank(t, d, p):
-        return p * dp * tp + d * tp + t
+    def groups_spanning(spanned: tuple[str, ...]) -> list[list[int]]:
+        fixed = [d for d in reversed(DIMENSIONS) if d not in spanned]   # outermost first: groups in rank order
+        inner = [d for d in reversed(DIMENSIONS) if d in spanned]
+        groups = []
+        for outside in itertools.product(*(range(sizes[d]) for d in fixed)):
+            members = [rank_of(sizes, {**dict(zip(fixed, outside)), **dict(zip(inner, inside))})
+                       for inside in itertools.product(*(range(sizes[d]) for d in inner))]
+            groups.append(sorted(members))
+        return groups
 
-    return {
-        "tensor": [[rank(t, d, p) for t in range(tp)] for p in range(pp) for d in range(dp)],
-        "data": [[rank(t, d, p) for d in range(dp)] for p in range(pp) for t in range(tp)],
-        "pipeline": [[rank(t, d, p) for p in range(pp)] for d in range(dp) for t in range(tp)],
-        "model": [[rank(t, d, p) for p in range(pp) for t in range(tp)] for d in range(dp)],
-        "embedding": [sorted({rank(t, d, 0), rank(t, d, pp - 1)}) for d in range(dp) for t in range(tp)],
-    }
+    groups = {kind: groups_spanning(spanned) for kind, spanned in GROUP_DIMENSIONS.items()}
+    # The tied word embedding lives on the first and last stage of each pipeline.
+    groups["embedding"] = [sorted({members[0], members[-1]}) for members in groups["pipeline"]]
+    return groups
 
 
 def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1,
                               ranks: Optional[Sequence[int]] = None,
-                              timeout: Optional[datetime.timedelta] = None) -> ParallelState:
+                              timeout: Optional[datetime.timedelta] = None,
+                              context_parallel_size: int = 1) -> ParallelState:
     """Build every group of the layout over ``ranks`` (default: the whole world) and register them.
 
     Every process of the world must call this with the same arguments (torch's ``new_group`` is collective), except
@@ -87,15 +125,18 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_mode
     ranks = list(range(world)) if ranks is None else list(ranks)
     if timeout is None and dist.is_initialized():
         timeout = world_timeout()
-    groups = layout_groups(len(ranks), tensor_model_parallel_size, pipeline_model_parallel_size)
+    groups = layout_groups(len(ranks), tensor_model_parallel_size, pipeline_model_parallel_size,
+                           context_parallel_size)
     mine: dict[str, GroupInfo] = {}
+    made: dict[tuple[int, ...], dist.ProcessGroup] = {}   # one torch group per member list (kinds may coincide)
     for kind, members_list in groups.items():
         for members in members_list:
             global_members = tuple(ranks[r] for r in members)
             # new_group is collective over the world: every rank creates every group, in the same order.
-            group = dist.new_group(list(global_members), timeout=timeout) if len(global_members) > 1 else None
+            if len(global_members) > 1 and global_members not in made:
+                made[global_members] = dist.new_group(list(global_members), timeout=timeout)
             if me in global_members:
-                mine[kind] = GroupInfo(group, global_members)
+                mine[kind] = GroupInfo(made.get(global_members), global_members)
     if me not in ranks:
         return None
     _STATE = ParallelState(**{"embedding": None, **mine})
@@ -123,9 +164,9 @@ class _SimulatedGroupInfo(GroupInfo):
 
 
 @contextlib.contextmanager
-def simulated_layout(tp: int = 1, pp: int = 1, dp: int = 1, *, tp_rank: int = 0, pp_rank: int = 0,
-                     dp_rank: int = 0) -> Iterator[ParallelState]:
-    """Register a TP x PP x DP layout *for shapes only*, as seen by one rank of it, inside the block.
+def simulated_layout(tp: int = 1, pp: int = 1, dp: int = 1, *, cp: int = 1, tp_rank: int = 0, pp_rank: int = 0,
+                     dp_rank: int = 0, cp_rank: int = 0) -> Iterator[ParallelState]:
+    """Register a TP x CP x DP x PP layout *for shapes only*, as seen by one rank of it, inside the block.
 
     Every group has ``group=None`` and the sizes and ranks of the layout, so modules build exactly the tensors that
     rank would hold (e.g. ``with simulated_layout(4, 2, pp_rank=1), torch.device("meta"): GPTModel(...)`` counts
@@ -133,12 +174,14 @@ def simulated_layout(tp: int = 1, pp: int = 1, dp: int = 1, *, tp_rank: int = 0,
     collective under it (there is no group to run it on). The previously registered layout, if any, comes back
     afterwards."""
     global _STATE
-    num_ranks = tp * pp * dp
-    me = pp_rank * dp * tp + dp_rank * tp + tp_rank
-    if not (0 <= tp_rank < tp and 0 <= pp_rank < pp and 0 <= dp_rank < dp):
-        raise ValueError(f"ranks ({tp_rank}, {pp_rank}, {dp_rank}) outside the layout TP {tp} x PP {pp} x DP {dp}")
+    sizes = {"tp": tp, "cp": cp, "dp": dp, "pp": pp}
+    coordinates = {"tp": tp_rank, "cp": cp_rank, "dp": dp_rank, "pp": pp_rank}
+    if not all(0 <= coordinates[d] < sizes[d] for d in DIMENSIONS):
+        raise ValueError(f"ranks ({tp_rank}, {pp_rank}, {dp_rank}, {cp_rank}) outside the layout TP {tp} x PP {pp} "
+                         f"x DP {dp} x CP {cp}")
+    me = rank_of(sizes, coordinates)
     mine = {kind: _SimulatedGroupInfo(None, tuple(m), m.index(me))
-            for kind, members in layout_groups(num_ranks, tp, pp).items() for m in members if me in m}
+            for kind, members in layout_groups(tp * cp * dp * pp, tp, pp, cp).items() for m in members if me in m}
     previous, _STATE = _STATE, ParallelState(**{"embedding": None, **mine})   # a middle stage has no embedding group
     try:
         yield _STATE
@@ -151,7 +194,7 @@ def destroy_model_parallel() -> None:
     global _STATE
     if _STATE is not None and dist.is_initialized():
         seen = set()
-        for info in (_STATE.tensor, _STATE.pipeline, _STATE.data, _STATE.model, _STATE.embedding):
+        for info in vars(_STATE).values():
             if info is not None and info.group is not None and id(info.group) not in seen:
                 seen.add(id(info.group))
                 dist.destroy_process_group(info.group)
@@ -196,16 +239,29 @@ def is_pipeline_last_stage() -> bool:
     return get_pipeline_model_parallel_rank() == get_pipeline_model_parallel_world_size() - 1
 
 
-def get_data_parallel_group() -> GroupInfo:
-    return state().data
+def get_context_parallel_group() -> GroupInfo:
+    return state().context
 
 
-def get_data_parallel_rank() -> int:
-    return state().data.rank
+def get_context_parallel_rank() -> int:
+    return state().context.rank
 
 
-def get_data_parallel_world_size() -> int:
-    return state().data.size
+def get_context_parallel_world_size() -> int:
+    return state().context.size
+
+
+def get_data_parallel_group(with_context_parallel: bool = False) -> GroupInfo:
+    """The data-parallel group; ``with_context_parallel``: DP x CP, every rank holding this rank's model shard."""
+    return state().data_context if with_context_parallel else state().data
+
+
+def get_data_parallel_rank(with_context_parallel: bool = False) -> int:
+    return get_data_parallel_group(with_context_parallel).rank
+
+
+def get_data_parallel_world_size(with_context_parallel: bool = False) -> int:
+    return get_data_parallel_group(with_context_parallel).size
 
 
 def get_model_parallel_group() -> GroupInfo:
@@ -219,9 +275,9 @@ def get_embedding_group() -> Optional[GroupInfo]:
 
 def any_rank(flag: bool, device: torch.device) -> bool:
     """True on every rank of the layout if ``flag`` is True on any: a MAX over the model-parallel group (one model
-    replica), then over the data-parallel group (the replicas), which together connect every rank of the layout."""
+    replica), then over DP x CP (the replicas), which together connect every rank of the layout."""
     value = torch.tensor([1.0 if flag else 0.0], device=device)
-    for info in (get_model_parallel_group(), get_data_parallel_group()):
+    for info in (get_model_parallel_group(), get_data_parallel_group(with_context_parallel=True)):
         if info.size > 1:
             dist.all_reduce(value, op=dist.ReduceOp.MAX, group=info.group)
     return bool(value.item() > 0)

@@ -29,3 +29,49 @@ def test_single_stage_embedding_group_is_one_rank():
 
 def test_embedding_groups_join_first_and_last_stage_only():
     assert sorted(layout_groups(6, tp=1, pp=3)["embedding"]) == [[0, 4], [1, 5]]
+
+
+def test_context_parallel_ranks_sit_between_tensor_and_data():
+    # TP=2 x CP=2 x DP=2 (8 ranks): rank = dp * 4 + cp * 2 + tp.
+    groups = layout_groups(8, tp=2, pp=1, cp=2)
+    assert groups["tensor"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert groups["context"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert groups["data"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert groups["data_context"] == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert groups["model"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+
+
+def test_context_parallel_with_pipeline_keeps_stages_outermost():
+    # CP=2 x DP=2 x PP=2: rank = pp * 4 + dp * 2 + cp.
+    groups = layout_groups(8, tp=1, pp=2, cp=2)
+    assert groups["context"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert groups["data"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert groups["data_context"] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert groups["pipeline"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert groups["embedding"] == groups["pipeline"]
+
+
+def test_every_rank_is_in_one_group_of_each_kind_with_context_parallelism():
+    for world, tp, pp, cp in [(8, 2, 1, 2), (8, 1, 2, 2), (16, 2, 2, 2), (4, 1, 1, 4), (12, 1, 3, 2)]:
+        groups = layout_groups(world, tp, pp, cp)
+        for kind, members_list in groups.items():
+            members = sorted(r for g in members_list for r in g)
+            if kind != "embedding":
+                assert members == list(range(world)), (kind, world, tp, pp, cp)
+        dp = world // (tp * pp * cp)
+        assert all(len(g) == cp * dp for g in groups["data_context"])
+        # A data-with-context group is the union of the context groups of its data-parallel ranks.
+        for g in groups["data_context"]:
+            assert sorted(r for c in groups["context"] if c[0] in g for r in c) == g
+
+
+def test_simulated_layout_places_a_context_parallel_rank():
+    from megalite import parallel_state
+
+    with parallel_state.simulated_layout(2, 1, 2, cp=2, tp_rank=1, cp_rank=1, dp_rank=0):
+        assert parallel_state.get_context_parallel_world_size() == 2
+        assert parallel_state.get_context_parallel_rank() == 1
+        assert parallel_state.get_data_parallel_world_size() == 2
+        assert parallel_state.get_data_parallel_world_size(with_context_parallel=True) == 4
+        assert parallel_state.get_tensor_model_parallel_rank() == 1
+    assert not parallel_state.is_initialized()

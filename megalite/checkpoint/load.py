@@ -50,8 +50,9 @@ def check_checkpoint(cfg: MegaliteConfig, world_size: int) -> None:
     checkpoint = open_checkpoint(c.load, allow_none=_same_directory(c.load, c.save))
     if checkpoint is None:
         return
-    tp, pp = cfg.parallel.tensor_model_parallel_size, cfg.parallel.pipeline_model_parallel_size
-    layout = SavedLayout.of(cfg, world_size // (tp * pp))
+    p = cfg.parallel
+    layout = SavedLayout.of(cfg, world_size // (p.tensor_model_parallel_size * p.pipeline_model_parallel_size
+                                                * p.context_parallel_size))
     checkpoint.verify(optimizer=_loads_optimizer(cfg, checkpoint.manifest),
                       rng=_loads_rng(cfg, checkpoint.manifest, layout, torch.cuda.is_available()))
 
@@ -103,8 +104,9 @@ def _loads_optimizer(cfg: MegaliteConfig, manifest: Manifest) -> bool:
 
 
 def _same_ranks(a: SavedLayout, b: SavedLayout) -> bool:
-    """RNG states belong to (pp, tp, dp) ranks running the same chunks: the optimizer's sharding does not matter."""
-    return (a.tp, a.pp, a.virtual_stages, a.dp) == (b.tp, b.pp, b.virtual_stages, b.dp)
+    """RNG states belong to (pp, tp, dp, cp) ranks running the same chunks: the optimizer's sharding does not
+    matter."""
+    return (a.tp, a.pp, a.virtual_stages, a.dp, a.cp) == (b.tp, b.pp, b.virtual_stages, b.dp, b.cp)
 
 
 def _loads_rng(cfg: MegaliteConfig, manifest: Manifest, layout: SavedLayout, cuda: bool) -> bool:
@@ -193,7 +195,7 @@ def _install_moments(optimizer: MegaliteOptimizer, moments: dict[int, dict[str, 
 
 def _restore_rng(checkpoint: Checkpoint, rng: TensorParallelRNG, device: torch.device) -> None:
     at = (parallel_state.get_pipeline_model_parallel_rank(), parallel_state.get_tensor_model_parallel_rank(),
-          parallel_state.get_data_parallel_rank())
+          parallel_state.get_data_parallel_rank(with_context_parallel=True))
     states = checkpoint.read([rng_key(*at, stream) for stream in checkpoint.manifest.rng_streams])
     states = {key.rsplit("/", 1)[1]: value for key, value in states.items()}
     torch.set_rng_state(states["cpu"])

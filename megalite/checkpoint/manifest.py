@@ -34,13 +34,14 @@ class SavedLayout:
     virtual_stages: int = 1
     dp: int = 1
     zero: int = 0      # OptimizerConfig.zero_level
+    cp: int = 1        # context-parallel size (manifests from before it was saved: 1)
 
     @classmethod
     def of(cls, cfg: MegaliteConfig, dp: int) -> "SavedLayout":
         """The layout ``cfg`` runs at this data-parallel size."""
         p = cfg.parallel
         return cls(p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
-                   p.virtual_stages(cfg.model.num_layers), dp, cfg.optimizer.zero_level)
+                   p.virtual_stages(cfg.model.num_layers), dp, cfg.optimizer.zero_level, p.context_parallel_size)
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> "SavedLayout":
@@ -54,6 +55,8 @@ class SavedLayout:
         text = f"TP={self.tp} x PP={self.pp}"
         if self.virtual_stages > 1:
             text += f" (V={self.virtual_stages})"
+        if self.cp > 1:
+            text += f" x CP={self.cp}"
         text += f" x DP={self.dp}"
         if self.zero == 3:
             text += ", fully sharded (ZeRO-3)"
@@ -62,8 +65,8 @@ class SavedLayout:
         return text
 
     def ranks(self) -> list[tuple[int, int, int]]:
-        """Every rank of the layout as (pp rank, tp rank, dp rank)."""
-        return [(p, t, d) for p in range(self.pp) for d in range(self.dp) for t in range(self.tp)]
+        """Every rank of the layout as (pp rank, tp rank, rank in DP x CP)."""
+        return [(p, t, d) for p in range(self.pp) for d in range(self.dp * self.cp) for t in range(self.tp)]
 
 
 @dataclass(frozen=True)

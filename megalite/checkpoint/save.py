@@ -8,6 +8,8 @@ Who writes what, so that every piece is stored exactly once:
 - optimizer state (fp32 main parameter, Adam moments) per piece of :class:`MegaliteOptimizer`: with the
   distributed optimizer every DP rank writes the ranges it owns, without it DP rank 0 writes whole parameters;
 - RNG states: every rank, under its (pp, tp, dp) coordinates;
+
+"DP" here is DP x CP: context-parallel ranks hold the same weights, and the optimizer shards over all of them.
 - the manifest (and a copy of the tokenizer model, which tools/generate.py uses): rank 0, last.
 """
 
@@ -48,10 +50,13 @@ class _Coordinates:
 
     @classmethod
     def registered(cls) -> "_Coordinates":
+        """This rank's place; its ``dp`` is DP x CP (the ranks holding its model shard, over which the optimizer
+        is sharded)."""
         ps = parallel_state
         return cls(ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank(),
                    ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank(),
-                   ps.get_data_parallel_world_size(), ps.get_data_parallel_rank())
+                   ps.get_data_parallel_world_size(with_context_parallel=True),
+                   ps.get_data_parallel_rank(with_context_parallel=True))
 
 
 def save_checkpoint(root: str | Path, *, cfg: MegaliteConfig, iteration: int, consumed_samples: int,
@@ -83,7 +88,8 @@ def save_checkpoint(root: str | Path, *, cfg: MegaliteConfig, iteration: int, co
 
     def finish() -> None:
         manifest = Manifest(
-            iteration=iteration, consumed_samples=consumed_samples, layout=SavedLayout.of(cfg, at.dp),
+            iteration=iteration, consumed_samples=consumed_samples,
+            layout=SavedLayout.of(cfg, parallel_state.get_data_parallel_world_size()),
             config=to_dict(cfg),
             params=_specs(cfg, parameters), adam_step=adam_step,
             loss_scaler=optimizer.scaler.state_dict() if optimizer is not None and optimizer.scaler else None,

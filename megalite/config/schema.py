@@ -121,6 +121,14 @@ class ParallelConfig:
     sequence_parallel: bool = option(
         False, "Split norms, dropout and the residual stream along the sequence over the tensor-parallel ranks "
                "(activation memory / TP there too; needs TP > 1).")
+    context_parallel_size: int = option(
+        1, "Context-parallel size CP: ranks splitting every sample's sequence, each holding seq / CP tokens of it "
+           "(the same weights; gradients are reduced over data-parallel x context-parallel ranks).")
+    cp_comm_type: str = option(
+        "p2p", "With --context-parallel-size > 1, how attention sees the other ranks' tokens: p2p (ring attention: "
+               "key/value blocks travel around the CP ranks, sequence cut into 2 x CP chunks for causal load "
+               "balance), a2a (DeepSpeed-Ulysses: all-to-alls turn sequence shards into head shards around the "
+               "attention core) or allgather (keys and values gathered over CP, local queries only).")
     num_layers_per_virtual_pipeline_stage: Optional[int] = option(
         None, "Layers per model chunk for the interleaved schedule (alternative to the next option).")
     num_virtual_stages_per_pipeline_rank: Optional[int] = option(
@@ -234,6 +242,13 @@ class DataConfig:
     no_create_attention_mask_in_dataloader: bool = option(
         False, "Megatron's switch off of the data loader's attention masks: megalite never builds one (causal "
                "attention needs none).", accepted_only=True)
+    reset_position_ids: bool = option(
+        False, "Packed documents: position ids restart at 0 after every end-of-document token.")
+    reset_attention_mask: bool = option(
+        False, "Packed documents: attention never crosses an end-of-document token (block-diagonal causal).")
+    eod_mask_loss: bool = option(
+        False, "Packed documents: no loss where the input token is an end-of-document token (the prediction of the "
+               "next document's first token), as Megatron.")
     eval_interval: int = option(1000, "Compute the validation loss every this many iterations; 0 disables it.")
     eval_iters: int = option(100, "Global batches per validation-loss evaluation.")
 

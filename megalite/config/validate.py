@@ -38,6 +38,7 @@ def validate(cfg: MegaliteConfig, world_size: int) -> None:
                   ("vocab_size", m.vocab_size), ("make_vocab_size_divisible_by", m.make_vocab_size_divisible_by),
                   ("tensor_model_parallel_size", p.tensor_model_parallel_size),
                   ("pipeline_model_parallel_size", p.pipeline_model_parallel_size),
+                  ("context_parallel_size", p.context_parallel_size),
                   ("micro_batch_size", t.micro_batch_size), ("global_batch_size", t.global_batch_size),
                   ("log_interval", cfg.logging.log_interval), ("exit_interval", t.exit_interval)])
     _at_least(0, [("train_iters", t.train_iters)])
@@ -46,11 +47,12 @@ def validate(cfg: MegaliteConfig, world_size: int) -> None:
     for name, value in [("exit_duration_in_mins", t.exit_duration_in_mins),
                         ("distributed_timeout_minutes", t.distributed_timeout_minutes)]:
         _require(value is None or value > 0, f"{getattr(FLAG, name)} must be > 0, got {value}")
-    tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
-    _require(world_size % (tp * pp) == 0,
-             f"world size {world_size} is not divisible by {FLAG.tensor_model_parallel_size} {tp} x "
-             f"{FLAG.pipeline_model_parallel_size} {pp} = {tp * pp}")
-    dp = world_size // (tp * pp)
+    tp, pp, cp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.context_parallel_size
+    context = f"{FLAG.context_parallel_size} {cp} x " if cp > 1 else ""
+    _require(world_size % (tp * cp * pp) == 0,
+             f"world size {world_size} is not divisible by {FLAG.tensor_model_parallel_size} {tp} x {context}"
+             f"{FLAG.pipeline_model_parallel_size} {pp} = {tp * cp * pp}")
+    dp = world_size // (tp * cp * pp)
     _check_pipeline(cfg, dp)
     _at_least(1, [("kv_channels", m.kv_channels)])
     _require(m.kv_channels is not None or m.hidden_size % m.num_attention_heads == 0,
@@ -60,6 +62,7 @@ def validate(cfg: MegaliteConfig, world_size: int) -> None:
         _require(value % tp == 0,
                  f"{getattr(FLAG, name)} {value} is not divisible by {FLAG.tensor_model_parallel_size} {tp}")
     _check_architecture(cfg)
+    _check_context_parallel(cfg)
     _require(t.global_batch_size % (t.micro_batch_size * dp) == 0,
              f"{FLAG.global_batch_size} {t.global_batch_size} is not divisible by {FLAG.micro_batch_size} "
              f"{t.micro_batch_size} x data-parallel size {dp} = {t.micro_batch_size * dp}")
@@ -183,10 +186,12 @@ def _check_architecture(cfg: MegaliteConfig) -> None:
                  f"is split over {tp // g} ranks, which head dimension {m.head_dim} does not allow; "
                  f"tensor-model-parallel sizes that work: {works}")
     if p.sequence_parallel:
+        cp = p.context_parallel_size
         _require(tp > 1, f"{FLAG.sequence_parallel} needs {FLAG.tensor_model_parallel_size} > 1")
-        _require(m.seq_length % tp == 0,
+        _require(m.seq_length % (tp * cp) == 0,
                  f"with {FLAG.sequence_parallel}, {FLAG.seq_length} {m.seq_length} must be divisible by "
-                 f"{FLAG.tensor_model_parallel_size} {tp}")
+                 f"{FLAG.tensor_model_parallel_size} {tp}" + (f" x {FLAG.context_parallel_size} {cp}" if cp > 1
+                                                               else ""))
     _one_of("recompute_granularity", m.recompute_granularity, (None, "full", "selective"))
     _one_of("recompute_method", m.recompute_method, (None, "uniform", "block"))
     if m.recompute_granularity == "full":
@@ -199,6 +204,35 @@ def _check_architecture(cfg: MegaliteConfig) -> None:
     else:
         _require(m.recompute_method is None,
                  f"{FLAG.recompute_method} applies to {FLAG.recompute_granularity} full only")
+
+
+def _check_context_parallel(cfg: MegaliteConfig) -> None:
+    """The sequence splits into the chunks the comm type needs, a2a's heads split over CP, and no option that the
+    context-parallel attention does not honour."""
+    m, p, k = cfg.model, cfg.parallel, cfg.kernels
+    cp, tp, kind = p.context_parallel_size, p.tensor_model_parallel_size, p.cp_comm_type
+    _one_of("cp_comm_type", kind, ("p2p", "a2a", "allgather"))
+    if cp == 1:
+        return
+    chunks = cp if kind == "a2a" else 2 * cp   # a2a: contiguous shards; p2p and allgather: the load-balanced halves
+    _require(m.seq_length % chunks == 0,
+             f"{FLAG.seq_length} {m.seq_length} is not divisible by " +
+             (f"{FLAG.context_parallel_size} {cp}" if kind == "a2a" else
+              f"2 x {FLAG.context_parallel_size} {cp} = {chunks} (with {FLAG.cp_comm_type} {kind} each rank holds "
+              f"two chunks of the sequence, for causal load balance)"))
+    if kind == "a2a":
+        heads = m.num_attention_heads // tp
+        _require(heads % cp == 0,
+                 f"{FLAG.cp_comm_type} a2a splits each tensor-parallel rank's {heads} attention heads "
+                 f"({FLAG.num_attention_heads} {m.num_attention_heads} / {FLAG.tensor_model_parallel_size} {tp}) over "
+                 f"{FLAG.context_parallel_size} {cp}, which does not divide them: use p2p or allgather")
+    if kind == "p2p":
+        _require(m.attention_dropout == 0.0,
+                 f"{FLAG.cp_comm_type} p2p computes attention blockwise without dropout: set "
+                 f"{FLAG.attention_dropout} 0 (or use {FLAG.cp_comm_type} a2a or allgather)")
+    _require(k.use_fused_kernels != "on" or k.no_masked_softmax_fusion,
+             f"{FLAG.use_fused_kernels} on replaces the attention core by the fused causal softmax, which context "
+             f"parallelism does not use: add {FLAG.no_masked_softmax_fusion}")
 
 
 def _check_optimizer(cfg: MegaliteConfig, dp: int) -> None:
@@ -252,8 +286,10 @@ def _check_fully_sharded(cfg: MegaliteConfig, dp: int) -> None:
                         ("overlap_param_gather", o.overlap_param_gather)]:
         _require(not value, f"{getattr(FLAG, name)} is for stages 1-2: with {FLAG.zero_stage} 3, FSDP2 overlaps its "
                             f"own reductions and gathers")
-    _require(dp > 1, f"{FLAG.zero_stage} 3 shards over data-parallel ranks and this layout has none (data-parallel "
-                     f"size 1); for CPU offload on one data-parallel rank use {FLAG.optimizer_cpu_offload}")
+    replicas = dp * cfg.parallel.context_parallel_size   # the parameters are sharded over DP x CP
+    _require(replicas > 1, f"{FLAG.zero_stage} 3 shards over data-parallel ranks and this layout has none "
+                           f"(data-parallel size 1); for CPU offload on one data-parallel rank use "
+                           f"{FLAG.optimizer_cpu_offload}")
 
 
 def _check_checkpoint(cfg: MegaliteConfig) -> None:
@@ -322,6 +358,10 @@ def _check_data(cfg: MegaliteConfig) -> None:
     _at_least(0, [("eval_interval", d.eval_interval), ("eval_iters", d.eval_iters)])
     if d.mock_data:
         _require(d.data_path is None, f"{FLAG.mock_data} and {FLAG.data_path} exclude each other")
+        packing = [getattr(FLAG, name) for name in ("reset_position_ids", "reset_attention_mask", "eod_mask_loss")
+                   if getattr(d, name)]
+        _require(not packing, f"{'/'.join(packing)} need documents, which {FLAG.mock_data} does not have (its "
+                              f"samples hold no end-of-document token)")
         return
     if d.data_path is None:  # the built-in corpus, which brings its own tokenizer
         _require(d.tokenizer_model is None and d.tokenizer_type == "SentencePieceTokenizer",

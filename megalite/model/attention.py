@@ -18,6 +18,11 @@ seq x seq intermediates); a row-parallel projection sums the heads' contribution
 With ``--use-fused-kernels on`` (and not ``--no-masked-softmax-fusion``) the core on CUDA is instead Megatron's
 unfused attention with the fused causal softmax: q k^T, the scaled upper-triangular masked softmax kernel, dropout,
 times v. It materializes the seq x seq probabilities, so ``auto`` keeps SDPA (see megalite.kernels.policy).
+
+A :class:`~megalite.model.context_parallel.SequenceShard` says which tokens of the sample the input holds: their
+positions rotate q and k, packed documents mask the core (SDPA with a block-diagonal causal mask; the fused softmax
+knows the causal mask only), and under context parallelism the core attends over the other ranks' tokens too
+(megalite.model.context_parallel).
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from megalite.config import ModelConfig
 from megalite.kernels import DEFAULT_POLICY, KernelPolicy
 from megalite.kernels.fused import scaled_masked_softmax
 from megalite.kernels.policy import MASKED_SOFTMAX
+from megalite.model.context_parallel import SequenceShard, context_parallel_attention
 from megalite.model.rotary import RotaryEmbedding
 from megalite.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, TensorParallelRNG,
                                       all_gather_tensor_parallel, recompute)
@@ -68,8 +74,8 @@ class SelfAttention(nn.Module):
         self.linear_proj = RowParallelLinear(cfg.query_size, cfg.hidden_size, bias=bias, init_std=output_std,
                                              sequence_parallel=sequence_parallel)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        qkv = self.linear_qkv(x)                 # the whole sequence, also under sequence parallelism
+    def forward(self, x: torch.Tensor, shard: SequenceShard | None = None) -> torch.Tensor:
+        qkv = self.linear_qkv(x)                 # the whole (local) sequence, also under sequence parallelism
         batch, seq, _ = qkv.shape
         q, k, v = qkv.split([self.heads * self.head_dim, self.kv_channels, self.kv_channels], dim=-1)
         if self.sharing_ranks > 1:
@@ -77,32 +83,42 @@ class SelfAttention(nn.Module):
         q = q.view(batch, seq, self.heads, self.head_dim).transpose(1, 2)
         k, v = (t.view(batch, seq, self.kv_heads, self.head_dim).transpose(1, 2) for t in (k, v))
         if self.rotary is not None:
-            q, k = self.rotary(q, k)
+            positions = None if shard is None else shard.moved_positions
+            q, k = self.rotary(q, k, *((positions, shard.length) if positions is not None else ()))
         if self.recompute_core and self.training and torch.is_grad_enabled():
-            context = recompute(self._core, self.rng, q, k, v)
+            context = recompute(lambda *qkv: self._attend(*qkv, shard), self.rng, q, k, v)
         else:
-            context = self._core(q, k, v)
+            context = self._attend(q, k, v, shard)
         return self.linear_proj(context)
 
-    def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """softmax(q k^T / sqrt(d) + causal mask) with dropout, times v; heads merged back: [batch, seq, heads x d]."""
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                shard: SequenceShard | None) -> torch.Tensor:
+        """The attention core over the sample (the recomputed part): heads merged back, [batch, seq, heads x d]."""
+        if shard is not None and shard.cp > 1:
+            context = context_parallel_attention(q, k, v, shard, self._core)
+        else:
+            context = self._core(q, k, v, None if shard is None else shard.whole_sequence_mask())
+        batch, _, seq, _ = context.shape
+        return context.transpose(1, 2).reshape(batch, seq, self.heads * self.head_dim)
+
+    def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              mask: torch.Tensor | None = None) -> torch.Tensor:
+        """softmax(q k^T / sqrt(d) + mask) with dropout, times v: [batch, heads, seq, d]. ``mask`` (boolean, True
+        where allowed) defaults to causal."""
         dropout = self.dropout if self.training else 0.0
-        ops = self.kernels.ops(MASKED_SOFTMAX, q)
+        ops = self.kernels.ops(MASKED_SOFTMAX, q) if mask is None else None
         # Attention probabilities belong to this rank's heads: their dropout draws from the per-TP-rank stream.
         with self.rng.fork() if dropout > 0 else contextlib.nullcontext():
             if ops is None:
-                context = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True,
-                                                         enable_gqa=self.kv_heads != self.heads)
-            else:
-                context = self._fused_softmax_core(q, k, v, dropout, ops)
-        batch, _, seq, _ = context.shape
-        return context.transpose(1, 2).reshape(batch, seq, self.heads * self.head_dim)
+                return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout,
+                                                      is_causal=mask is None, enable_gqa=k.shape[1] != q.shape[1])
+            return self._fused_softmax_core(q, k, v, dropout, ops)
 
     def _fused_softmax_core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: float,
                             ops) -> torch.Tensor:
         """softmax(q k^T / sqrt(d) + causal mask) v with the fused masked softmax: [batch, heads, seq, d]."""
-        if self.kv_heads != self.heads:   # query head i uses key/value head i // (heads / kv_heads), as SDPA's GQA
-            k, v = (t.repeat_interleave(self.heads // self.kv_heads, dim=1) for t in (k, v))
+        if k.shape[1] != q.shape[1]:   # query head i uses key/value head i // (heads / kv_heads), as SDPA's GQA
+            k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
         probs = scaled_masked_softmax(q @ k.transpose(-2, -1), 1.0 / math.sqrt(self.head_dim), ops)
         return F.dropout(probs, dropout) @ v if dropout > 0 else probs @ v
 

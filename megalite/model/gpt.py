@@ -30,6 +30,7 @@ from torch import nn
 from megalite import parallel_state
 from megalite.config import ModelConfig
 from megalite.kernels import DEFAULT_POLICY, KernelPolicy
+from megalite.model.context_parallel import SequenceShard
 from megalite.model.norms import norm, position_embedding
 from megalite.model.transformer import TransformerLayer, run_layers
 from megalite.tensor_parallel import (ColumnParallelLinear, TensorParallelRNG, VocabParallelEmbedding,
@@ -54,13 +55,18 @@ class GPTEmbedding(nn.Module):
         self.dropout = nn.Dropout(cfg.hidden_dropout)
         self.rng, self.sequence_parallel = rng, sequence_parallel
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, shard: SequenceShard | None = None) -> torch.Tensor:
         embeddings = self.word(tokens)
         split = self.sequence_parallel and parallel_state.get_tensor_model_parallel_world_size() > 1
         if self.position is not None:
             local = embeddings.shape[1]
             first = parallel_state.get_tensor_model_parallel_rank() * local if split else 0
-            embeddings = embeddings + self.position(torch.arange(first, first + local, device=tokens.device))
+            positions = None if shard is None else shard.moved_positions
+            if positions is None:
+                positions = torch.arange(first, first + local, device=tokens.device)
+            else:   # this rank's tokens' own positions (of its sequence-parallel shard)
+                positions = positions[..., first:first + local]
+            embeddings = embeddings + self.position(positions)
         # Split along the sequence, each TP rank holds different tokens: their dropout draws from the per-rank stream.
         with self.rng.fork() if split and self.training and self.dropout.p > 0 else contextlib.nullcontext():
             return self.dropout(embeddings)
@@ -126,12 +132,17 @@ class GPTModel(nn.Module):
             return [self.embedding.word.weight]
         return [self.output_layer.weight] if self.post_process else []
 
-    def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None,
+                shard: SequenceShard | None = None) -> torch.Tensor:
         """Per-token loss [batch, seq] when ``labels`` are given, else this rank's vocabulary slice of the logits.
         A chunk without the embedding takes the previous stage's hidden states as ``tokens``; one without the
-        output layer returns its hidden states."""
-        hidden = self.embedding(tokens) if self.pre_process else tokens
-        hidden = run_layers(self.layers, hidden, self.cfg, self.rng)
+        output layer returns its hidden states. ``shard`` (megalite.model.context_parallel) says which tokens of
+        the samples these are and which documents they belong to; without one, tokens 0, 1, ... of one document
+        each (which context parallelism cannot do without)."""
+        if shard is None and parallel_state.get_context_parallel_world_size() > 1:
+            raise ValueError("under context parallelism the model needs the SequenceShard of its tokens")
+        hidden = self.embedding(tokens, shard) if self.pre_process else tokens
+        hidden = run_layers(self.layers, hidden, self.cfg, self.rng, shard)
         if not self.post_process:
             return hidden
         logits = self.output_layer(self.final_norm(hidden), self.output_weight())

@@ -46,15 +46,22 @@ class RotaryEmbedding(nn.Module):
             self._cache[key] = (angles.cos().to(device), angles.sin().to(device))
         return self._cache[key]
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate queries and keys, both [batch, heads, seq, channels]: all channels, or the first head_dim."""
+    def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor | None = None,
+                length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate queries and keys, both [batch, heads, seq, channels] (all channels, or the first head_dim with
+        partial rotary), at positions 0, 1, ... or at ``positions`` ([seq], or [batch, seq] for packed documents; all
+        below ``length``): a context-parallel rank's tokens sit at their global positions."""
         if q.shape[-1] > self.head_dim:   # partial rotary
             split = [self.head_dim, q.shape[-1] - self.head_dim]
             (q_rot, q_pass), (k_rot, k_pass) = q.split(split, dim=-1), k.split(split, dim=-1)
-            q_rot, k_rot = self(q_rot, k_rot)
+            q_rot, k_rot = self(q_rot, k_rot, positions, length)
             return torch.cat([q_rot, q_pass], dim=-1), torch.cat([k_rot, k_pass], dim=-1)
-        cos, sin = self.cos_sin(q.shape[-2], q.device)
-        ops = self.kernels.ops(ROPE, q)
+        cos, sin = self.cos_sin(q.shape[-2] if positions is None else length, q.device)
+        if positions is not None:
+            cos, sin = cos[positions], sin[positions]
+            if positions.dim() == 2:   # per sample: [batch, 1, seq, head_dim], broadcast over heads (torch ops)
+                cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        ops = self.kernels.ops(ROPE, q) if cos.dim() == 2 else None
         if ops is not None:
             return fused.rotary(q, cos, sin, ops), fused.rotary(k, cos, sin, ops)
         cos, sin = cos.to(q.dtype), sin.to(q.dtype)

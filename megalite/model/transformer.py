@@ -15,6 +15,7 @@ from torch import nn
 from megalite.config import ModelConfig
 from megalite.kernels import DEFAULT_POLICY, KernelPolicy
 from megalite.model.attention import SelfAttention
+from megalite.model.context_parallel import SequenceShard
 from megalite.model.mlp import MLP
 from megalite.model.norms import norm
 from megalite.tensor_parallel import TensorParallelRNG, recompute
@@ -39,31 +40,31 @@ class TransformerLayer(nn.Module):
         with self.rng.fork() if split else contextlib.nullcontext():
             return self.dropout(x)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self._dropout(self.self_attention(self.input_norm(x)))
+    def forward(self, x: torch.Tensor, shard: SequenceShard | None = None) -> torch.Tensor:
+        x = x + self._dropout(self.self_attention(self.input_norm(x), shard))
         return x + self._dropout(self.mlp(self.pre_mlp_norm(x)))
 
 
-def _run(layers: nn.ModuleList, hidden: torch.Tensor) -> torch.Tensor:
+def _run(layers: nn.ModuleList, hidden: torch.Tensor, shard: SequenceShard | None) -> torch.Tensor:
     for layer in layers:
-        hidden = layer(hidden)
+        hidden = layer(hidden, shard)
     return hidden
 
 
 def run_layers(layers: nn.ModuleList, hidden: torch.Tensor, cfg: ModelConfig,
-               rng: TensorParallelRNG | None) -> torch.Tensor:
+               rng: TensorParallelRNG | None, shard: SequenceShard | None = None) -> torch.Tensor:
     """The layers in order. With full recompute (while training), Megatron's two methods: ``uniform`` keeps only the
     input of each group of ``recompute_num_layers`` layers and reruns the group in backward; ``block`` does so for
     each of the first ``recompute_num_layers`` layers alone and runs the others normally (memory left over after
     recomputing some layers is better spent not recomputing the rest)."""
     training = len(layers) > 0 and layers[0].training and torch.is_grad_enabled()
     if cfg.recompute_granularity != "full" or not training:
-        return _run(layers, hidden)
+        return _run(layers, hidden, shard)
     n = cfg.recompute_num_layers
     if cfg.recompute_method == "uniform":
         for start in range(0, len(layers), n):
-            hidden = recompute(lambda x, group=layers[start:start + n]: _run(group, x), rng, hidden)
+            hidden = recompute(lambda x, group=layers[start:start + n]: _run(group, x, shard), rng, hidden)
         return hidden
     for index, layer in enumerate(layers):
-        hidden = recompute(layer, rng, hidden) if index < n else layer(hidden)
+        hidden = recompute(lambda x, layer=layer: layer(x, shard), rng, hidden) if index < n else layer(hidden, shard)
     return hidden

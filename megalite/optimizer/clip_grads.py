@@ -3,9 +3,9 @@
 Each rank sums the squares of the gradient pieces it owns: tensor-parallel shards on every TP rank, replicated
 parameters (norms, row-parallel biases, position embeddings; under sequence parallelism too, since the data-parallel
 engine has summed their gradients over TP by then) on TP rank 0 only, and the last stage's copy of a tied
-embedding not at all. With the distributed optimizer a rank holds only its DP shard of each gradient, so the pieces
-of different DP ranks are disjoint and the sum also runs over DP; without it, DP replicas hold equal gradients and are
-not summed. One all-reduce per group gives the squared norm of exactly one whole model.
+embedding not at all. With the distributed optimizer a rank holds only its DP x CP shard of each gradient, so the
+pieces of different DP x CP ranks are disjoint and the sum also runs over DP x CP; without it, those replicas hold
+equal gradients and are not summed. One all-reduce per group gives the squared norm of exactly one whole model.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def global_grad_norm(pieces: list[tuple[torch.nn.Parameter, torch.Tensor]], shar
                else torch.zeros((), dtype=torch.float32, device=device))
     groups = [parallel_state.get_model_parallel_group()]
     if sharded_over_data:
-        groups.append(parallel_state.get_data_parallel_group())
+        groups.append(parallel_state.get_data_parallel_group(with_context_parallel=True))
     for info in groups:
         if info.size > 1:
             dist.all_reduce(squares, group=info.group)

@@ -54,7 +54,7 @@ def device_memory_bytes(error: BaseException) -> float:
 def _pp_rank(layout: Layout) -> int:
     if parallel_state.is_initialized():
         return parallel_state.get_pipeline_model_parallel_rank()
-    return int(os.environ.get("RANK", "0")) // (layout.tp * layout.dp)   # rank order: TP, then DP, then PP
+    return int(os.environ.get("RANK", "0")) // (layout.tp * layout.cp * layout.dp)   # rank order: TP, CP, DP, PP
 
 
 def diagnose_out_of_memory(cfg: MegaliteConfig, error: BaseException, *, world_size: Optional[int] = None,
@@ -128,11 +128,11 @@ def _sharding_options(layout: Layout, memory) -> list[str]:
         if after < now:
             options.append(f"{flags} ({gib(after)}{what})")
 
-    if layout.zero == 0 and layout.dp > 1:
+    if layout.zero == 0 and layout.replicas > 1:
         offer(FLAG.use_distributed_optimizer, " of states", zero=1)
     elif layout.zero == 1:
         offer(f"{FLAG.zero_stage} 2", "", zero=2)
-    if layout.zero < 3 and layout.pp == 1 and layout.dp > 1:   # the planner models ZeRO-3 at PP 1 only
+    if layout.zero < 3 and layout.pp == 1 and layout.replicas > 1:   # the planner models ZeRO-3 at PP 1 only
         drop = f" without {FLAG.use_distributed_optimizer}" if layout.zero in (1, 2) else ""
         offer(f"{FLAG.zero_stage} 3{drop}", " of states and gathered layers: parameters sharded too", zero=3)
     if not layout.optimizer_cpu_offload:

@@ -18,6 +18,7 @@ from megalite.planner.hardware import GiB
 from megalite.planner.layout import Layout
 from megalite.planner.memory import Numerics, StageMemory, memory_per_stage
 from megalite.planner.parameters import count_parameters
+from megalite.planner.performance import context_parallel_bytes
 
 
 def dtype_bytes(cfg: MegaliteConfig) -> int:
@@ -68,6 +69,12 @@ def format_dry_run(cfg: MegaliteConfig, world_size: int, cuda: bool | None = Non
                      + (f"{stage.gathered / GiB:>8.3f}  " if layout.zero == 3 else "")
                      + f"{stage.activations / GiB:>11.3f}  {stage.total / GiB:>8.3f}"
                      + ("  <- most loaded" if stage is peak and len(stages) > 1 else ""))
+    if layout.cp > 1:
+        sent = context_parallel_bytes(model, layout, dtype_bytes(cfg))
+        lines.append(f"  context parallelism: each GPU holds {model.seq_length // layout.cp:,} of the "
+                     f"{model.seq_length:,} tokens of every sample; its {layout.cp_comm_type} attention sends "
+                     f"{sent['forward'] / 2**20:.2f} MiB forward and {sent['backward'] / 2**20:.2f} MiB backward per "
+                     f"layer and micro-batch")
     if layout.zero == 3:
         lines.append("  gathered: ZeRO-3's working memory, the layers FSDP2 gathers for compute and their unsharded "
                      "gradients")

@@ -27,10 +27,17 @@ class Layout:
     recompute: Optional[str] = None      # None | "selective" | "full" (full: uniform, one layer per group)
     optimizer_cpu_offload: bool = False  # main params and Adam states on the host (never proposed by the search)
     offload_params: bool = False         # ZeRO-3 with the above: parameter and gradient shards on the host too
+    cp: int = 1                          # context-parallel size: ranks splitting each sample's sequence
+    cp_comm_type: str = "p2p"            # p2p (ring) | a2a | allgather
 
     @property
     def world_size(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.cp * self.pp * self.dp
+
+    @property
+    def replicas(self) -> int:
+        """DP x CP: the ranks holding the same model shard, over which gradients are reduced and ZeRO shards."""
+        return self.dp * self.cp
 
     @property
     def optimizer_name(self) -> str:
@@ -42,7 +49,8 @@ class Layout:
         return global_batch_size // (self.micro_batch_size * self.dp)
 
     def describe(self) -> str:
-        parts = [f"TP={self.tp} x PP={self.pp} x DP={self.dp}"]
+        context = f"CP={self.cp} ({self.cp_comm_type}) x " if self.cp > 1 else ""
+        parts = [f"TP={self.tp} x {context}PP={self.pp} x DP={self.dp}"]
         if self.virtual_stages > 1:
             parts.append(f"V={self.virtual_stages}")
         parts.append(f"micro-batch {self.micro_batch_size}")
@@ -60,16 +68,17 @@ class Layout:
                                    recompute_num_layers=1)
 
     def apply(self, cfg: MegaliteConfig) -> MegaliteConfig:
-        """``cfg`` running this layout (its world size is the launcher's: TP x PP x DP processes)."""
+        """``cfg`` running this layout (its world size is the launcher's: TP x CP x PP x DP processes)."""
         parallel = dataclasses.replace(
             cfg.parallel, tensor_model_parallel_size=self.tp, pipeline_model_parallel_size=self.pp,
+            context_parallel_size=self.cp, cp_comm_type=self.cp_comm_type,
             sequence_parallel=self.sequence_parallel, num_layers_per_virtual_pipeline_stage=None,
             num_virtual_stages_per_pipeline_rank=self.virtual_stages if self.virtual_stages > 1 else None)
         # Overlap whatever our engine can: ZeRO-3 refuses these options (FSDP2 overlaps its own gathers and
         # reductions), and there is nothing to reduce without data parallelism.
         optimizer = dataclasses.replace(
             cfg.optimizer, **OptimizerConfig.zero_settings(self.zero),
-            overlap_grad_reduce=self.dp > 1 and self.zero != 3, overlap_param_gather=self.zero in (1, 2),
+            overlap_grad_reduce=self.replicas > 1 and self.zero != 3, overlap_param_gather=self.zero in (1, 2),
             optimizer_cpu_offload=self.optimizer_cpu_offload, offload_params=self.offload_params)
         training = dataclasses.replace(cfg.training, micro_batch_size=self.micro_batch_size)
         return dataclasses.replace(cfg, model=self.model_config(cfg.model), parallel=parallel, optimizer=optimizer,
@@ -83,8 +92,10 @@ class Layout:
     def from_config(cls, cfg: MegaliteConfig, world_size: int) -> "Layout":
         """The layout a validated config describes at this world size."""
         p, o = cfg.parallel, cfg.optimizer
-        tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
-        return cls(tp=tp, pp=pp, dp=world_size // (tp * pp), virtual_stages=p.virtual_stages(cfg.model.num_layers),
+        tp, pp, cp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.context_parallel_size
+        return cls(tp=tp, pp=pp, dp=world_size // (tp * cp * pp),
+                   virtual_stages=p.virtual_stages(cfg.model.num_layers),
                    micro_batch_size=cfg.training.micro_batch_size, zero=o.zero_level,
                    sequence_parallel=p.sequence_parallel, recompute=cfg.model.recompute_granularity,
-                   optimizer_cpu_offload=o.optimizer_cpu_offload, offload_params=o.offload_params)
+                   optimizer_cpu_offload=o.optimizer_cpu_offload, offload_params=o.offload_params, cp=cp,
+                   cp_comm_type=p.cp_comm_type)

@@ -83,6 +83,9 @@ bytes on the CPU, exactly equal in fact):
         math path (CPU with dropout):     the paper's as^2 b (2p + m) / t: softmax, dropout mask, dropout output
         unfused core (--use-fused-kernels on, the masked softmax): the same, as^2 b p / t without dropout
     full recompute: p sbh (/ t under sequence parallelism), the layer's input only.
+    context parallelism (CP): every term above for the rank's s / CP tokens (the math path's scores: its queries
+        against all s keys), plus what the comm type keeps (context_parallel_core_bytes): nothing for p2p, a2a's
+        output in the head-sharded layout, allgather's keys and values of the whole sequence.
 
 On the GPU the planner assumes bf16 (p = 2), CUDA dropout's byte masks (m = 1) and torch's flash attention, which
 regenerates its dropout mask in backward, so there is no 5as/h term at all (the paper's formula is for unfused
@@ -171,14 +174,15 @@ def model_state_bytes(model: ModelConfig, layout: Layout, pp_rank: int = 0, *, d
     padding sits at the end of each bucket, in the last rank's shard), or at ZeRO-3 from FSDP2's row shards (DP rank
     0 holds the most: ceil(rows / DP) rows, the last ranks fewer). ``bucket_size``: --ddp-bucket-size at stages 0-2;
     ``prefetch_bucket_size``: --zero3-prefetch-bucket-size at stage 3."""
+    replicas = layout.replicas   # DP x CP: the ranks the gradients are reduced over and the states sharded over
     if layout.zero == 3:
-        key = (dataclasses.astuple(model), layout.tp, layout.pp, layout.virtual_stages, layout.dp,
+        key = (dataclasses.astuple(model), layout.tp, layout.pp, layout.virtual_stages, replicas,
                layout.optimizer_cpu_offload, layout.offload_params, pp_rank, dtype_bytes, dp_rank, prefetch_bucket_size)
         if key not in _STATES_CACHE:
             _STATES_CACHE[key] = _fully_sharded_state_bytes(model, *key[1:])
         return _STATES_CACHE[key]
-    key = (dataclasses.astuple(model), layout.tp, layout.pp, layout.virtual_stages, layout.dp, layout.zero,
-           layout.optimizer_cpu_offload, pp_rank, dtype_bytes, dp_rank, bucket_size or default_bucket_size(layout.dp),
+    key = (dataclasses.astuple(model), layout.tp, layout.pp, layout.virtual_stages, replicas, layout.zero,
+           layout.optimizer_cpu_offload, pp_rank, dtype_bytes, dp_rank, bucket_size or default_bucket_size(replicas),
            grad_bytes)
     if key not in _STATES_CACHE:   # the search asks again for every micro-batch size and recompute option
         _STATES_CACHE[key] = _model_state_bytes(model, *key[1:])
@@ -327,10 +331,13 @@ def _norm_statistics(model: ModelConfig) -> int:
 
 
 def layer_activation_bytes(model: ModelConfig, tp: int, sequence_parallel: bool, micro_batch_size: int,
-                           numerics: Numerics, recomputed: bool = False) -> float:
+                           numerics: Numerics, recomputed: bool = False, cp: int = 1,
+                           cp_comm_type: str = "p2p") -> float:
     """Bytes one transformer layer keeps for backward per micro-batch (see the module docstring). ``recomputed``:
-    the layer is inside a full-recompute group (only its input is kept; its group's caller counts it)."""
-    s, b, h, a = model.seq_length, micro_batch_size, model.hidden_size, model.num_attention_heads
+    the layer is inside a full-recompute group (only its input is kept; its group's caller counts it). With context
+    parallelism every per-token term is the rank's s / CP tokens' (see :func:`context_parallel_core_bytes`)."""
+    whole = model.seq_length
+    s, b, h, a = whole // cp, micro_batch_size, model.hidden_size, model.num_attention_heads
     g, d, f = model.query_groups, model.head_dim, model.ffn_size
     p, m = numerics.activation_bytes, numerics.mask_bytes
     sbh = s * b * h
@@ -355,12 +362,36 @@ def layer_activation_bytes(model: ModelConfig, tp: int, sequence_parallel: bool,
     if model.recompute_granularity != "selective":
         heads = a / tp
         dropout = model.attention_dropout > 0
-        if not numerics.flash_attention or (dropout and not numerics.fused_attention_dropout):
-            # the softmax output, and with dropout its mask and output (the paper's 5as/h; the math path)
-            core = a * s * s * b / tp * (2 * p + m if dropout else p)
+        if cp > 1 and cp_comm_type == "p2p":      # the ring's own core: no s x s tensor at all
+            core = 4 * b * heads * s
+        elif not numerics.flash_attention or (dropout and not numerics.fused_attention_dropout):
+            # the softmax output, and with dropout its mask and output (the paper's 5as/h; the math path): the
+            # rank's queries against every key
+            core = a * s * whole * b / tp * (2 * p + m if dropout else p)
         else:
             core = 4 * b * heads * s                  # flash attention's log-sum-exp
+        if cp > 1:
+            core += context_parallel_core_bytes(model, tp, micro_batch_size, numerics, cp, cp_comm_type)
     return replicated * replicated_share + split + core
+
+
+def context_parallel_core_bytes(model: ModelConfig, tp: int, micro_batch_size: int, numerics: Numerics, cp: int,
+                                cp_comm_type: str) -> float:
+    """What a context-parallel attention keeps beyond the per-token terms of its s / CP tokens (measured with
+    saved-tensor hooks, tests/multiprocess/test_context_parallel.py):
+
+    - p2p (ring): nothing more: it keeps q, k, v, its output and the log-sum-exp, as flash attention does;
+    - a2a: the core's output in the head-sharded layout, a tensor besides the output projection's input;
+    - allgather: the whole sequence's keys and values (the core keeps its inputs), and the mask of the rank's
+      queries against every key, which SDPA keeps converted to the activation dtype (p bytes per pair, shared by the
+      micro-batch's samples: 8 MiB per layer for 1024 queries x 2048 keys in fp32)."""
+    s, b, h, p = model.seq_length // cp, micro_batch_size, model.hidden_size, numerics.activation_bytes
+    if cp_comm_type == "p2p":
+        return 0.0
+    if cp_comm_type == "a2a":
+        return p * b * s * h / tp
+    kv_channels = max(model.query_groups // tp, 1) * model.head_dim
+    return p * b * model.seq_length * 2 * kv_channels + p * s * model.seq_length
 
 
 def embedding_activation_bytes(model: ModelConfig, tp: int, sequence_parallel: bool, micro_batch_size: int,
@@ -397,7 +428,9 @@ def _chunk_activation_bytes(model: ModelConfig, layout: Layout, num_layers: int,
                             numerics: Numerics) -> tuple[float, float]:
     """(bytes a chunk keeps per micro-batch until its backward, transient bytes of its backward)."""
     tp, sp, b = layout.tp, layout.sequence_parallel, layout.micro_batch_size
-    full = layer_activation_bytes(model, tp, sp, b, numerics)
+    full = layer_activation_bytes(model, tp, sp, b, numerics, cp=layout.cp, cp_comm_type=layout.cp_comm_type)
+    # Beyond the layers everything is per token: a context-parallel rank holds s / CP of them.
+    model = dataclasses.replace(model, seq_length=model.seq_length // layout.cp)
     kept, transient = 0.0, 0.0
     if model.recompute_granularity == "full":
         n = model.recompute_num_layers

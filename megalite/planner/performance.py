@@ -36,6 +36,16 @@ one, else the network):
   do, in every micro-batch, the root's and the first layer's gathers (nothing runs before them) and the first
   layer's and the root's reduce-scatters (nothing runs after them: FSDP2 waits for them as the backward ends).
 
+- CP (context parallelism), per layer and micro-batch, on a rank holding s / CP tokens of each sample (everything
+  else above then moves and computes s / CP tokens' worth; the attention core computes its queries against all s
+  keys): p2p sends the rank's K/V block (2 b (s/CP) G d / t elements) CP - 1 times forward, and backward CP - 1 K/V
+  blocks plus CP fp32 dK/dV accumulators, each transfer overlapping one block's compute (a 1/CP share of the core's
+  forward or backward): what exceeds it shows, and the last dK/dV transfer. a2a moves (CP-1)/CP of q, [k; v] and the
+  output per pass; allgather gathers K/V forward and reduce-scatters their gradient backward; neither overlaps.
+  Recompute reruns the core's forward communication. The DP reduction runs over DP x CP. The ring's blocks are
+  unfused attention on a GPU, counted 3x slower than the flash kernel the other cores use
+  (UNFUSED_ATTENTION_SLOWDOWN).
+
 Not modelled: kernel efficiency changing with matrix sizes (one efficiency for all), the optimizer step itself
 (memory-bound, small next to a step; with CPU offload it is the host's Adam, and --offload-params adds host-device
 copies of every shard), stragglers and network contention between groups (ZeRO-3's gathers share the links with
@@ -53,6 +63,12 @@ from megalite.pipeline.partition import chunks_of_rank
 from megalite.planner.hardware import Hardware
 from megalite.planner.layout import Layout
 from megalite.planner.memory import fully_sharded_units, model_state_bytes, padded_elements
+
+
+# megalite's ring attention on a GPU computes each block with unfused torch ops (q k^T, softmax, times v, the scores
+# written to memory), which run about 3x slower than a fused flash-attention kernel (Dao et al. 2022, FlashAttention:
+# up to 3x over PyTorch's standard attention on GPT-2): its FLOPs are counted at a third of the kernels' efficiency.
+UNFUSED_ATTENTION_SLOWDOWN = 3.0
 
 
 def ring_all_reduce_time(num_bytes: float, n: int, bandwidth: float) -> float:
@@ -77,6 +93,8 @@ class StepTime:
     imbalance: float         # seconds per step the slowest stage computes beyond the stages' mean
     step: float              # seconds per iteration
     model_flops: float       # per iteration
+    cp: float = 0.0          # context-parallel communication per step, total (the ring's partly hidden)
+    cp_exposed: float = 0.0  # ... the part that does not hide behind the attention blocks' compute
 
     def tokens_per_second(self, global_batch_size: int, seq_length: int) -> float:
         return global_batch_size * seq_length / self.step
@@ -90,21 +108,27 @@ def step_time(model: ModelConfig, layout: Layout, hardware: Hardware, global_bat
     """Estimated seconds per iteration of ``layout`` (see the module docstring)."""
     model = layout.model_config(model) if layout.recompute != model.recompute_granularity else model
     tp, pp, v, b = layout.tp, layout.pp, layout.virtual_stages, layout.micro_batch_size
-    s, h = model.seq_length, model.hidden_size
+    whole, h = model.seq_length, model.hidden_size
+    s = whole // layout.cp                                 # this rank's tokens of each sample
     m = layout.num_micro_batches(global_batch_size)
     p = dtype_bytes
     sp_share = 1 / tp if layout.sequence_parallel else 1.0
     rate = tp * hardware.peak_flops * hardware.efficiency   # FLOP/s of one TP group
 
-    # Compute per micro-batch of one layer and of the output layer, on one TP group.
-    layer_flops = 6.0 * b * s * (dense_macs_per_token_per_layer(model) + 2 * s * h)
+    # Compute per micro-batch of one layer and of the output layer, on one TP group (under CP: the rank's tokens,
+    # their queries against the whole sequence's keys, an equal share of the causal work with the load balance).
+    core_flops = 12.0 * b * s * whole * h                   # the attention core, forward and backward
+    ring = layout.cp > 1 and layout.cp_comm_type == "p2p"
+    core_time_flops = core_flops * (UNFUSED_ATTENTION_SLOWDOWN if ring else 1.0)   # the ring's blocks are unfused
+    layer_flops = 6.0 * b * s * dense_macs_per_token_per_layer(model) + core_time_flops
     recompute_flops = 0.0
     if model.recompute_granularity == "full":
         recompute_flops = layer_flops / 3
     elif model.recompute_granularity == "selective":
-        recompute_flops = 4.0 * b * s * s * h
+        recompute_flops = core_time_flops / 3
     layer_flops += recompute_flops
     output_flops = 6.0 * b * s * model.padded_vocab_size(tp) * h
+    cp_total, cp_exposed = context_parallel_layer_time(model, layout, hardware, core_time_flops / rate, p)
 
     # Tensor-parallel bytes per layer per micro-batch (in units of b s h elements x (t-1)/t).
     tp_bw, act = hardware.bandwidth(tp), b * s * h * p
@@ -117,9 +141,12 @@ def step_time(model: ModelConfig, layout: Layout, hardware: Hardware, global_bat
     pp_message = act * sp_share / hardware.bandwidth(hardware.num_gpus) if pp > 1 else 0.0
 
     slowest_compute = slowest_slot = slowest_tp = slowest_recompute = total_compute = 0.0
+    slowest_layers = 0
     for rank in range(pp):
         compute = tp_time = recompute = 0.0
+        layers = 0
         for chunk in chunks_of_rank(model.num_layers, pp, v, rank):
+            layers += chunk.num_layers
             compute += chunk.num_layers * layer_flops / rate
             recompute += chunk.num_layers * recompute_flops / rate
             tp_time += chunk.num_layers * tp_layer + (tp_end if chunk.is_first else 0.0) + \
@@ -127,9 +154,10 @@ def step_time(model: ModelConfig, layout: Layout, hardware: Hardware, global_bat
             if chunk.is_last:
                 compute += output_flops / rate
         total_compute += compute
-        slot = compute + tp_time + 2 * v * pp_message
+        slot = compute + tp_time + layers * cp_exposed + 2 * v * pp_message
         if slot > slowest_slot:
             slowest_compute, slowest_slot, slowest_tp, slowest_recompute = compute, slot, tp_time, recompute
+            slowest_layers = layers
     bubble = (pp - 1) / (v * m)
     pipeline = slowest_slot * (m + (pp - 1) / v)
 
@@ -143,13 +171,57 @@ def step_time(model: ModelConfig, layout: Layout, hardware: Hardware, global_bat
     return StepTime(compute=slowest_compute * m, tp=slowest_tp * m, pp=2 * v * pp_message * m, dp=dp_total,
                     dp_exposed=dp_exposed, bubble=bubble, bubble_time=slowest_slot * (pp - 1) / v,
                     recompute=slowest_recompute * m, imbalance=(slowest_compute - total_compute / pp) * m, step=step,
-                    model_flops=model_flops_per_iteration(model, global_batch_size))
+                    model_flops=model_flops_per_iteration(model, global_batch_size),
+                    cp=slowest_layers * cp_total * m, cp_exposed=slowest_layers * cp_exposed * m)
+
+
+def context_parallel_bytes(model: ModelConfig, layout: Layout, dtype_bytes: int) -> dict[str, float]:
+    """Bytes one rank sends per layer and micro-batch for context-parallel attention, by direction of the pass
+    (see the module docstring): ``forward`` and ``backward``."""
+    cp, tp, b = layout.cp, layout.tp, layout.micro_batch_size
+    if cp == 1:
+        return {"forward": 0.0, "backward": 0.0}
+    s = model.seq_length // cp
+    kv = 2 * b * s * max(model.query_groups // tp, 1) * model.head_dim   # this rank's K and V elements
+    p = dtype_bytes
+    if layout.cp_comm_type == "p2p":   # K/V blocks CP-1 times; backward also the fp32 dK/dV accumulators CP times
+        return {"forward": (cp - 1) * kv * p, "backward": (cp - 1) * kv * p + cp * kv * 4}
+    if layout.cp_comm_type == "a2a":   # q, [k; v] and the output, (CP-1)/CP of each leaving the rank
+        moved = (cp - 1) / cp * b * s * (2 * model.hidden_size / tp) * p + (cp - 1) / cp * kv * p
+        return {"forward": moved, "backward": moved}
+    return {"forward": (cp - 1) * kv * p, "backward": (cp - 1) * kv * p}   # all-gather, its reduce-scatter
+
+
+def context_parallel_layer_time(model: ModelConfig, layout: Layout, hardware: Hardware, core_time: float,
+                                dtype_bytes: int) -> tuple[float, float]:
+    """(total, exposed) seconds per layer and micro-batch of context-parallel attention's communication.
+    ``core_time``: the attention core's forward and backward compute on this rank (a third forward). The ring
+    overlaps each of its CP - 1 transfers with one block's compute (the last dK/dV transfer shows); a2a and
+    allgather wait for their collectives."""
+    if layout.cp == 1:
+        return 0.0, 0.0
+    cp, bw = layout.cp, hardware.bandwidth(layout.tp * layout.cp)
+    sent = context_parallel_bytes(model, layout, dtype_bytes)
+    if model.recompute_granularity in ("full", "selective"):   # the core's forward runs again in backward
+        sent = {"forward": sent["forward"] * 2, "backward": sent["backward"]}
+    total = (sent["forward"] + sent["backward"]) / bw
+    if layout.cp_comm_type != "p2p":
+        return total, total
+    forward_block, backward_block = core_time / 3 / cp, core_time * 2 / 3 / cp
+    steps = cp - 1
+    kv_transfer = context_parallel_bytes(model, layout, dtype_bytes)["forward"] / steps / bw
+    grad_transfer = (sent["backward"] / bw - steps * kv_transfer) / cp
+    passes = 2 if model.recompute_granularity in ("full", "selective") else 1
+    exposed = (passes * steps * max(0.0, kv_transfer - forward_block)
+               + steps * max(0.0, kv_transfer + grad_transfer - backward_block) + grad_transfer)
+    return total, exposed
 
 
 def _data_parallel_time(model: ModelConfig, layout: Layout, hardware: Hardware, num_micro_batches: int,
                         compute_per_micro_batch: float, dtype_bytes: int) -> tuple[float, float]:
-    """(total, exposed) seconds of the data-parallel gradient reduction and parameter gather per step."""
-    tp, dp = layout.tp, layout.dp
+    """(total, exposed) seconds of the data-parallel gradient reduction and parameter gather per step (over DP x CP,
+    the ranks holding one model shard)."""
+    tp, dp = layout.tp, layout.replicas
     states = model_state_bytes(model, layout, 0, dtype_bytes=dtype_bytes)
     elements = states.weights / dtype_bytes                 # the padded flat buffer
     grad_bytes = elements * 4
@@ -181,7 +253,7 @@ def _data_parallel_time(model: ModelConfig, layout: Layout, hardware: Hardware, 
 def _fully_sharded_time(model: ModelConfig, layout: Layout, hardware: Hardware, num_micro_batches: int,
                         layer_forward: float, layer_backward: float, dtype_bytes: int) -> tuple[float, float]:
     """(total, exposed) seconds of ZeRO-3's gathers and reduce-scatters per step (see the module docstring)."""
-    dp = layout.dp
+    dp = layout.replicas
     if dp == 1:
         return 0.0, 0.0
     bw = hardware.bandwidth(layout.tp * dp)

@@ -62,23 +62,23 @@ def _seconds(value: float) -> str:
     return "-" if value == 0 else f"{value:.2g}"
 
 
-_HEADER = ("#", "TP", "PP", "V", "DP", "mbs", "optimizer", "SP", "recompute", "weights", "grads", "optim", "gather",
-           "activ", "total", "TP s", "PP s", "DP s", "bubble", "step s", "tokens/s", "MFU")
+_HEADER = ("#", "TP", "CP", "PP", "V", "DP", "mbs", "optimizer", "SP", "recompute", "weights", "grads", "optim",
+           "gather", "activ", "total", "TP s", "CP s", "PP s", "DP s", "bubble", "step s", "tokens/s", "MFU")
 
 
 def _row(i: int, e: Estimate, plan: Plan) -> tuple[str, ...]:
     lay, peak, t = e.layout, e.peak, e.time
-    return (str(i), str(lay.tp), str(lay.pp), str(lay.virtual_stages), str(lay.dp), str(lay.micro_batch_size),
-            lay.optimizer_name, "yes" if lay.sequence_parallel else "-", lay.recompute or "-", _g(peak.weights),
-            _g(peak.gradients), _g(peak.optimizer), _g(peak.gathered) if peak.gathered else "-",
-            _g(peak.activations), _g(peak.total), _seconds(t.tp),
-            _seconds(t.pp), _seconds(t.dp_exposed), f"{t.bubble:.1%}" if lay.pp > 1 else "-", f"{t.step:.3g}",
-            f"{e.tokens_per_second:,.0f}", f"{e.mfu(plan.hardware):.0%}")
+    return (str(i), str(lay.tp), str(lay.cp) + (f" {lay.cp_comm_type}" if lay.cp > 1 else ""), str(lay.pp), str(lay.virtual_stages), str(lay.dp),
+            str(lay.micro_batch_size), lay.optimizer_name, "yes" if lay.sequence_parallel else "-",
+            lay.recompute or "-", _g(peak.weights), _g(peak.gradients), _g(peak.optimizer),
+            _g(peak.gathered) if peak.gathered else "-", _g(peak.activations), _g(peak.total), _seconds(t.tp),
+            _seconds(t.cp_exposed), _seconds(t.pp), _seconds(t.dp_exposed), f"{t.bubble:.1%}" if lay.pp > 1 else "-",
+            f"{t.step:.3g}", f"{e.tokens_per_second:,.0f}", f"{e.mfu(plan.hardware):.0%}")
 
 
 def _table(rows: list[tuple[str, ...]]) -> list[str]:
     widths = [max(len(row[c]) for row in rows) for c in range(len(rows[0]))]
-    left = {6, 8}   # optimizer and recompute names read better left-aligned
+    left = {7, 9}   # optimizer and recompute names read better left-aligned
     return ["  ".join(cell.ljust(w) if c in left else cell.rjust(w) for c, (cell, w) in enumerate(zip(row, widths)))
             for row in rows]
 
@@ -99,9 +99,9 @@ def format_plan(plan: Plan, top: int = 10, rejected: int = 12) -> str:
              f"{plan.global_batch_size} ({plan.global_batch_size * m.seq_length:,} tokens)",
              f"on {hw.describe()}",
              f"{plan.candidates} layouts estimated, {plan.fitting} fit in {_g(hw.usable_memory_bytes)} GiB "
-             f"({hw.memory_headroom:.0%} of the device kept free); the best of each TP x PP x V, fastest first. "
+             f"({hw.memory_headroom:.0%} of the device kept free); the best of each TP x CP x PP x V, fastest first. "
              f"Memory in GiB per GPU on the most loaded stage (gather: ZeRO-3's gathered layers and unsharded "
-             f"gradients); TP/PP/DP s: communication per step not hidden behind compute.", ""]
+             f"gradients); TP/CP/PP/DP s: communication per step not hidden behind compute.", ""]
     if plan.ranked:
         lines += estimate_lines(plan.ranked[:top], plan)
         lines.append("")
@@ -136,7 +136,8 @@ def estimate_json(e: Estimate, plan: Plan) -> dict:
             "parameters_per_stage": held,   # held by one GPU of each pipeline stage
             "memory": _memory_json(e.peak), "memory_per_stage": [_memory_json(s) for s in e.memory],
             "fits": e.fits,
-            "communication_s": {"tp": t.tp, "pp": t.pp, "dp": t.dp, "dp_exposed": t.dp_exposed},
+            "communication_s": {"tp": t.tp, "pp": t.pp, "dp": t.dp, "dp_exposed": t.dp_exposed, "cp": t.cp,
+                                "cp_exposed": t.cp_exposed},
             "compute_s": t.compute, "recompute_s": t.recompute, "bubble": t.bubble, "bubble_s": t.bubble_time,
             "step_s": t.step, "tokens_per_s": e.tokens_per_second, "mfu": e.mfu(plan.hardware),
             "model_flops_per_step": t.model_flops, "pretrain_args": argv, "hydra_overrides": hydra_overrides(plan, e)}

@@ -13,15 +13,23 @@ Search space (each candidate is also passed through megalite.config.validate, so
   memory buys something (no TP or PP, a larger micro-batch, no recompute) and its traffic hides behind compute: fast
   links, large micro-batches;
 - sequence parallelism whenever TP > 1 (it only saves memory; its extra all-gather is counted);
-- recompute none, selective or full (uniform, one layer per group).
+- recompute none, selective or full (uniform, one layer per group);
+- context parallelism CP in powers of two up to 16, p2p (ring) or a2a (Ulysses): each GPU holds s / CP tokens of
+  every sample, so activations shrink by CP, at the price of the ring's K/V transfers (they hide behind the attention
+  blocks' compute when blocks are long: compute per block grows with s^2 / CP^2, its bytes with s / CP; but
+  megalite's blocks are unfused attention on a GPU, slower than flash) or of a2a's all-to-alls (not hidden; its core is
+  flash attention). It wins for long sequences, where activations would not fit otherwise or force recompute.
+  Searched from 16k tokens on (MIN_CONTEXT_PARALLEL_SEQUENCE); DP = GPUs / (TP x CP x PP).
 
 A layout fits when its most loaded GPU's estimate stays under the device memory minus the headroom. Ranking: step
 time; layouts within 0.5% of each other count as tied and the simpler wins (no recompute, then smaller TP, PP and V,
-then the larger micro-batch, less communication, less memory). The table keeps the best variant of each (TP, PP, V).
+then the larger micro-batch, less communication, less memory). The table keeps the best variant of each
+(TP, CP, PP, V).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Optional
@@ -35,6 +43,11 @@ from megalite.planner.performance import StepTime, step_time
 
 MICRO_BATCH_SIZES = (1, 2, 4, 8)
 RECOMPUTE = (None, "selective", "full")
+MAX_CONTEXT_PARALLEL = 16
+# Context parallelism is searched from this sequence length on: NVIDIA's long-context recipes (NeMo, Llama 3 8B and
+# 70B at 16k and 64k) are where it is used; below, it costs search time and does not win.
+MIN_CONTEXT_PARALLEL_SEQUENCE = 16384
+CP_COMM_TYPES = ("p2p", "a2a")   # allgather holds the whole sequence's K/V and moves as much as p2p: never better
 _TIE = 1.005   # step times within 0.5% are a tie
 
 
@@ -66,9 +79,9 @@ class Estimate:
     def sort_key(self) -> tuple:
         """Step time (0.5% buckets), then the simpler layout (see the module docstring)."""
         lay = self.layout
-        communication = self.time.tp + self.time.pp + self.time.dp
-        return (math.floor(math.log(self.time.step) / math.log(_TIE)), RECOMPUTE.index(lay.recompute), lay.tp,
-                lay.pp, lay.virtual_stages, -lay.micro_batch_size, communication, self.peak.total)
+        communication = self.time.tp + self.time.pp + self.time.dp + self.time.cp
+        return (math.floor(math.log(self.time.step) / math.log(_TIE)), RECOMPUTE.index(lay.recompute), lay.cp,
+                lay.tp, lay.pp, lay.virtual_stages, -lay.micro_batch_size, communication, self.peak.total)
 
 
 @dataclass(frozen=True)
@@ -92,7 +105,7 @@ class Plan:
     hardware: Hardware
     global_batch_size: int
     parameters: ParameterCount
-    ranked: list[Estimate]                      # best variant of each (TP, PP, V) that fits, fastest first
+    ranked: list[Estimate]                      # best variant of each (TP, CP, PP, V) that fits, fastest first
     rejected: list[Rejection]
     fitting: int                                # layouts that fit, all variants
     candidates: int                             # layouts estimated
@@ -117,23 +130,24 @@ def _powers_of_two(limit: int) -> list[int]:
     return [1 << k for k in range(limit.bit_length()) if 1 << k <= limit]
 
 
-def _variants(tp: int, pp: int, v: int, dp: int, global_batch_size: int):
-    """Every micro-batch size, optimizer sharding and recompute option of one (TP, PP, V) shape."""
+def _variants(tp: int, pp: int, v: int, dp: int, global_batch_size: int, cp: int = 1):
+    """Every micro-batch size, optimizer sharding and recompute option of one (TP, CP, PP, V) shape."""
     per_replica = global_batch_size // dp
     for mbs in MICRO_BATCH_SIZES:
         if per_replica % mbs or (v > 1 and (per_replica // mbs) % pp):
             continue
-        for zero in ((0, 1, 2) + ((3,) if pp == 1 else ()) if dp > 1 else (0,)):
+        for zero in ((0, 1, 2) + ((3,) if pp == 1 else ()) if dp * cp > 1 else (0,)):
             for recompute in RECOMPUTE:
-                yield Layout(tp=tp, pp=pp, dp=dp, virtual_stages=v, micro_batch_size=mbs, zero=zero,
-                             sequence_parallel=tp > 1, recompute=recompute)
+                for comm_type in (CP_COMM_TYPES if cp > 1 else ("p2p",)):
+                    yield Layout(tp=tp, pp=pp, dp=dp, virtual_stages=v, micro_batch_size=mbs, zero=zero,
+                                 sequence_parallel=tp > 1, recompute=recompute, cp=cp, cp_comm_type=comm_type)
 
 
 def search(model: ModelConfig, hardware: Hardware, global_batch_size: int, *, model_name: Optional[str] = None,
            dtype_bytes: int = 2, numerics: Optional[Numerics] = None) -> Plan:
     """Estimate every candidate layout and rank those that fit (see the module docstring)."""
     n, layers = hardware.num_gpus, model.num_layers
-    best: dict[tuple[int, int, int], Estimate] = {}
+    best: dict[tuple[int, int, int, int], Estimate] = {}
     rejected: list[Rejection] = []
     fitting = candidates = 0
     for tp in _powers_of_two(n):
@@ -141,17 +155,21 @@ def search(model: ModelConfig, hardware: Hardware, global_batch_size: int, *, mo
             rejected.append(Rejection(tp, 0, 1, f"more than the {hardware.gpus_per_node} GPUs of a node: its "
                                                 f"all-reduces, 4 per layer and micro-batch, would cross the network"))
             continue
-        for pp in (d for d in range(1, layers + 1) if layers % d == 0 and n % (tp * d) == 0):
-            dp = n // (tp * pp)
+        max_cp = MAX_CONTEXT_PARALLEL if model.seq_length >= MIN_CONTEXT_PARALLEL_SEQUENCE else 1
+        for cp, pp in ((c, d) for c in _powers_of_two(min(n // tp, max_cp))
+                       for d in range(1, layers + 1) if layers % d == 0 and n % (tp * c * d) == 0):
+            dp = n // (tp * cp * pp)
             if global_batch_size % dp:
-                rejected.append(Rejection(tp, pp, 1, f"global batch {global_batch_size} does not split over "
-                                                     f"DP={dp}"))
+                if cp == 1:   # a context-parallel shape is only reported when it is the one that runs
+                    rejected.append(Rejection(tp, pp, 1, f"global batch {global_batch_size} does not split over "
+                                                         f"DP={dp}"))
                 continue
             for v in ((1, 2) if pp > 1 and layers % (2 * pp) == 0 else (1,)):
                 error, smallest = None, None
                 run = MegaliteConfig(model=model, training=TrainingConfig(global_batch_size=global_batch_size,
                                                                           bf16=dtype_bytes == 2))
-                for layout in _variants(tp, pp, v, dp, global_batch_size):
+                key = (tp, cp, pp, v)
+                for layout in _variants(tp, pp, v, dp, global_batch_size, cp):
                     try:
                         validate(layout.apply(run), n)
                     except ConfigError as e:
@@ -164,10 +182,9 @@ def search(model: ModelConfig, hardware: Hardware, global_batch_size: int, *, mo
                             smallest = result
                         continue
                     fitting += 1
-                    key = (tp, pp, v)
                     if key not in best or result.sort_key() < best[key].sort_key():
                         best[key] = result
-                if (tp, pp, v) in best:
+                if key in best or cp > 1:
                     continue
                 if smallest is not None:
                     rejected.append(Rejection(tp, pp, v, _memory_reason(smallest)))
@@ -205,6 +222,7 @@ def _components(e: Estimate) -> dict[str, float]:
     t = e.time
     return {"the pipeline bubble": t.bubble_time, "tensor-parallel communication": t.tp, "pipeline transfers": t.pp,
             "exposed data-parallel communication": t.dp_exposed, "recompute": t.recompute,
+            "exposed context-parallel communication": t.cp_exposed,
             "the slowest stage's extra work (the output layer)": t.imbalance}
 
 
@@ -216,7 +234,7 @@ def _link(hw: Hardware, span: int) -> str:
 
 
 def _why_not_pure_data_parallel(plan: Plan) -> str:
-    pure = [e for e in plan.ranked if e.layout.tp == 1 and e.layout.pp == 1]
+    pure = [e for e in plan.ranked if e.layout.tp == 1 and e.layout.pp == 1 and e.layout.cp == 1]
     if pure:
         return f"Pure data parallelism fits but is {_percent(pure[0].time.step, plan.winner.time.step)} slower"
     hw, n = plan.hardware, plan.hardware.num_gpus
@@ -229,6 +247,28 @@ def _why_not_pure_data_parallel(plan: Plan) -> str:
                 f"with {sharded.optimizer_name} ({gib(hw.usable_memory_bytes)} usable)")
     return (f"Data parallelism alone does not fit: the model states{gathered} ({gib(held)} per GPU with "
             f"{sharded.optimizer_name}) leave too little room for the activations even with full recompute")
+
+
+def _why_context_parallel(plan: Plan) -> str:
+    """What CP buys the winner: the activations without it, and what its ring costs."""
+    w, hw = plan.winner, plan.hardware
+    lay, peak, t = w.layout, w.peak, w.time
+    # The same GPUs as data parallelism instead (the micro-batch shrinks if the batch splits no further).
+    mbs = max(1, min(lay.micro_batch_size, plan.global_batch_size // (lay.dp * lay.cp)))
+    without = estimate(plan.model, dataclasses.replace(lay, cp=1, dp=lay.dp * lay.cp, micro_batch_size=mbs), hw,
+                       plan.global_batch_size, plan.dtype_bytes) \
+        if plan.global_batch_size % (lay.dp * lay.cp * mbs) == 0 else None
+    if without is None:
+        instead = "the batch does not split over that many data-parallel ranks"
+    else:
+        verdict = "would not fit" if not without.fits else f"would take {_percent(without.time.step, t.step)} longer"
+        instead = f"data parallelism over those GPUs instead holds {gib(without.peak.activations)} and {verdict}"
+    link = _link(hw, lay.tp * lay.cp)
+    cost = (f"the ring's K/V transfers over {link}, {t.cp:.2g} s per step, hide behind the attention blocks but for "
+            f"{t.cp_exposed:.2g} s" if lay.cp_comm_type == "p2p" else
+            f"its {lay.cp_comm_type} exchanges over {link} take {t.cp:.2g} s per step")
+    return (f"CP={lay.cp} splits each sample's {plan.model.seq_length:,} tokens over {lay.cp} GPUs: "
+            f"{gib(peak.activations)} of activations per GPU, where {instead}; {cost}.")
 
 
 def explain(plan: Plan) -> list[str]:
@@ -244,21 +284,24 @@ def explain(plan: Plan) -> list[str]:
              f"usable on its most loaded GPU, about {w.time.step:.3g} s per step ({w.tokens_per_second:,.0f} tokens/s, "
              f"{w.mfu(hw):.0%} MFU).")
     sentences = [first]
-    if lay.tp == 1 and lay.pp == 1 and lay.zero == 3:
+    if lay.cp > 1:
+        sentences.append(_why_context_parallel(plan))
+    unsplit = lay.tp == 1 and lay.pp == 1   # the model whole on every GPU
+    if unsplit and lay.cp == 1 and lay.zero == 3:
         sentences.append(
             f"ZeRO-3 shards everything over the {lay.dp} GPUs ({bytes_per_parameter(3, lay.dp):.3g} bytes per "
             f"parameter = {gib(peak.states)}, plus {gib(peak.gathered)} of layers gathered at a time), so pure data "
             f"parallelism fits: no tensor-parallel all-reduces, no pipeline bubble; FSDP2's gathers and "
             f"reduce-scatters over {_link(hw, lay.dp)}, {w.time.dp:.2g} s per step, hide behind compute but "
             f"for {w.time.dp_exposed:.2g} s.")
-    elif lay.tp == 1 and lay.pp == 1:
+    elif unsplit and lay.cp == 1:
         bpp = bytes_per_parameter(lay.zero, lay.dp, plan.dtype_bytes)
         sentences.append(
             f"The model states fit on one GPU ({bpp:.3g} bytes per parameter x {plan.parameters.total / 1e9:.2f}B "
             f"parameters = {gib(peak.states)} with {lay.optimizer_name}), so pure data parallelism wins: no "
             f"tensor-parallel all-reduces, no pipeline bubble, and the gradient reduction ({w.time.dp:.2g} s per step) "
             f"hides behind backward but for {w.time.dp_exposed:.2g} s.")
-    else:
+    elif not unsplit:
         how = []
         if lay.tp > 1:
             how.append(f"TP={lay.tp} inside a node over {hw.intra_node_link} ({hw.intra_bandwidth / 1e9:g} GB/s) "

@@ -4,7 +4,7 @@ sequence-parallel mappings and activation recompute."""
 from megalite.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megalite.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
                                              mark_sequence_parallel)
-from megalite.tensor_parallel.mappings import (all_gather_tensor_parallel, copy_to_tensor_parallel,
+from megalite.tensor_parallel.mappings import (all_gather_over, all_gather_tensor_parallel, copy_to_tensor_parallel,
                                                gather_from_tensor_parallel, reduce_from_tensor_parallel,
                                                reduce_scatter_to_sequence_parallel, scatter_to_tensor_parallel)
 from megalite.tensor_parallel.partition import Partition, initialize_parameters, shard, unshard
@@ -14,7 +14,8 @@ from megalite.tensor_parallel.recompute import recompute
 __all__ = [
     "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "vocab_parallel_cross_entropy",
     "mark_sequence_parallel", "copy_to_tensor_parallel", "reduce_from_tensor_parallel", "scatter_to_tensor_parallel",
-    "gather_from_tensor_parallel", "all_gather_tensor_parallel", "reduce_scatter_to_sequence_parallel", "Partition",
+    "gather_from_tensor_parallel", "all_gather_tensor_parallel", "reduce_scatter_to_sequence_parallel",
+    "all_gather_over", "Partition",
     "initialize_parameters",
     "shard", "unshard", "TensorParallelRNG", "recompute",
 ]

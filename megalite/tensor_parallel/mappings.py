@@ -23,15 +23,18 @@ split along the sequence (dim 1 of [batch, seq, hidden]) and turns each all-redu
 The first is fused into the linear (megalite.tensor_parallel.layers). ``all_gather_tensor_parallel(x, dim)`` is the
 same pair along any dim, for a gather whose consumers differ per rank (so their gradients must be summed over TP
 before each rank keeps its slice): grouped-query attention uses it on the last dim when there are fewer key/value
-heads than TP ranks.
+heads than TP ranks. ``all_gather_over(x, dim, group)`` is that pair over another group.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.distributed as dist
 
 from megalite import parallel_state
+from megalite.parallel_state import GroupInfo
 
 
 def _all_reduce(x: torch.Tensor) -> torch.Tensor:
@@ -60,9 +63,9 @@ def split(x: torch.Tensor, dim: int) -> torch.Tensor:
     return x.chunk(info.size, dim=dim)[info.rank].contiguous()
 
 
-def all_gather(x: torch.Tensor, dim: int) -> torch.Tensor:
-    """Every rank's ``x`` concatenated along ``dim`` in rank order."""
-    info = parallel_state.get_tensor_model_parallel_group()
+def all_gather(x: torch.Tensor, dim: int, info: GroupInfo | None = None) -> torch.Tensor:
+    """Every rank's ``x`` concatenated along ``dim`` in rank order (over ``info``, by default the TP group)."""
+    info = info or parallel_state.get_tensor_model_parallel_group()
     if info.size == 1:
         return x
     x = x.contiguous()
@@ -71,14 +74,13 @@ def all_gather(x: torch.Tensor, dim: int) -> torch.Tensor:
     return torch.cat(parts, dim=dim)
 
 
-def reduce_scatter(x: torch.Tensor, dim: int) -> torch.Tensor:
-    """The sum of every rank's ``x``, keeping this rank's slice along ``dim``."""
-    info = parallel_state.get_tensor_model_parallel_group()
+def reduce_scatter(x: torch.Tensor, dim: int, info: GroupInfo | None = None) -> torch.Tensor:
+    """The sum of every rank's ``x``, keeping this rank's slice along ``dim`` (over ``info``, default the TP group)."""
+    info = info or parallel_state.get_tensor_model_parallel_group()
     if info.size == 1:
         return x
     if x.shape[dim] % info.size:
-        raise ValueError(f"dimension {dim} of size {x.shape[dim]} cannot be split over {info.size} "
-                         f"tensor-parallel ranks")
+        raise ValueError(f"dimension {dim} of size {x.shape[dim]} cannot be split over {info.size} ranks")
     front = x.movedim(dim, 0).contiguous()   # the collective splits the leading dimension
     out = front.new_empty((front.shape[0] // info.size, *front.shape[1:]))
     _reduce_scatter_flat(out, front, group=info.group)
@@ -155,3 +157,10 @@ def all_gather_tensor_parallel(x: torch.Tensor, dim: int) -> torch.Tensor:
 
 def reduce_scatter_to_sequence_parallel(x: torch.Tensor) -> torch.Tensor:
     return _Along.apply(x, SEQUENCE_DIM, reduce_scatter, all_gather) if _tensor_parallel() else x
+
+
+def all_gather_over(x: torch.Tensor, dim: int, info: GroupInfo) -> torch.Tensor:
+    """:func:`all_gather_tensor_parallel` over another group (context parallelism gathers keys and values over CP)."""
+    if info.size == 1:
+        return x
+    return _Along.apply(x, dim, functools.partial(all_gather, info=info), functools.partial(reduce_scatter, info=info))

@@ -6,7 +6,8 @@ heads) must draw *different* masks, or the heads of different ranks would share 
 streams: the device's default generator, seeded identically on the TP ranks of a stage, and a tracked
 "tensor-parallel" stream seeded per TP rank, entered with ``with tracker.fork():`` around split-region dropout.
 Under sequence parallelism the residual stream is split too, so its dropout also draws from the tensor-parallel
-stream. Recompute saves both states before a forward and replays them (``get_states``/``set_states``), so the
+stream. Context-parallel ranks hold different tokens (and, with the all-to-all, different heads): both their streams
+are seeded apart too (an offset per CP rank; none at CP rank 0, so a run without CP keeps Megatron's seeds). Recompute saves both states before a forward and replays them (``get_states``/``set_states``), so the
 recomputed forward draws the same masks.
 """
 
@@ -18,14 +19,15 @@ import torch
 
 _DEFAULT_SEED_OFFSET_PER_STAGE = 100     # Megatron's offsets, so seeds match its conventions
 _TENSOR_PARALLEL_SEED_OFFSET = 2718
+_CONTEXT_PARALLEL_SEED_OFFSET = 1_000_003   # beyond any stage's offset, so no two (stage, CP rank) seeds meet
 
 
 class TensorParallelRNG:
     """Owns the tensor-parallel dropout stream of one rank and swaps it in and out of the device generator."""
 
-    def __init__(self, seed: int, tp_rank: int, pp_rank: int, device: torch.device):
+    def __init__(self, seed: int, tp_rank: int, pp_rank: int, device: torch.device, cp_rank: int = 0):
         self.device = torch.device(device)
-        self.default_seed = seed + _DEFAULT_SEED_OFFSET_PER_STAGE * pp_rank
+        self.default_seed = seed + _DEFAULT_SEED_OFFSET_PER_STAGE * pp_rank + _CONTEXT_PARALLEL_SEED_OFFSET * cp_rank
         self.tensor_parallel_seed = self.default_seed + _TENSOR_PARALLEL_SEED_OFFSET + tp_rank
         torch.manual_seed(self.default_seed)   # seeds the CPU and every CUDA generator
         self._tp_state = self._fresh_state(self.tensor_parallel_seed)

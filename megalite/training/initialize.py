@@ -59,7 +59,8 @@ def initialize_distributed(parallel: ParallelConfig, timeout_s: float = 600.0) -
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout,
                                 device_id=device if backend == "nccl" else None)
     parallel_state.initialize_model_parallel(parallel.tensor_model_parallel_size,
-                                             parallel.pipeline_model_parallel_size, timeout=timeout)
+                                             parallel.pipeline_model_parallel_size, timeout=timeout,
+                                             context_parallel_size=parallel.context_parallel_size)
     return device
 
 

@@ -8,6 +8,7 @@ With ``--wandb-project`` the same numbers go to Weights & Biases (``wandb.log`` 
 config as the run's config) when the ``wandb`` package is installed (``pip install 'megalite[wandb]'``); without it
 the run says so in one line and goes on. ``WANDB_MODE=offline`` keeps the run in ``--wandb-save-dir`` for
 ``wandb sync``.
+With ``--eod-mask-loss``, ``loss_tokens`` is the number of tokens the loss averaged over.
 """
 
 from __future__ import annotations

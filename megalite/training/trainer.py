@@ -3,9 +3,11 @@ gradient reduction over DP (and the tied-embedding sum across stages) -> optimiz
 parameter gather) -> log; every ``eval_interval`` iterations, the validation loss over ``eval_iters`` global batches
 (the same validation samples each time, so evaluations are comparable).
 
-The loss is normalized by the number of tokens in the whole global batch (global batch x sequence length), so
-each rank backpropagates its share of the global mean and the DP reduction is a plain sum: the result is the same
-whatever the DP size or micro-batch size, which is what the equivalence tests check.
+The loss is normalized by the number of tokens in the whole global batch (global batch x sequence length, or the
+tokens left by ``--eod-mask-loss``, counted over every rank), so each rank backpropagates its share of the global
+mean and the DP reduction is a plain sum: the result is the same whatever the DP size or micro-batch size, which is
+what the equivalence tests check. Under context parallelism each rank holds some tokens of every sample of its DP
+rank's micro-batches (megalite.model.context_parallel); their loss sums over DP x CP like the DP ranks' do.
 """
 
 from __future__ import annotations
@@ -22,9 +24,11 @@ from megalite import checkpoint, parallel_state
 from megalite.config import MegaliteConfig
 from megalite.config.batches import batch_schedule, describe as describe_batches, train_iterations
 from megalite.data import build_datasets, micro_batch_indices
+from megalite.data.packing import packed_documents
 from megalite.distributed import DataParallel, DataParallelEngine, FullyShardedDataParallel
 from megalite.kernels import KernelPolicy
 from megalite.model import GPTModel
+from megalite.model.context_parallel import SequenceShard, shard_sequence
 from megalite.model.flops import model_flops_per_iteration
 from megalite.optimizer import LRSchedule, MegaliteOptimizer
 from megalite.optimizer.clip_grads import counts_toward_norm
@@ -38,7 +42,8 @@ from megalite.training.timers import Timers, peak_memory_gib, peak_tflops
 
 
 def _sum_over_data_parallel(value: torch.Tensor) -> torch.Tensor:
-    info = parallel_state.get_data_parallel_group()
+    """Sum over DP x CP: every rank holding a share of the global batch's tokens."""
+    info = parallel_state.get_data_parallel_group(with_context_parallel=True)
     if info.size > 1:
         dist.all_reduce(value, group=info.group)
     return value
@@ -51,6 +56,30 @@ def _gather_over_pipeline(value: torch.Tensor) -> list[torch.Tensor]:
     parts = [torch.empty_like(value) for _ in range(info.size)]
     dist.all_gather(parts, value, group=info.group)
     return parts
+
+
+@dataclass
+class MicroBatch:
+    """What one micro-batch feeds this rank: its tokens of the samples (all of them without context parallelism),
+    the next tokens as labels, which of them count in the loss, and where they sit in the samples."""
+    inputs: torch.Tensor      # [micro-batch, local tokens]
+    labels: torch.Tensor      # [micro-batch, local tokens]
+    loss_mask: torch.Tensor   # [micro-batch, local tokens], fp32
+    shard: SequenceShard
+
+    @classmethod
+    def of(cls, samples: torch.Tensor, cfg: MegaliteConfig, eod: int | None) -> "MicroBatch":
+        """From samples of seq length + 1 tokens [micro-batch, seq + 1]; ``eod`` ends the packed documents."""
+        inputs, labels = samples[:, :-1], samples[:, 1:]
+        d = cfg.data
+        packing = (packed_documents(inputs, eod, reset_position_ids=d.reset_position_ids,
+                                    reset_attention_mask=d.reset_attention_mask, eod_mask_loss=d.eod_mask_loss)
+                   if eod is not None else None)
+        shard = shard_sequence(inputs.shape[1], samples.device, comm_type=cfg.parallel.cp_comm_type,
+                               positions=packing.positions if packing else None,
+                               documents=packing.documents if packing else None)
+        loss_mask = packing.loss_mask if packing is not None else torch.ones_like(labels, dtype=torch.float32)
+        return cls(shard.take(inputs), shard.take(labels), shard.take(loss_mask), shard)
 
 
 @dataclass
@@ -77,7 +106,7 @@ class Trainer:
         self.pp_rank = parallel_state.get_pipeline_model_parallel_rank()
         self.virtual_stages = cfg.parallel.virtual_stages(m.num_layers)
         self.rng = rng = TensorParallelRNG(seed, parallel_state.get_tensor_model_parallel_rank(), self.pp_rank,
-                                           device)
+                                           device, parallel_state.get_context_parallel_rank())
         kernels = KernelPolicy.from_config(cfg.kernels)   # fused CUDA kernels or torch ops, per op
         self.model = torch.nn.ModuleList(
             GPTModel(m, rng, pre_process=c.is_first, post_process=c.is_last, layer_offset=c.first_layer,
@@ -89,7 +118,9 @@ class Trainer:
         self.dtype = (torch.bfloat16 if cfg.training.bf16 else torch.float16 if cfg.training.fp16
                       else torch.float32)
         o = cfg.optimizer
-        shared = dict(data_group=parallel_state.get_data_parallel_group(),
+        # Context-parallel ranks hold the same weights: gradients are summed over DP x CP, and the distributed
+        # optimizer and ZeRO-3 shard over it.
+        shared = dict(data_group=parallel_state.get_data_parallel_group(with_context_parallel=True),
                       tensor_group=parallel_state.get_tensor_model_parallel_group(),
                       embedding_group=parallel_state.get_embedding_group(),
                       tied_params=[w for chunk in self.model for w in chunk.tied_embedding_weights()])
@@ -113,10 +144,12 @@ class Trainer:
         # Micro-batches per step at the largest (evaluation's) global batch; a ramp-up runs fewer while it grows.
         self.num_micro_batches = self.micro_batches_in(cfg.training.global_batch_size)
         self._schedules: dict[int, list] = {}
+        self.cp = parallel_state.get_context_parallel_world_size()
         self.links = (PipelineLinks(parallel_state.get_pipeline_model_parallel_group(),
-                                    (cfg.training.micro_batch_size,   # sequence parallel: this rank's shard
-                                     m.seq_length // (parallel_state.get_tensor_model_parallel_world_size()
-                                                      if cfg.parallel.sequence_parallel else 1), m.hidden_size),
+                                    (cfg.training.micro_batch_size,   # this rank's tokens: its CP and SP shard
+                                     m.seq_length // self.cp // (parallel_state.get_tensor_model_parallel_world_size()
+                                                                 if cfg.parallel.sequence_parallel else 1),
+                                     m.hidden_size),
                                     self.dtype,
                                     device) if self.pp > 1 else None)
         is_logging_rank = not dist.is_initialized() or dist.get_rank() == 0
@@ -145,7 +178,8 @@ class Trainer:
                    ", optimizer on the CPU" if o.optimizer_cpu_offload else "")
         micro = (f"{self.micro_batches_in(self.batches.smallest)}-{self.num_micro_batches}" if self.batches.ramps
                  else f"{self.num_micro_batches}")
-        return (f"megalite: TP={tp} x PP={self.pp} x DP={dp} (V={self.virtual_stages}, {schedule}, "
+        context = f"CP={self.cp} ({self.cfg.parallel.cp_comm_type}) x " if self.cp > 1 else ""
+        return (f"megalite: TP={tp} x {context}PP={self.pp} x DP={dp} (V={self.virtual_stages}, {schedule}, "
                 f"{micro} micro-batches per step, {describe_batches(self.batches)}); {sharding}{offload}; "
                 f"{counted.item() / 1e6:.2f}M parameters; {str(self.dtype).removeprefix('torch.')}; {data}")
 
@@ -165,12 +199,17 @@ class Trainer:
                                                                 self.virtual_stages)
         return self._schedules[num_micro_batches]
 
-    def _micro_batches(self, dataset, consumed_samples: int, num_micro_batches: int) -> list[torch.Tensor]:
+    def _micro_batches(self, dataset, consumed_samples: int, num_micro_batches: int) -> list[MicroBatch]:
+        """This rank's micro-batches of the global batch: its DP rank's samples, its CP rank's tokens of them."""
         t = self.cfg.training
         indices = micro_batch_indices(consumed_samples, t.micro_batch_size, num_micro_batches,
                                       parallel_state.get_data_parallel_rank(),
                                       parallel_state.get_data_parallel_world_size())
-        return [torch.stack([dataset[i] for i in batch]).to(self.device) for batch in indices]
+        d = self.cfg.data
+        packing = d.reset_position_ids or d.reset_attention_mask or d.eod_mask_loss
+        eod = self.data.tokenizer.eod if packing else None   # validation refused packing without a tokenizer
+        return [MicroBatch.of(torch.stack([dataset[i] for i in batch]).to(self.device), self.cfg, eod)
+                for batch in indices]
 
     def _run_global_batch(self, dataset, consumed_samples: int, forward_only: bool,
                           global_batch_size: int | None = None):
@@ -181,16 +220,19 @@ class Trainer:
         global_batch_size = global_batch_size or self.cfg.training.global_batch_size
         num_micro_batches = self.micro_batches_in(global_batch_size)
         micro_batches = self._micro_batches(dataset, consumed_samples, num_micro_batches)
-        # Every token counts (our samples have no padding), so the global batch's token count needs no all-reduce.
-        loss_masks = [torch.ones_like(b[:, 1:], dtype=torch.float32) for b in micro_batches]
-        global_tokens = torch.tensor(float(global_batch_size * self.cfg.model.seq_length), device=self.device)
+        if self.cfg.data.eod_mask_loss:   # the tokens that count, over every rank's share of the global batch
+            global_tokens = _sum_over_data_parallel(torch.stack([b.loss_mask.sum() for b in micro_batches]).sum())
+            global_tokens = global_tokens.clamp(min=1.0)
+        else:   # every token counts (our samples have no padding): the count needs no all-reduce
+            global_tokens = torch.tensor(float(global_batch_size * self.cfg.model.seq_length), device=self.device)
         loss_sums: list[torch.Tensor] = []
         loss_scale = self.optimizer.loss_scale   # 1 unless fp16
 
         def forward_step(chunk_index: int, micro_batch: int, input_tensor: torch.Tensor | None) -> torch.Tensor:
-            chunk, batch, mask = self.model[chunk_index], micro_batches[micro_batch], loss_masks[micro_batch]
-            output = chunk(batch[:, :-1] if chunk.pre_process else input_tensor,
-                           batch[:, 1:] if chunk.post_process else None)
+            chunk, batch = self.model[chunk_index], micro_batches[micro_batch]
+            mask = batch.loss_mask
+            output = chunk(batch.inputs if chunk.pre_process else input_tensor,
+                           batch.labels if chunk.post_process else None, batch.shard)
             if not chunk.post_process:
                 return output
             loss_sum = (output.float() * mask).sum()
@@ -244,6 +286,8 @@ class Trainer:
             record["decoupled_lr"] = decoupled_lr
         if self.batches.ramps:
             record["global_batch_size"] = batch
+        if self.cfg.data.eod_mask_loss:   # the tokens the loss averaged over (fewer than global batch x seq)
+            record["loss_tokens"] = int(global_tokens)
         if step["skipped"]:
             record["skipped"] = True
         if "loss_scale" in step:

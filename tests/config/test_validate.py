@@ -93,12 +93,43 @@ def test_tiny_config_is_valid_on_several_world_sizes():
      "--zero3-prefetch-bucket-size needs --zero-stage 3"),
     (tiny_config(optimizer={"zero_stage": 3, "zero3_prefetch_bucket_size": 0}), 2,
      "--zero3-prefetch-bucket-size must be >= 1, got 0"),
+    (tiny_config(tp=2, parallel={"context_parallel_size": 2}), 6,
+     "world size 6 is not divisible by --tensor-model-parallel-size 2 x --context-parallel-size 2 x "
+     "--pipeline-model-parallel-size 1 = 4"),
+    (tiny_config(model={"seq_length": 36}, parallel={"context_parallel_size": 4}), 4,
+     "--seq-length 36 is not divisible by 2 x --context-parallel-size 4 = 8 (with --cp-comm-type p2p each rank holds "
+     "two chunks"),
+    (tiny_config(model={"seq_length": 30}, parallel={"context_parallel_size": 4, "cp_comm_type": "a2a"}), 4,
+     "--seq-length 30 is not divisible by --context-parallel-size 4"),
+    (tiny_config(tp=2, parallel={"context_parallel_size": 4, "cp_comm_type": "a2a"}), 8,
+     "--cp-comm-type a2a splits each tensor-parallel rank's 2 attention heads (--num-attention-heads 4 / "
+     "--tensor-model-parallel-size 2) over --context-parallel-size 4, which does not divide them"),
+    (tiny_config(parallel={"context_parallel_size": 2, "cp_comm_type": "ring"}), 2,
+     "--cp-comm-type must be p2p, a2a or allgather, got 'ring'"),
+    (tiny_config(model={"attention_dropout": 0.1}, parallel={"context_parallel_size": 2}), 2,
+     "--cp-comm-type p2p computes attention blockwise without dropout: set --attention-dropout 0"),
+    (tiny_config(tp=2, model={"seq_length": 34}, parallel={"context_parallel_size": 2, "cp_comm_type": "a2a",
+                                                           "sequence_parallel": True}), 4,
+     "with --sequence-parallel, --seq-length 34 must be divisible by --tensor-model-parallel-size 2 x "
+     "--context-parallel-size 2"),
+    (tiny_config(data={"reset_attention_mask": True, "eod_mask_loss": True}), 1,
+     "--reset-attention-mask/--eod-mask-loss need documents, which --mock-data does not have"),
 ])
 def test_bad_values_name_the_numbers(cfg, world, message):
     with pytest.raises(ConfigError) as error:
         validate(cfg, world)
     assert message in str(error.value)
     assert "\n" not in str(error.value)
+
+
+def test_context_parallel_layouts():
+    for world, tp, pp, cp, kind in [(2, 1, 1, 2, "p2p"), (4, 1, 1, 4, "a2a"), (4, 2, 1, 2, "allgather"),
+                                    (8, 1, 2, 2, "p2p"), (8, 2, 2, 2, "a2a")]:
+        validate(tiny_config(tp=tp, pp=pp, model={"num_layers": 4},
+                             parallel={"context_parallel_size": cp, "cp_comm_type": kind,
+                                       "sequence_parallel": tp > 1}), world)
+    # ZeRO-3 shards over DP x CP: CP alone gives it ranks to shard over.
+    validate(tiny_config(optimizer={"zero_stage": 3}, parallel={"context_parallel_size": 2}), 2)
 
 
 def test_virtual_stages_from_either_option():

@@ -7,7 +7,10 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from megalite.data.documents import iter_documents
+from megalite.data.indexed_dataset import IndexedDatasetWriter
 from megalite.data.preprocess import preprocess
 from megalite.data.tokenizer import SentencePieceTokenizer, train_sentencepiece
 
@@ -68,3 +71,14 @@ def build_corpus(directory: Path) -> Corpus:
     preprocess(iter_documents([str(jsonl)]), SentencePieceTokenizer(model), prefix, workers=1, append_eod=True,
                progress=None)
     return Corpus(directory, documents, jsonl, model, prefix)
+
+
+def write_progressions(prefix: Path, count: int, vocab_size: int, seed: int = 0) -> None:
+    """``count`` documents of 3-30 tokens below ``vocab_size - 1``, each an arithmetic progression (learnable) ended
+    by EOD = ``vocab_size - 1`` (NullTokenizer's), as a .bin/.idx: packed samples hold several documents each."""
+    rng = random.Random(seed)
+    eod = vocab_size - 1
+    with IndexedDatasetWriter(prefix, np.uint16) as writer:
+        for _ in range(count):
+            start, stride, length = rng.randrange(eod), rng.randint(1, 7), rng.randint(3, 30)
+            writer.add_document([(start + stride * i) % eod for i in range(length)] + [eod])

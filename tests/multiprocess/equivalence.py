@@ -43,7 +43,8 @@ def full_parameters(trainer: Trainer) -> dict[str, torch.Tensor]:
 def train(cfg, ranks=None):
     """(records, final full parameters) on member ranks, None elsewhere."""
     p = cfg.parallel
-    with layout(p.tensor_model_parallel_size, p.pipeline_model_parallel_size, ranks=ranks) as member:
+    with layout(p.tensor_model_parallel_size, p.pipeline_model_parallel_size, ranks=ranks,
+                cp=p.context_parallel_size) as member:
         if not member:
             return None
         trainer = Trainer(cfg, CPU)
@@ -51,14 +52,20 @@ def train(cfg, ranks=None):
         return records, full_parameters(trainer)
 
 
+_REFERENCES: dict[str, tuple] = {}   # reference runs by configuration: layouts of one model share one run
+
+
 def reference(cfg):
     """The single-process run: no parallelism, and the plain (unsharded, unoverlapped, on-device) optimizer."""
     optimizer = dataclasses.replace(cfg.optimizer, use_distributed_optimizer=False, zero_stage=1,
                                     overlap_grad_reduce=False, overlap_param_gather=False,
                                     optimizer_cpu_offload=False, offload_params=False, ddp_bucket_size=None)
-    with single_layout():
-        trainer = Trainer(dataclasses.replace(cfg, parallel=ParallelConfig(), optimizer=optimizer), CPU)
-        return trainer.train(), full_parameters(trainer)
+    cfg = dataclasses.replace(cfg, parallel=ParallelConfig(), optimizer=optimizer)
+    if repr(cfg) not in _REFERENCES:
+        with single_layout():
+            trainer = Trainer(cfg, CPU)
+            _REFERENCES[repr(cfg)] = trainer.train(), full_parameters(trainer)
+    return _REFERENCES[repr(cfg)]
 
 
 def check_against_reference(cfg, ranks=None, label=""):

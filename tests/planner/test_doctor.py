@@ -19,9 +19,9 @@ ARGV = ["model=gpt_tiny", "data=mock", "--train-iters", "1", "--micro-batch-size
         "--seq-length", "256"]
 
 
-def _memory(argv):
+def _memory(argv, world_size=1):
     cfg = parse_args(argv)
-    return cfg, stage_memory(cfg.model, Layout.from_config(cfg, 1), 0, cfg.training.global_batch_size,
+    return cfg, stage_memory(cfg.model, Layout.from_config(cfg, world_size), 0, cfg.training.global_batch_size,
                              dtype_bytes=4, numerics=numerics_for(cfg, cuda=False))
 
 
@@ -139,6 +139,18 @@ def test_at_zero3_the_doctor_counts_the_gathered_layers_and_suggests_offloading_
     assert "--zero-stage" not in message.split("Split or shard them:")[1]
     offloaded = _states_exceed(ZERO_ARGV + ["--zero-stage", "3", "--optimizer-cpu-offload"], 4)
     assert "--optimizer-cpu-offload --offload-params" in offloaded
+
+
+def test_dry_run_of_context_parallelism_shows_the_tokens_per_gpu_and_the_ring(monkeypatch, capsys):
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    argv = ARGV + ["--context-parallel-size", "2", "--attention-dropout", "0", "--global-batch-size", "16", "--dry-run"]
+    assert pretrain_gpt.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "TP=1 x CP=2 (p2p) x PP=1 x DP=2" in out
+    assert "each GPU holds 128 of the 256 tokens of every sample; its p2p attention sends" in out
+    (_, whole), (_, split) = (_memory(words, world) for words, world in [(ARGV + ["--global-batch-size", "16"], 2),
+                                                                         (argv, 4)])
+    assert split.activations < 0.6 * whole.activations   # the same micro-batch of 8 samples, half their tokens
 
 
 def test_dry_run_of_zero3_shows_the_gathered_layers_and_the_host_states(monkeypatch, capsys):

@@ -3,6 +3,7 @@ line parses and passes megalite's own validation. Plus the step-time model's for
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shlex
 import sys
@@ -15,6 +16,7 @@ from megalite.config.cli import parse_args
 from megalite.config import validate
 from megalite.planner import Hardware, Layout, command_line, load_model_config, search, step_time, to_json
 from megalite.planner.memory import fully_sharded_units, padded_elements
+from megalite.planner.performance import context_parallel_bytes
 from megalite.planner.search import _variants
 from megalite.planner.search import estimate as estimate_layout
 
@@ -92,6 +94,8 @@ def test_zero3_is_a_candidate_only_without_pipelining():
     Layout(dp=4, zero=3, optimizer_cpu_offload=True, offload_params=True),
     Layout(dp=4, zero=2, optimizer_cpu_offload=True),
     Layout(pp=2, dp=2, zero=1),
+    Layout(tp=2, cp=2, dp=2, zero=1, sequence_parallel=True, cp_comm_type="allgather"),
+    Layout(cp=4, dp=2, zero=3, cp_comm_type="a2a"),
 ])
 def test_a_layout_round_trips_through_megalite_s_parser(layout):
     """argv() -> pretrain_gpt.py's parser and validation -> from_config gives the layout back (and the same config
@@ -103,6 +107,31 @@ def test_a_layout_round_trips_through_megalite_s_parser(layout):
     assert Layout.from_config(cfg, layout.world_size) == layout
     assert parse_args(words + [flags.override(k, v) for k, v in flags.differences(cfg, base).items()]) == cfg
     assert cfg.optimizer.overlap_grad_reduce == (layout.zero in (0, 1, 2))
+
+
+def test_context_parallelism_wins_for_long_sequences_only():
+    """Llama 2 7B at 128k tokens on 8 GPUs: without CP even full recompute leaves the activations too big; with it
+    they split over the CP ranks. At 4k (the fixtures above) CP is not even searched."""
+    model = dataclasses.replace(load_model_config("llama2_7b"), seq_length=131072, max_position_embeddings=131072)
+    plan = search(model, Hardware(num_gpus=8), 8, model_name="llama2_7b")
+    winner = plan.winner
+    assert winner.layout.cp > 1 and winner.time.cp > 0
+    assert f"CP={winner.layout.cp} splits each sample's 131,072 tokens" in plan.explanation[1]
+    without = estimate_layout(model, dataclasses.replace(winner.layout, cp=1, dp=winner.layout.replicas),
+                              Hardware(num_gpus=8), 8)
+    assert not without.fits
+    # CP shrinks the activations, not the model states.
+    assert winner.peak.activations == pytest.approx(without.peak.activations / winner.layout.cp, rel=0.05)
+
+
+def test_ring_traffic_is_the_key_value_blocks_around_the_ring():
+    """Per layer and micro-batch: (CP-1) K/V blocks of the rank's tokens forward; backward (CP-1) blocks and CP fp32
+    dK/dV accumulators (the counted bytes are checked against a real run in tests/multiprocess)."""
+    model = load_model_config("llama2_7b")
+    s, kv = model.seq_length // 4, 2 * model.seq_length // 4 * model.hidden_size   # no grouping: G d = h
+    sent = context_parallel_bytes(model, Layout(cp=4), 2)
+    assert sent == {"forward": 3 * kv * 2, "backward": 3 * kv * 2 + 4 * kv * 4} and s == 1024
+    assert context_parallel_bytes(model, Layout(cp=1), 2) == {"forward": 0.0, "backward": 0.0}
 
 
 @pytest.mark.parametrize("plan_name", ["gpt_350m_on_8", "llama_70b_on_64_nvlink", "llama_70b_on_64_pcie"])

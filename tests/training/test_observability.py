@@ -7,6 +7,7 @@ import pytest
 
 import pretrain_gpt
 
+from ..data.helpers import write_progressions
 from ..helpers import read_metrics
 
 event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
@@ -30,3 +31,15 @@ def test_tensorboard_and_metrics_file_hold_the_scalars(tmp_path, capsys):
     assert record["mfu"] == pytest.approx(record["tflops_per_device"] / 1.0)
     assert record["time_forward_backward_ms_min"] <= record["time_forward_backward_ms_max"]
     assert "tflops per device" in capsys.readouterr().out
+
+
+def test_packed_documents_report_the_tokens_the_loss_counts(tmp_path, capsys):
+    """With --eod-mask-loss the metrics file says over how many tokens the loss averaged: fewer than the batch's."""
+    write_progressions(tmp_path / "docs", 200, 301)
+    argv = ["model=gpt_tiny", "--data-path", str(tmp_path / "docs"), "--tokenizer-type", "NullTokenizer",
+            "--vocab-size", "301", "--seq-length", "64", "--micro-batch-size", "2", "--global-batch-size", "4",
+            "--train-iters", "2", "--eval-interval", "0", "--reset-position-ids", "--reset-attention-mask",
+            "--eod-mask-loss", "--metrics-file", str(tmp_path / "m.jsonl")]
+    assert pretrain_gpt.main(argv) == 0
+    records = read_metrics(tmp_path / "m.jsonl")
+    assert all(0 < r["loss_tokens"] < 4 * 64 for r in records)   # every sample holds a few document ends

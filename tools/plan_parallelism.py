@@ -73,6 +73,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     out = parser.add_argument_group("output")
     out.add_argument("--top", type=int, default=10, help="Rows of the table (default 10).")
     out.add_argument("--json", action="store_true", help="Print the plan as JSON instead.")
+    out.add_argument("--plot", metavar="FILE", help="Also draw the memory per GPU of the --top layouts as stacked bars "
+                                                    "(.png, .svg or .pdf; needs matplotlib: pip install -e \".[plot]\").")
     return parser.parse_args(argv)
 
 
@@ -103,6 +105,15 @@ def main(argv: list[str]) -> int:
     plan = search(model, hardware, args.global_batch_size, model_name=args.model,
                   dtype_bytes=4 if args.fp32 else 2)
     print(json.dumps(to_json(plan), indent=2) if args.json else format_plan(plan, top=args.top))
+    if args.plot and plan.ranked:
+        from megalite.visual.figures import save
+        from megalite.visual.memory import plan_figure
+        try:
+            save(plan_figure(plan, args.top), args.plot)
+        except ConfigError as error:
+            print(f"plan_parallelism: error: {error}", file=sys.stderr)
+            return 2
+        print(f"wrote {args.plot}", file=sys.stderr)
     return 0 if plan.winner is not None else 1
 
 

@@ -36,7 +36,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
                         help="A plain-text file is one document (source code), instead of one per line.")
     parser.add_argument("--workers", type=int, default=1, help="Tokenizing processes (default 1).")
     parser.add_argument("--append-eod", action="store_true", help="Append the end-of-document id to each document.")
-    parser.add_argument("--quiet", action="store_true", help="No progress line.")
+    parser.add_argument("--quiet", action="store_true", help="No progress bar.")
     return parser.parse_args(argv)
 
 

@@ -234,6 +234,9 @@ class TrainingConfig:
     dry_run: bool = option(
         False, "Print the planner's per-GPU memory estimate for this layout (weights, gradients, optimizer states, "
                "activations of each pipeline stage) and exit without training.")
+    plot: Optional[str] = option(
+        None, "With --dry-run: also draw that estimate as stacked bars, one per pipeline stage, into this .png, .svg "
+              "or .pdf file (needs matplotlib: pip install -e \".[plot]\").", metavar="FILE")
 
 
 @dataclass
@@ -243,9 +246,12 @@ class LoggingConfig:
     tensorboard_dir: Optional[str] = option(None, "Write TensorBoard scalars to this directory (rank 0).")
     timing_log_level: int = option(
         0, "Per-phase timers in the log and metrics (min/max over ranks): 0 none, 1 forward-backward, gradient "
-           "reduction and optimizer step, 2 also the pipeline's wait for its neighbours.")
+           "reduction and optimizer step, 2 also the pipeline's wait for its neighbours and, with --metrics-file, "
+           "each pipeline step's times in FILE.steps.jsonl beside it (tools/plot_schedule.py draws them).")
     peak_tflops: Optional[float] = option(
         None, "The device's peak TFLOP/s for MFU; default: known for A100/H100/H200 (bf16 dense), else no MFU.")
+    quiet: bool = option(
+        False, "No progress bars (checking tokens, building sample indices) and no time left (eta) on the log line.")
 
 
 @dataclass

@@ -37,6 +37,7 @@ def validate(cfg: MegaliteConfig, world_size: int) -> None:
                   ("log_interval", cfg.logging.log_interval), ("exit_interval", t.exit_interval)])
     _at_least(0, [("train_iters", t.train_iters)])
     _one_of("timing_log_level", cfg.logging.timing_log_level, (0, 1, 2))
+    _require(t.plot is None or t.dry_run, f"{FLAG.plot} draws the memory estimate of {FLAG.dry_run}: add it")
     for name, value in [("exit_duration_in_mins", t.exit_duration_in_mins),
                         ("distributed_timeout_minutes", t.distributed_timeout_minutes)]:
         _require(value is None or value > 0, f"{getattr(FLAG, name)} must be > 0, got {value}")

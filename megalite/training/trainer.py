@@ -30,6 +30,7 @@ from megalite.optimizer.clip_grads import counts_toward_norm
 from megalite.pipeline import PipelineLinks, build_schedule, chunks_of_rank, run_schedule
 from megalite.tensor_parallel import TensorParallelRNG
 from megalite.training.metrics import MetricsLogger
+from megalite.training.step_times import StepTimeRecorder
 from megalite.training.stopping import StopRequests, check_finite
 from megalite.training.timers import Timers, peak_memory_gib, peak_tflops
 
@@ -103,6 +104,11 @@ class Trainer:
         dp = parallel_state.get_data_parallel_world_size()
         self.num_micro_batches = cfg.training.global_batch_size // (cfg.training.micro_batch_size * dp)
         self.schedule = build_schedule(self.pp, self.pp_rank, self.num_micro_batches, self.virtual_stages)
+        lg = cfg.logging   # --timing-log-level 2: the logged iterations' step times, for timelines
+        self.step_times = (StepTimeRecorder(
+            lg.metrics_file, lg.log_interval, cfg.training.train_iters,
+            [build_schedule(self.pp, r, self.num_micro_batches, self.virtual_stages) for r in range(self.pp)],
+            self.virtual_stages, device) if StepTimeRecorder.wanted(lg.timing_log_level, lg.metrics_file) else None)
         self.links = (PipelineLinks(parallel_state.get_pipeline_model_parallel_group(),
                                     (cfg.training.micro_batch_size,   # sequence parallel: this rank's shard
                                      m.seq_length // (parallel_state.get_tensor_model_parallel_world_size()
@@ -148,8 +154,9 @@ class Trainer:
                                       parallel_state.get_data_parallel_world_size())
         return [torch.stack([dataset[i] for i in batch]).to(self.device) for batch in indices]
 
-    def _run_global_batch(self, dataset, consumed_samples: int, forward_only: bool):
-        """Forward (and backward) one global batch through the pipeline schedule.
+    def _run_global_batch(self, dataset, consumed_samples: int, forward_only: bool, record_steps: bool = False):
+        """Forward (and backward) one global batch through the pipeline schedule (``record_steps``: with its steps'
+        times, clocks aligned over the pipeline).
 
         Returns (loss summed over this rank's tokens, token count of the whole global batch, schedule stats)."""
         micro_batches = self._micro_batches(dataset, consumed_samples)
@@ -171,8 +178,11 @@ class Trainer:
             return loss_sum * (loss_scale / global_tokens)
 
         steps = self.schedule if not forward_only else [s for s in self.schedule if s.kind == "F"]
+        if record_steps:
+            self.step_times.align()
         stats = run_schedule(steps, forward_step, pp=self.pp, rank=self.pp_rank,
-                             virtual_stages=self.virtual_stages, links=self.links, forward_only=forward_only)
+                             virtual_stages=self.virtual_stages, links=self.links, forward_only=forward_only,
+                             record_steps=record_steps)
         loss_sum = torch.stack(loss_sums).sum() if loss_sums else torch.zeros((), device=self.device)
         return loss_sum, global_tokens, stats
 
@@ -180,9 +190,12 @@ class Trainer:
         """One optimizer step over one global batch; returns the iteration's metrics."""
         self.model.train()
         self.engine.start_iteration(self.num_micro_batches)
+        record_steps = self.step_times is not None and self.step_times.records(self.state.iteration + 1)
         with self.timers("forward-backward"):
             loss_sum, global_tokens, stats = self._run_global_batch(self.data.train, self.state.consumed_samples,
-                                                                    forward_only=False)
+                                                                    forward_only=False, record_steps=record_steps)
+        if record_steps:
+            self.step_times.write(self.state.iteration + 1, stats.step_times)
         self.timers.add("pipeline-wait", stats.total_s - stats.busy_s)
         with self.timers("grads-reduce"):
             self.engine.finish_grad_sync()
@@ -279,6 +292,7 @@ class Trainer:
                 elapsed_s = (time.perf_counter() - window_start) / window_iters
                 record["elapsed_ms"] = elapsed_s * 1000.0
                 record["tokens_per_sec"] = t.global_batch_size * self.cfg.model.seq_length / elapsed_s
+                record["consumed_tokens"] = self.state.consumed_samples * self.cfg.model.seq_length
                 devices = dist.get_world_size() if dist.is_initialized() else 1
                 record["tflops_per_device"] = self.flops_per_iteration / elapsed_s / devices / 1e12
                 if self.peak_tflops:

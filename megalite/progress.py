@@ -23,6 +23,7 @@ from typing import Callable, Optional, TextIO, TypeVar
 T = TypeVar("T")
 
 _BAR_WIDTH = 24
+DELAY_S = 0.5   # a bar appears once its work has run this long
 _SI = ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k"))
 
 
@@ -87,7 +88,7 @@ class Progress:
     after the numbers (other counts of the same work). Use it as a context manager, or call ``close`` at the end."""
 
     def __init__(self, total: Optional[float], description: str, unit: str = "", *, enabled: bool = True,
-                 stream: Optional[TextIO] = None, delay_s: float = 0.5, interval_s: float = 0.1,
+                 stream: Optional[TextIO] = None, delay_s: Optional[float] = None, interval_s: float = 0.1,
                  log_interval_s: Optional[float] = None, clock: Callable[[], float] = time.monotonic):
         self.total, self.description, self.unit = total, description, unit
         self.stream = stream if stream is not None else sys.stderr
@@ -95,7 +96,8 @@ class Progress:
         self.visible = enabled and is_first_rank() and (self.in_place or log_interval_s is not None)
         if not self.in_place:
             delay_s = interval_s = log_interval_s or 0.0
-        self.delay_s, self.interval_s, self.clock = delay_s, interval_s, clock
+        self.delay_s = DELAY_S if delay_s is None else delay_s
+        self.interval_s, self.clock = interval_s, clock
         self.done = 0.0
         self.note = ""
         self.start = clock()

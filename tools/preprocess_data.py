@@ -52,7 +52,8 @@ def main(argv: list[str]) -> int:
         return 2
     skipped = f" ({stats.skipped} empty ones skipped)" if stats.skipped else ""
     print(f"wrote {os.fspath(args.output_prefix)}.bin/.idx: {stats.documents:,} documents, {stats.tokens:,} tokens"
-          f"{skipped} in {stats.seconds:.1f} s", file=sys.stderr)
+          f"{skipped} in {stats.seconds:.1f} s ({stats.tokens / max(stats.seconds, 1e-9):,.0f} tokens/s)",
+          file=sys.stderr)
     return 0
 
 

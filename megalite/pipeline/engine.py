@@ -5,8 +5,8 @@ the last virtual stage the loss to backpropagate. The engine keeps each micro-ba
 backward, receives what a step needs just before it and sends what it produced with the next exchange. It also
 measures, per rank, the time spent computing and the peak number of micro-batches held, so the bubble can be read:
 ``bubble_fraction`` is idle time over compute time, the quantity (PP - 1) / (V M) of Narayanan et al. 2021 predicts.
-Asked to (``record_steps``), it keeps each step's start and end, in seconds from the start of the schedule, for
-timelines (megalite.training.step_times, tools/plot_schedule.py).
+Asked to (``record_steps``), it keeps each step's start and end, in seconds from the start of the schedule (whose
+wall-clock time, ``wall_start``, puts the ranks on one clock), for timelines (megalite.training.step_times).
 On GPUs the timers synchronize the device around each step (a small cost, paid for an honest reading).
 
 Not done yet (Megatron does both): freeing an output's data once it is sent (the next stage holds it), and posting
@@ -33,6 +33,7 @@ class ScheduleStats:
     total_s: float = 0.0         # wall time of the whole schedule
     peak_in_flight: int = 0      # most micro-batches whose activations were held at once
     step_times: list[tuple[float, float]] = field(default_factory=list)   # (start, end) per step, if recorded
+    wall_start: float = 0.0      # time.time() when the schedule started: the ranks' common clock
 
     @property
     def idle_fraction(self) -> float:
@@ -56,7 +57,7 @@ def run_schedule(steps: list[Step], forward_step: ForwardStep, *, pp: int, rank:
     pending_sends: list[tuple[int, torch.Tensor]] = []
     synchronize = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     synchronize()
-    start = time.perf_counter()
+    start, stats.wall_start = time.perf_counter(), time.time()
     for step in steps:
         needs, sends = step_messages(step, pp, virtual_stages, rank)
         recv_from = [message_link(needs, pp)[0]] if needs is not None else []

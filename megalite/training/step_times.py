@@ -3,10 +3,11 @@
 With ``--timing-log-level 2`` and ``--metrics-file run/metrics.jsonl``, every logged iteration adds one JSON object
 to ``run/metrics.steps.jsonl`` (:func:`steps_file`): the layout, and for each pipeline rank of the pipeline holding
 rank 0 its steps in the order run, each ``[kind, chunk, micro_batch, start_ms, end_ms]`` (``columns`` says so), in
-milliseconds from the start of that rank's schedule. The ranks of the pipeline pass a barrier just before a recorded
-schedule, so their clocks start together (to within the barrier's own skew, microseconds on one node); on a GPU the
-engine synchronizes the device around each step, so a step's time is its kernels' time. Other iterations are not
-recorded and cost nothing extra.
+milliseconds from the start of the earliest rank's schedule. The ranks' times are put on one clock by the wall-clock
+time each one's schedule started (``time.time()``: one clock for the ranks of a machine, as close as the machines'
+clock synchronization across nodes), and the ranks of the pipeline pass a barrier just before a recorded schedule,
+so they start together. On a GPU the engine synchronizes the device around each step, so a step's time is its
+kernels' time. Other iterations are not recorded and cost nothing extra.
 """
 
 from __future__ import annotations
@@ -56,23 +57,28 @@ class StepTimeRecorder:
         if group.size > 1:
             dist.barrier(group=group.group)
 
-    def write(self, iteration: int, step_times: list[tuple[float, float]]) -> None:
-        """Gather this pipeline's step times (collective over the pipeline group) and append them (rank 0)."""
+    def write(self, iteration: int, step_times: list[tuple[float, float]], wall_start: float) -> None:
+        """Gather this pipeline's step times (collective over the pipeline group) and append them (rank 0).
+        ``step_times`` are seconds from this rank's schedule start, which was at ``wall_start`` (time.time())."""
         group = parallel_state.get_pipeline_model_parallel_group()
         longest = max(len(steps) for steps in self.schedules)
-        mine = torch.zeros(longest, 2, dtype=torch.float64, device=self.device)
+        mine = torch.zeros(longest + 1, 2, dtype=torch.float64, device=self.device)
+        mine[0, 0] = wall_start   # row 0: the anchor; then the steps
         if step_times:
-            mine[:len(step_times)] = torch.tensor(step_times, dtype=torch.float64)
+            mine[1:len(step_times) + 1] = torch.tensor(step_times, dtype=torch.float64)
         parts = [mine]
         if group.size > 1:
             parts = [torch.empty_like(mine) for _ in range(group.size)]
             dist.all_gather(parts, mine, group=group.group)
         if not self.writes:
             return
+        parts = [part.cpu() for part in parts]
+        origin = min(float(part[0, 0]) for part in parts)
         ranks = []
-        for steps, times in zip(self.schedules, parts):
-            ranks.append([[s.kind, s.chunk, s.micro_batch, round(start * 1000, 4), round(end * 1000, 4)]
-                          for s, (start, end) in zip(steps, times.tolist())])
+        for steps, part in zip(self.schedules, parts):
+            offset = float(part[0, 0]) - origin
+            ranks.append([[s.kind, s.chunk, s.micro_batch, round((offset + start) * 1000, 4),
+                           round((offset + end) * 1000, 4)] for s, (start, end) in zip(steps, part[1:].tolist())])
         record = {"iteration": iteration, "schedule": self.schedule_name, "pipeline_model_parallel_size": group.size,
                   "virtual_stages": self.virtual_stages,
                   "num_micro_batches": len({s.micro_batch for s in self.schedules[0]}),

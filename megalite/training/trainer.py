@@ -195,7 +195,7 @@ class Trainer:
             loss_sum, global_tokens, stats = self._run_global_batch(self.data.train, self.state.consumed_samples,
                                                                     forward_only=False, record_steps=record_steps)
         if record_steps:
-            self.step_times.write(self.state.iteration + 1, stats.step_times)
+            self.step_times.write(self.state.iteration + 1, stats.step_times, stats.wall_start)
         self.timers.add("pipeline-wait", stats.total_s - stats.busy_s)
         with self.timers("grads-reduce"):
             self.engine.finish_grad_sync()

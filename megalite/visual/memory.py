@@ -46,9 +46,9 @@ def draw_memory(bars: Sequence[Bar], title: str, card_bytes: Optional[float] = N
                 usable_bytes: Optional[float] = None):
     """The figure: one stacked bar per entry of ``bars`` (in GiB; the chosen one's label in bold), the card's memory
     as a line and the headroom above ``usable_bytes`` shaded. Each segment's gid is ``memory-<bar>-<field>``."""
+    figure = new_figure(max(5.0, 1.0 * len(bars) + 3.2), 4.6)   # first: the one-line error without matplotlib
     from matplotlib.patches import Patch
 
-    figure = new_figure(max(5.0, 1.0 * len(bars) + 3.2), 4.6)
     axes = figure.add_subplot()
     used = {name for bar in bars for name, value in segments(bar.memory) if value > 0}
     top = max([bar.memory.total for bar in bars] + [card_bytes or 0.0]) / GiB

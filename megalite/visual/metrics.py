@@ -123,10 +123,13 @@ def draw_metrics(runs: Sequence[Run], x: str = "iteration", title: Optional[str]
     panels = [(key, name) for key, name in PANELS if any(series(run, key, x) for run in runs)]
     if not panels:
         raise ConfigError("the metrics files hold none of: " + ", ".join(key for key, _ in PANELS))
-    columns = 2 if len(panels) > 1 else 1
+    columns = min(3, len(panels))
     rows = -(-len(panels) // columns)
-    figure = new_figure(5.0 * columns + 0.5, 2.6 * rows + 0.6)
+    width, height = 3.9 * columns + 0.4, 2.3 * rows + (0.8 if title else 0.4)
+    figure = new_figure(width, height, constrained=False)
     grid = figure.subplots(rows, columns, squeeze=False)
+    figure.subplots_adjust(left=0.75 / width, right=1 - 0.15 / width, bottom=0.5 / height,
+                           top=1 - (0.75 if title else 0.35) / height, hspace=0.75, wspace=0.22)
     for index, (key, name) in enumerate(panels):
         axes = grid[index // columns][index % columns]
         for run in runs:

@@ -142,15 +142,17 @@ def kind_colour(kind: str, chunk: int = 0, num_chunks: int = 1) -> str:
 
 def draw_timeline(timeline: Timeline, title: str):
     """The figure (see the module docstring); each box's gid is ``step-<rank>-<index>``, so an SVG names them."""
+    pp, span = len(timeline.ranks), timeline.makespan or 1.0
+    width, height = 11.0, 0.45 * pp + 1.3
+    figure = new_figure(width, height, constrained=False)   # first: one line if matplotlib is missing
     from matplotlib.patches import Patch, Rectangle
 
-    pp, span = len(timeline.ranks), timeline.makespan or 1.0
-    width = 11.0
-    figure = new_figure(width, 0.45 * pp + 1.3)
-    axes = figure.add_subplot()
+    # Margins in inches: rank names on the left, the legend on the right, the title's two lines above.
+    left, right, top, bottom = 0.75, 2.0, 0.6, 0.55
+    axes = figure.add_axes((left / width, bottom / height, 1 - (left + right) / width, 1 - (top + bottom) / height))
     chunks = timeline.num_chunks
-    # Box labels fit where a box is at least ~9 points wide: its share of the axes' ~10 inches.
-    points_per_unit = 72 * (width - 1.2) / span
+    # Box labels fit where a box is wide enough for their digits: its share of the axes' width in points.
+    points_per_unit = 72 * (width - left - right) / span
     for rank, steps in enumerate(timeline.ranks):
         axes.axhspan(rank - 0.4, rank + 0.4, color="#eeeeee", linewidth=0)   # idle time shows grey
         for index, s in enumerate(steps):

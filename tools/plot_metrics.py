@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 from megalite.config import ConfigError  # noqa: E402
 from megalite.visual.figures import check_output, save  # noqa: E402
 from megalite.visual.metrics import (X_KEYS, X_LABELS, Run, check_x, draw_metrics, labels_for,  # noqa: E402
-                                     largest_differences, read_records)
+                                     largest_differences, read_metrics)
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -44,7 +44,7 @@ def main(argv: list[str]) -> int:
         labels = args.labels or labels_for(args.files)
         if len(labels) != len(args.files):
             raise ConfigError(f"--labels gives {len(labels)} names for {len(args.files)} files")
-        runs = [Run(label, tuple(read_records(path))) for label, path in zip(labels, args.files)]
+        runs = [Run(label, tuple(read_metrics(path))) for label, path in zip(labels, args.files)]
         check_x(runs, args.x, args.files)
         if outputs:
             figure = draw_metrics(runs, args.x, args.title)

@@ -16,7 +16,6 @@ needs matplotlib (pip install -e ".[plot]").
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -25,8 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 from megalite.config import ConfigError  # noqa: E402
 from megalite.pipeline.schedules import build_schedule  # noqa: E402
 from megalite.visual.figures import check_output, save  # noqa: E402
-from megalite.visual.timeline import (UNIT_COSTS, Timeline, draw_timeline, from_recorded, simulate,  # noqa: E402
-                                      step_costs, theory_bubble)
+from megalite.visual.timeline import (UNIT_COSTS, Timeline, draw_timeline, from_recorded,  # noqa: E402
+                                      read_recorded, simulate, step_costs, theory_bubble)
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -96,24 +95,7 @@ def _theory(schedule: str, pp: int, m: int, v: int) -> str:
 
 def recorded(args: argparse.Namespace) -> tuple[Timeline, str, str]:
     """(timeline, title, summary) of the recorded iteration the options name."""
-    path = Path(args.steps_file)
-    try:
-        lines = path.read_text().splitlines()
-    except OSError as error:
-        raise ConfigError(f"{path}: cannot read it ({error.strerror or error})") from None
-    records = []
-    for number, line in enumerate(lines, start=1):
-        if line.strip():
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError:
-                raise ConfigError(f"{path}:{number}: not a JSON object") from None
-    if args.iteration is not None:
-        records = [r for r in records if r.get("iteration") == args.iteration]
-    if not records:
-        which = f"iteration {args.iteration}" if args.iteration is not None else "any iteration"
-        raise ConfigError(f"{path}: no step times of {which}")
-    record = records[-1]
+    record = read_recorded(args.steps_file, args.iteration)
     pp, v, m = record["pipeline_model_parallel_size"], record["virtual_stages"], record["num_micro_batches"]
     name = _schedule_name(pp, v) if record.get("schedule", "1f1b") == "1f1b" else record["schedule"]
     title = f"measured at iteration {record['iteration']}: {name}, {_layout(pp, v, m)}"

@@ -46,10 +46,13 @@ def draw_memory(bars: Sequence[Bar], title: str, card_bytes: Optional[float] = N
                 usable_bytes: Optional[float] = None):
     """The figure: one stacked bar per entry of ``bars`` (in GiB; the chosen one's label in bold), the card's memory
     as a line and the headroom above ``usable_bytes`` shaded. Each segment's gid is ``memory-<bar>-<field>``."""
-    figure = new_figure(max(5.0, 1.0 * len(bars) + 3.2), 4.6)   # first: the one-line error without matplotlib
+    width, height = max(6.5, 0.9 * len(bars) + 2.7), 4.4
+    figure = new_figure(width, height, constrained=False)   # first: the one-line error without matplotlib
     from matplotlib.patches import Patch
 
-    axes = figure.add_subplot()
+    # Margins in inches: the axis label, the legend on the right, three-line bar labels below, a two-line title.
+    left, right, top, bottom = 0.65, 1.75, 0.6, 0.65
+    axes = figure.add_axes((left / width, bottom / height, 1 - (left + right) / width, 1 - (top + bottom) / height))
     used = {name for bar in bars for name, value in segments(bar.memory) if value > 0}
     top = max([bar.memory.total for bar in bars] + [card_bytes or 0.0]) / GiB
     for index, bar in enumerate(bars):
@@ -96,8 +99,8 @@ def plan_figure(plan, top: int = 10):
     bars = [Bar(layout_label(e.layout), e.peak, chosen=i == 0) for i, e in enumerate(shown)]
     hw = plan.hardware
     name = plan.model_name or "model"
-    title = (f"{name} on {hw.num_gpus} GPUs: memory of the most loaded GPU, the {len(bars)} fastest layouts that "
-             f"fit\n(the first, in bold, is the one chosen)")
+    title = (f"{name} on {hw.num_gpus} GPUs: memory of the most loaded GPU\nof the {len(bars)} fastest layouts "
+             f"that fit (the chosen one in bold)")
     return draw_memory(bars, title, card_bytes=hw.memory_bytes, usable_bytes=hw.usable_memory_bytes)
 
 

@@ -9,7 +9,6 @@ iterations: the later value wins. Differences are compared where both runs have 
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +16,7 @@ from typing import Optional, Sequence
 
 from megalite.config import ConfigError
 from megalite.visual.figures import new_figure
+from megalite.visual.records import read_records
 
 PANELS = (("loss", "loss"), ("eval_loss", "eval loss"), ("grad_norm", "gradient norm"), ("lr", "learning rate"),
           ("tokens_per_sec", "tokens/s"), ("mfu", "MFU"))
@@ -39,27 +39,9 @@ class Difference:
     reference: str
 
 
-def read_records(path: str | Path) -> list[dict]:
-    """The JSON objects of a metrics file, one per line; a bad line is a ConfigError naming it."""
-    path = Path(path)
-    try:
-        lines = path.read_text().splitlines()
-    except OSError as error:
-        raise ConfigError(f"{path}: cannot read it ({error.strerror or error})") from None
-    records = []
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            record = None
-        if not isinstance(record, dict) or "iteration" not in record:
-            raise ConfigError(f"{path}:{number}: not a metrics record (a JSON object with an iteration)")
-        records.append(record)
-    if not records:
-        raise ConfigError(f"{path}: no metrics records")
-    return records
+def read_metrics(path: str | Path) -> list[dict]:
+    """The records of a metrics file (megalite.visual.records)."""
+    return read_records(path, "metrics record")
 
 
 def labels_for(paths: Sequence[str | Path]) -> list[str]:

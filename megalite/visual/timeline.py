@@ -22,9 +22,12 @@ lighter the later the chunk), its micro-batch number inside, on a grey band: wha
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Mapping, Optional, Sequence
 
+from megalite.config import ConfigError
 from megalite.visual.figures import DEFAULT_COLOUR, KIND_COLOURS, lighter, new_figure, text_colour
+from megalite.visual.records import read_records
 
 UNIT_COSTS = {"F": 1.0, "B": 1.0, "W": 1.0}
 
@@ -123,6 +126,16 @@ def simulate(schedules: Sequence[Sequence], costs: Mapping[str, float] = UNIT_CO
     return Timeline(tuple(tuple(steps) for steps in timed))
 
 
+def read_recorded(path: str | Path, iteration: Optional[int] = None) -> dict:
+    """The record of ``iteration`` (default: the last one) in a run's step-times file."""
+    records = read_records(path, "step-times record")
+    if iteration is not None:
+        records = [r for r in records if r["iteration"] == iteration]
+    if not records:
+        raise ConfigError(f"{path}: no step times of iteration {iteration}")
+    return records[-1]
+
+
 def from_recorded(record: dict) -> Timeline:
     """The timeline of one line of a run's step-times file (megalite.training.step_times), in milliseconds."""
     columns = record.get("columns", ["kind", "chunk", "micro_batch", "start_ms", "end_ms"])
@@ -174,12 +187,12 @@ def draw_timeline(timeline: Timeline, title: str):
     for side in ("top", "right"):
         axes.spines[side].set_visible(False)
     kinds = sorted({s.kind for steps in timeline.ranks for s in steps}, key=lambda k: ("FBW".find(k) % 9, k))
-    names = {"F": "forward", "B": "input gradient" if "W" in kinds else "backward", "W": "weight gradient"}
+    names = {"F": "forward", "B": "input grad." if "W" in kinds else "backward", "W": "weight grad."}
     handles = []
     for kind in kinds:
         for chunk in range(chunks):
             suffix = f", chunk {chunk}" if chunks > 1 else ""
             handles.append(Patch(facecolor=kind_colour(kind, chunk, chunks),
-                                 label=f"{kind} ({names.get(kind, kind)}){suffix}"))
+                                 label=f"{kind} {names.get(kind, '')}".rstrip() + suffix))
     axes.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)
     return figure

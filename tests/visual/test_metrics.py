@@ -10,7 +10,7 @@ import pytest
 
 from megalite.config import ConfigError
 from megalite.visual.figures import save
-from megalite.visual.metrics import Run, draw_metrics, labels_for, largest_differences, read_records, series
+from megalite.visual.metrics import Run, draw_metrics, labels_for, largest_differences, read_metrics, series
 
 from .helpers import needs_matplotlib, tool
 
@@ -27,8 +27,8 @@ def write_run(path, losses, grad_norm=1.0, tokens_per_sec=1000.0, eval_at=None):
 
 
 def test_series_and_the_largest_difference(tmp_path):
-    a = Run("a", tuple(read_records(write_run(tmp_path / "a.jsonl", [4.0, 3.0, 2.0], eval_at=2))))
-    b = Run("b", tuple(read_records(write_run(tmp_path / "b.jsonl", [4.0, 3.3, 2.0], tokens_per_sec=1500.0,
+    a = Run("a", tuple(read_metrics(write_run(tmp_path / "a.jsonl", [4.0, 3.0, 2.0], eval_at=2))))
+    b = Run("b", tuple(read_metrics(write_run(tmp_path / "b.jsonl", [4.0, 3.3, 2.0], tokens_per_sec=1500.0,
                                               eval_at=2))))
     assert series(a, "eval_loss", "tokens") == {512.0: 3.5} and series(a, "loss", "samples")[24.0] == 2.0
     found = {d.key: d for d in largest_differences([a, b], "iteration")}
@@ -43,9 +43,9 @@ def test_series_and_the_largest_difference(tmp_path):
 def test_reading_refuses_what_is_not_a_metrics_file(tmp_path):
     (tmp_path / "bad.jsonl").write_text('{"iteration": 1, "loss": 2}\nnot json\n')
     with pytest.raises(ConfigError, match=r"bad.jsonl:2: not a metrics record"):
-        read_records(tmp_path / "bad.jsonl")
+        read_metrics(tmp_path / "bad.jsonl")
     with pytest.raises(ConfigError, match="cannot read it"):
-        read_records(tmp_path / "missing.jsonl")
+        read_metrics(tmp_path / "missing.jsonl")
     assert labels_for(["x/run.jsonl", "y/run.jsonl"]) == ["x/run", "y/run"]
     assert labels_for(["fp8.jsonl", "bf16.jsonl"]) == ["fp8", "bf16"]
 
@@ -53,7 +53,7 @@ def test_reading_refuses_what_is_not_a_metrics_file(tmp_path):
 def test_the_figure_and_the_command_line(tmp_path, capsys):
     needs_matplotlib()
     a, b = write_run(tmp_path / "a.jsonl", [4.0, 3.0, 2.0], eval_at=3), write_run(tmp_path / "b.jsonl", [4.0, 3.0, 2.2])
-    figure = draw_metrics([Run("a", tuple(read_records(a))), Run("b", tuple(read_records(b)))])
+    figure = draw_metrics([Run("a", tuple(read_metrics(a))), Run("b", tuple(read_metrics(b)))])
     titles = [axes.get_title() for axes in figure.axes if axes.get_visible()]
     assert titles == ["loss", "eval loss", "gradient norm", "learning rate", "tokens/s"]
     assert [len(line.get_xdata()) for line in figure.axes[0].get_lines()] == [3, 3]

@@ -26,7 +26,8 @@ COLUMNS = ("kind", "chunk", "micro_batch", "start_ms", "end_ms")
 
 
 def steps_file(metrics_file: str) -> Path:
-    """Where the step times of a run with this metrics file go: beside it, ``metrics.jsonl`` -> ``metrics.steps.jsonl``."""
+    """Where the step times of a run with this metrics file go, beside it: ``metrics.jsonl`` -> ``metrics.steps.jsonl``.
+    """
     path = Path(metrics_file)
     stem = path.name[:-len(path.suffix)] if path.suffix else path.name
     return path.with_name(f"{stem}.steps.jsonl")

@@ -73,7 +73,8 @@ def one_f_one_b_bubble(pp: int, num_micro_batches: int, virtual_stages: int = 1)
 THEORY: dict[str, tuple[Callable[[int, int, int], float], str]] = {"1f1b": (one_f_one_b_bubble, "(PP-1)/(V M)")}
 
 
-def theory_bubble(schedule: str, pp: int, num_micro_batches: int, virtual_stages: int = 1) -> Optional[tuple[float, str]]:
+def theory_bubble(schedule: str, pp: int, num_micro_batches: int,
+                  virtual_stages: int = 1) -> Optional[tuple[float, str]]:
     """(bubble, formula) the papers give ``schedule`` at equal step costs, or None where none is known here."""
     if schedule not in THEORY:
         return None

@@ -33,6 +33,19 @@ def steps_file(metrics_file: str) -> Path:
     return path.with_name(f"{stem}.steps.jsonl")
 
 
+def on_one_clock(schedules: Sequence[Sequence[Step]],
+                 measured: Sequence[tuple[float, Sequence[Sequence[float]]]]) -> list[list[list]]:
+    """Each rank's steps as ``[kind, chunk, micro_batch, start_ms, end_ms]`` from the earliest rank's start, given per
+    rank (wall-clock start of its schedule, [(start, end) in seconds from it] per step)."""
+    origin = min(wall_start for wall_start, _ in measured)
+    ranks = []
+    for steps, (wall_start, times) in zip(schedules, measured):
+        offset = wall_start - origin
+        ranks.append([[s.kind, s.chunk, s.micro_batch, round((offset + start) * 1000, 4),
+                       round((offset + end) * 1000, 4)] for s, (start, end) in zip(steps, times)])
+    return ranks
+
+
 class StepTimeRecorder:
     """Records the logged iterations' step times of every rank of this rank's pipeline; rank 0 writes them."""
 
@@ -73,13 +86,8 @@ class StepTimeRecorder:
             dist.all_gather(parts, mine, group=group.group)
         if not self.writes:
             return
-        parts = [part.cpu() for part in parts]
-        origin = min(float(part[0, 0]) for part in parts)
-        ranks = []
-        for steps, part in zip(self.schedules, parts):
-            offset = float(part[0, 0]) - origin
-            ranks.append([[s.kind, s.chunk, s.micro_batch, round((offset + start) * 1000, 4),
-                           round((offset + end) * 1000, 4)] for s, (start, end) in zip(steps, part[1:].tolist())])
+        measured = [(float(part[0, 0]), part[1:].cpu().tolist()) for part in parts]
+        ranks = on_one_clock(self.schedules, measured)
         record = {"iteration": iteration, "schedule": self.schedule_name, "pipeline_model_parallel_size": group.size,
                   "virtual_stages": self.virtual_stages,
                   "num_micro_batches": len({s.micro_batch for s in self.schedules[0]}),

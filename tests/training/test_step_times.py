@@ -19,5 +19,6 @@ def test_the_steps_file_sits_beside_the_metrics_file():
 def test_the_ranks_go_on_the_clock_of_the_earliest_one():
     steps = [[Step("F", 0, 0), Step("B", 0, 0)], [Step("F", 0, 0), Step("B", 0, 0)]]
     # Rank 1's schedule started 5 ms after rank 0's (by the wall clock): its times move 5 ms later.
-    ranks = on_one_clock(steps, [(1000.000, [(0.0, 0.001), (0.004, 0.006)]), (1000.005, [(0.0, 0.001), (0.001, 0.002)])])
+    measured = [(1000.000, [(0.0, 0.001), (0.004, 0.006)]), (1000.005, [(0.0, 0.001), (0.001, 0.002)])]
+    ranks = on_one_clock(steps, measured)
     assert ranks == [[["F", 0, 0, 0.0, 1.0], ["B", 0, 0, 4.0, 6.0]], [["F", 0, 0, 5.0, 6.0], ["B", 0, 0, 6.0, 7.0]]]

@@ -35,6 +35,7 @@ from megalite.planner.hardware import (  # noqa: E402
     INTRA_NODE_BANDWIDTH_GBPS,
 )
 from megalite.planner.models import with_seq_length  # noqa: E402
+from megalite.visual.figures import check_output, save  # noqa: E402
 
 _SIZES = ["num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "vocab_size", "num_query_groups"]
 
@@ -99,6 +100,8 @@ def main(argv: list[str]) -> int:
                             intra_node_link=args.intra_node_link, intra_node_gbps=args.intra_node_gbps,
                             inter_node_network=args.inter_node_network, inter_node_gbitps=args.inter_node_gbitps,
                             efficiency=args.efficiency, memory_headroom=args.memory_headroom)
+        if args.plot:
+            check_output(args.plot)
     except (ConfigError, ValueError) as error:
         print(f"plan_parallelism: error: {error}", file=sys.stderr)
         return 2
@@ -106,14 +109,10 @@ def main(argv: list[str]) -> int:
                   dtype_bytes=4 if args.fp32 else 2)
     print(json.dumps(to_json(plan), indent=2) if args.json else format_plan(plan, top=args.top))
     if args.plot and plan.ranked:
-        from megalite.visual.figures import save
-        from megalite.visual.memory import plan_figure
-        try:
-            save(plan_figure(plan, args.top), args.plot)
-        except ConfigError as error:
-            print(f"plan_parallelism: error: {error}", file=sys.stderr)
-            return 2
-        print(f"wrote {args.plot}", file=sys.stderr)
+        from megalite.visual.memory import plan_figure   # matplotlib: only when drawing
+        print(f"wrote {save(plan_figure(plan, args.top), args.plot)}", file=sys.stderr)
+    elif args.plot:
+        print(f"no layout fits: nothing to draw in {args.plot}", file=sys.stderr)
     return 0 if plan.winner is not None else 1
 
 

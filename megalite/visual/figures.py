@@ -20,11 +20,16 @@ DEFAULT_COLOUR = "#8c8c8c"
 
 
 def check_output(path: str | Path) -> Path:
-    """``path`` if its suffix is one we write (PNG, SVG, PDF), else a ConfigError naming them."""
+    """``path`` if its suffix is one we write (PNG, SVG, PDF) and matplotlib is there to write it, else a
+    ConfigError saying which is not so (tools call it before their work, so a bad --output costs nothing)."""
     path = Path(path)
     if path.suffix.lower() not in FORMATS:
         raise ConfigError(f"{path}: a figure is written as {', '.join(FORMATS)} (by the file's suffix), not "
                           f"{path.suffix or 'a file without a suffix'}")
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise ConfigError(MISSING) from None
     return path
 
 

@@ -50,6 +50,8 @@ def test_a_plan_draws_its_top_layouts_chosen_first(plan, tmp_path, capsys):
     assert tool("plan_parallelism").main(argv) == 0
     assert {i.split("-")[1] for i in svg_ids(tmp_path / "plan.svg", "memory-")} == {"0", "1", "2"}
     assert f"wrote {tmp_path / 'plan.svg'}" in capsys.readouterr().err
+    assert tool("plan_parallelism").main(argv[:-1] + [str(tmp_path / "plan.bmp")]) == 2   # before any search
+    assert capsys.readouterr().err.startswith("plan_parallelism: error: ") and not (tmp_path / "plan.bmp").exists()
 
 
 def test_a_dry_run_draws_each_stage(tmp_path, monkeypatch, capsys):

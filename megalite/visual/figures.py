@@ -6,6 +6,7 @@ Without matplotlib, :func:`new_figure` raises a one-line ConfigError naming the 
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 from megalite.config import ConfigError
@@ -27,9 +28,11 @@ def check_output(path: str | Path) -> Path:
         raise ConfigError(f"{path}: a figure is written as {', '.join(FORMATS)} (by the file's suffix), not "
                           f"{path.suffix or 'a file without a suffix'}")
     try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        raise ConfigError(MISSING) from None
+        installed = importlib.util.find_spec("matplotlib") is not None   # found, not imported: cheap
+    except ValueError:   # in sys.modules as None: import would fail
+        installed = False
+    if not installed:
+        raise ConfigError(MISSING)
     return path
 
 

@@ -45,6 +45,13 @@ def main(argv: list[str]) -> int:
     if cfg.training.dry_run:   # the planner's memory estimate for this layout; no process group, no training
         if os.environ.get("RANK", "0") == "0":
             print(format_dry_run(cfg, world_size_from_env()), flush=True)
+            if cfg.training.plot:   # and as a picture (megalite.visual: matplotlib, never imported by training)
+                from megalite.visual.memory import draw_dry_run
+                try:
+                    print(f"wrote {draw_dry_run(cfg, world_size_from_env())}", flush=True)
+                except ConfigError as error:
+                    print(f"megalite: error: {error}", file=sys.stderr, flush=True)
+                    return 2
         return 0
     device = initialize_distributed(cfg.parallel, timeout_s=60 * cfg.training.distributed_timeout_minutes)
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))

@@ -1,6 +1,6 @@
 """The package's layers, as README's "Layout of the code" lists them: every import of a megalite module (lazy ones
-inside functions included) goes to a layer listed above the importer's, and training starts without Hydra, OmegaConf,
-the command line or the planner."""
+inside functions included) goes to a layer listed above the importer's, training starts without Hydra, OmegaConf,
+the command line, the planner or anything that draws, and only megalite/visual imports a plotting library."""
 
 from __future__ import annotations
 
@@ -28,16 +28,16 @@ def _layer_of(module: str) -> str:
     return parts[1] if len(parts) > 1 else "__init__"
 
 
-def imports(path: Path) -> list[tuple[int, str]]:
-    """(line, megalite module) for every import in the file, wherever it stands."""
+def imports(path: Path, package: str = "megalite") -> list[tuple[int, str]]:
+    """(line, module of ``package``) for every import in the file, wherever it stands."""
     found = []
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
-            found += [(node.lineno, a.name) for a in node.names if a.name.split(".")[0] == "megalite"]
+            found += [(node.lineno, a.name) for a in node.names if a.name.split(".")[0] == package]
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            if node.module == "megalite":   # from megalite import parallel_state
-                found += [(node.lineno, f"megalite.{a.name}") for a in node.names]
-            elif node.module.split(".")[0] == "megalite":
+            if node.module == package:   # from megalite import parallel_state
+                found += [(node.lineno, f"{package}.{a.name}") for a in node.names]
+            elif node.module.split(".")[0] == package:
                 found.append((node.lineno, node.module))
     return found
 
@@ -67,9 +67,24 @@ def test_the_check_sees_an_upward_import(tmp_path, monkeypatch):
     assert [target for _, target in imports(sample)] == ["megalite.training", "megalite.planner"]
 
 
-def test_training_starts_without_hydra_the_command_line_or_the_planner():
+def test_training_starts_without_hydra_the_command_line_the_planner_or_plotting():
+    # (tqdm is not looked for here: torch.hub imports it whenever it is installed.)
     code = ("import sys, megalite.training\n"
-            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('hydra', 'omegaconf')\n"
-            "             or m.startswith(('megalite.planner', 'megalite.config.cli', 'megalite.config.deepspeed'))))")
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('hydra', 'omegaconf', 'matplotlib')\n"
+            "             or m.startswith(('megalite.planner', 'megalite.config.cli', 'megalite.config.deepspeed',\n"
+            "                          'megalite.visual'))))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
     assert result.stdout.strip() == "[]"
+
+
+PLOTTING = ("matplotlib", "tqdm")
+
+
+def test_only_the_visual_package_imports_plotting_libraries():
+    # Lazy imports included: training (below megalite/visual) can then never load them, whatever path it takes.
+    bad = [f"{path.relative_to(ROOT)}:{line} imports {target}"
+           for path in sorted((ROOT / "megalite").rglob("*.py")) if "visual" not in path.relative_to(ROOT).parts
+           for package in PLOTTING for line, target in imports(path, package)]
+    assert bad == []
+    sample = ROOT / "megalite" / "visual" / "figures.py"
+    assert [target for _, target in imports(sample, "matplotlib")] == ["matplotlib.figure"]

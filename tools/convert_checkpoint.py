@@ -38,12 +38,14 @@ def parse(argv: list[str]) -> argparse.Namespace:
     export.add_argument("--load", required=True, metavar="CKPT_DIR", help="The megalite checkpoint.")
     export.add_argument("--output", required=True, metavar="HF_DIR", help="Directory to write.")
     export.add_argument("--dtype", choices=sorted(DTYPES), help="Weights' dtype (default: the checkpoint's).")
+    export.add_argument("--quiet", action="store_true", help="No progress bar.")
     imported = commands.add_parser("import-hf", help="Read a Hugging Face GPT-2 or Llama directory into a checkpoint.")
     imported.add_argument("--input", required=True, metavar="HF_DIR", help="config.json + model.safetensors.")
     imported.add_argument("--save", required=True, metavar="CKPT_DIR", help="Save directory of the checkpoint.")
     imported.add_argument("--allow-approximate-gelu", action="store_true",
                           help="GPT-2 only: import a model with the tanh GeLU (gelu_new, as OpenAI's GPT-2), computed "
                                "exactly by megalite: its logits then differ slightly.")
+    imported.add_argument("--quiet", action="store_true", help="No progress bar.")
     inspect = commands.add_parser("inspect", help="Print iteration, layout, config and tensor shapes.")
     inspect.add_argument("--load", required=True, metavar="CKPT_DIR", help="The megalite checkpoint.")
     return parser.parse_args(argv)
@@ -53,11 +55,11 @@ def main(argv: list[str]) -> int:
     args = parse(argv)
     try:
         if args.command == "export-hf":
-            out = export_hf(args.load, args.output, DTYPES.get(args.dtype))
+            out = export_hf(args.load, args.output, DTYPES.get(args.dtype), progress=not args.quiet)
             architecture = json.loads((out / "config.json").read_text())["architectures"][0]
             print(f"wrote {out} ({architecture}: config.json, model.safetensors)")
         elif args.command == "import-hf":
-            path = import_hf(args.input, args.save, args.allow_approximate_gelu)
+            path = import_hf(args.input, args.save, args.allow_approximate_gelu, progress=not args.quiet)
             print(f"wrote {path}")
         else:
             print(inspect(args.load))

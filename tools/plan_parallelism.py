@@ -48,6 +48,7 @@ from megalite.planner.hardware import (  # noqa: E402
 )
 from megalite.planner.models import with_seq_length  # noqa: E402
 from megalite.planner.report import estimate_json, estimate_lines  # noqa: E402
+from megalite.visual.figures import check_output, save  # noqa: E402
 
 _SIZES = ["num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "vocab_size", "num_query_groups"]
 
@@ -91,6 +92,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     out = parser.add_argument_group("output")
     out.add_argument("--top", type=int, default=10, help="Rows of the table (default 10).")
     out.add_argument("--json", action="store_true", help="Print the plan as JSON instead.")
+    out.add_argument("--plot", metavar="FILE", help="Also draw the memory per GPU of the --top layouts as stacked bars "
+                                                    "(.png, .svg or .pdf; needs matplotlib: pip install -e \".[plot]\").")
     return parser.parse_args(argv)
 
 
@@ -136,6 +139,17 @@ def _as_written(cfg: MegaliteConfig, hardware: Hardware) -> tuple[Optional[Estim
                f"{hardware.usable_memory_bytes / 2**30:.1f} GiB")
 
 
+def _plot(plan, args: argparse.Namespace) -> None:
+    """--plot FILE: the memory of the top layouts as stacked bars, the chosen one in bold."""
+    if not args.plot:
+        return
+    if not plan.ranked:
+        print(f"no layout fits: nothing to draw in {args.plot}", file=sys.stderr)
+        return
+    from megalite.visual.memory import plan_figure   # matplotlib: only when drawing
+    print(f"wrote {save(plan_figure(plan, args.top), args.plot)}", file=sys.stderr)
+
+
 def main(argv: list[str]) -> int:
     args = parse(argv)
     try:
@@ -146,6 +160,8 @@ def main(argv: list[str]) -> int:
                             inter_node_network=args.inter_node_network, inter_node_gbitps=args.inter_node_gbitps,
                             efficiency=args.efficiency, memory_headroom=args.memory_headroom)
         deepspeed = _deepspeed(args, model, hardware) if args.deepspeed_config else None
+        if args.plot:
+            check_output(args.plot)
     except (ConfigError, ValueError) as error:
         for line in getattr(error, "table", ()):   # a refused DeepSpeed config: what was refused, in its table
             print(line)
@@ -158,6 +174,7 @@ def main(argv: list[str]) -> int:
     plan = search(model, hardware, global_batch, model_name=args.model, dtype_bytes=nbytes)
     if deepspeed is None:
         print(json.dumps(to_json(plan), indent=2) if args.json else format_plan(plan, top=args.top))
+        _plot(plan, args)
         return 0 if plan.winner is not None else 1
     table, cfg = deepspeed
     written, verdict = _as_written(cfg, hardware)
@@ -172,6 +189,7 @@ def main(argv: list[str]) -> int:
             lines += estimate_lines([written], plan)
         print("\n".join(lines + ["", "Alternatives for the same model, batch and precision:", format_plan(plan,
                                                                                                    top=args.top)]))
+    _plot(plan, args)
     return 0 if plan.winner is not None else 1
 
 

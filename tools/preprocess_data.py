@@ -42,7 +42,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
                         help="A plain-text file is one document (source code), instead of one per line.")
     parser.add_argument("--workers", type=int, default=1, help="Tokenizing processes (default 1).")
     parser.add_argument("--append-eod", action="store_true", help="Append the end-of-document id to each document.")
-    parser.add_argument("--quiet", action="store_true", help="No progress line.")
+    parser.add_argument("--quiet", action="store_true", help="No progress bar.")
     return parser.parse_args(argv)
 
 
@@ -61,7 +61,8 @@ def main(argv: list[str]) -> int:
         return 2
     skipped = f" ({stats.skipped} empty ones skipped)" if stats.skipped else ""
     print(f"wrote {os.fspath(args.output_prefix)}.bin/.idx: {stats.documents:,} documents, {stats.tokens:,} tokens"
-          f"{skipped} in {stats.seconds:.1f} s", file=sys.stderr)
+          f"{skipped} in {stats.seconds:.1f} s ({stats.tokens / max(stats.seconds, 1e-9):,.0f} tokens/s)",
+          file=sys.stderr)
     return 0
 
 

@@ -28,6 +28,7 @@ from megalite.checkpoint.reshard import merge, split
 from megalite.checkpoint.save import save_checkpoint
 from megalite.config import MegaliteConfig, ModelConfig
 from megalite.model import GPTModel
+from megalite.progress import track
 
 HF_CONFIG = "config.json"
 HF_WEIGHTS = "model.safetensors"
@@ -35,10 +36,13 @@ HF_INDEX = "model.safetensors.index.json"
 HF_PICKLE_WEIGHTS = "pytorch_model.bin"
 
 
-def full_tensors(checkpoint: Checkpoint) -> dict[str, torch.Tensor]:
-    """Every parameter of the checkpoint as its canonical full tensor (one read per parameter)."""
+def full_tensors(checkpoint: Checkpoint, progress: bool = False) -> dict[str, torch.Tensor]:
+    """Every parameter of the checkpoint as its canonical full tensor (one read per parameter; ``progress``: a bar
+    on a terminal counting them)."""
     result = {}
-    for name, spec in checkpoint.manifest.params.items():
+    params = checkpoint.manifest.params
+    for name, spec in track(params.items(), "reading the checkpoint", "tensors", total=len(params),
+                            enabled=progress):
         keys = [model_key(name, spec.slices, r) for r in range(spec.slices)]
         data = checkpoint.read(keys)
         result[name] = merge([data[k] for k in keys], spec).contiguous()
@@ -60,15 +64,16 @@ def hf_architecture(model: ModelConfig):
     return hf_llama if hf_llama.is_llama_shaped(model) else hf_gpt2
 
 
-def export_hf(load: str | os.PathLike, output: str | os.PathLike, dtype: Optional[torch.dtype] = None) -> Path:
+def export_hf(load: str | os.PathLike, output: str | os.PathLike, dtype: Optional[torch.dtype] = None,
+              progress: bool = True) -> Path:
     """Write the checkpoint as a ``GPT2LMHeadModel`` or ``LlamaForCausalLM`` directory (see :func:`hf_architecture`);
-    returns it. ``dtype`` defaults to the stored one."""
+    returns it. ``dtype`` defaults to the stored one; ``progress``: a bar on a terminal while tensors are read."""
     checkpoint = open_checkpoint(load)
     checkpoint.verify()
     config = checkpoint.manifest.megalite_config()
     architecture = hf_architecture(config.model)
     architecture.check_exportable(config.model)
-    tensors = architecture.to_hf(full_tensors(checkpoint), config.model)
+    tensors = architecture.to_hf(full_tensors(checkpoint, progress), config.model)
     dtype = dtype or next(iter(tensors.values())).dtype
     tensors = {name: t.to(dtype) for name, t in tensors.items()}
     eod = (checkpoint.manifest.tokenizer or {}).get("eod")
@@ -97,9 +102,11 @@ def read_hf_tensors(directory: Path) -> dict[str, torch.Tensor]:
     raise CheckpointError(f"{directory}: no {HF_WEIGHTS}, {HF_INDEX} or {HF_PICKLE_WEIGHTS}")
 
 
-def import_hf(source: str | os.PathLike, save: str | os.PathLike, allow_approximate_gelu: bool = False) -> Path:
+def import_hf(source: str | os.PathLike, save: str | os.PathLike, allow_approximate_gelu: bool = False,
+              progress: bool = True) -> Path:
     """Turn an HF GPT-2 or Llama directory into a megalite checkpoint (iteration 0, weights only, fp32); returns it.
-    ``allow_approximate_gelu`` concerns GPT-2 only (see ``hf_gpt2``)."""
+    ``allow_approximate_gelu`` concerns GPT-2 only (see ``hf_gpt2``); ``progress``: a bar on a terminal while the
+    tensors are converted."""
     directory = Path(source)
     if not (directory / HF_CONFIG).is_file():
         raise CheckpointError(f"{directory}: no {HF_CONFIG}")
@@ -122,7 +129,8 @@ def import_hf(source: str | os.PathLike, save: str | os.PathLike, allow_approxim
         with torch.device("meta"):
             gpt = GPTModel(model)
         parameters = []
-        for name, param in gpt.canonical_named_parameters():
+        named = list(gpt.canonical_named_parameters())
+        for name, param in track(named, "converting the tensors", "tensors", enabled=progress):
             # Real tensors cut from the HF ones (vocabulary padded as a 1-rank layout pads it) carrying the meta
             # parameter's sharding description, which is all the saver reads.
             tensor = torch.nn.Parameter(split(canonical[name].float(), param.partition, 0, 1), requires_grad=False)

@@ -343,6 +343,9 @@ class TrainingConfig:
     use_mcore_models: bool = option(
         False, "Megatron's switch from its legacy models to Megatron Core's: megalite has one model.",
         accepted_only=True)
+    plot: Optional[str] = option(
+        None, "With --dry-run: also draw that estimate as stacked bars, one per pipeline stage, into this .png, .svg "
+              "or .pdf file (needs matplotlib: pip install -e \".[plot]\").", metavar="FILE")
 
 
 @dataclass
@@ -352,7 +355,8 @@ class LoggingConfig:
     tensorboard_dir: Optional[str] = option(None, "Write TensorBoard scalars to this directory (rank 0).")
     timing_log_level: int = option(
         0, "Per-phase timers in the log and metrics (min/max over ranks): 0 none, 1 forward-backward, gradient "
-           "reduction and optimizer step, 2 also the pipeline's wait for its neighbours.")
+           "reduction and optimizer step, 2 also the pipeline's wait for its neighbours and, with --metrics-file, "
+           "each pipeline step's times in FILE.steps.jsonl beside it (tools/plot_schedule.py draws them).")
     peak_tflops: Optional[float] = option(
         None, "The device's peak TFLOP/s for MFU; default: known for A100/H100/H200 (bf16 dense), else no MFU.")
     log_throughput: bool = option(
@@ -380,6 +384,8 @@ class LoggingConfig:
     def profile_rank_list(self) -> list[int]:
         """The ranks of --profile-ranks ('0 3' -> [0, 3]); raises ValueError on a word that is not an integer."""
         return [int(word) for word in self.profile_ranks.replace(",", " ").split()]
+    quiet: bool = option(
+        False, "No progress bars (checking tokens, building sample indices) and no time left (eta) on the log line.")
 
 
 @dataclass

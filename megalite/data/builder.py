@@ -89,21 +89,21 @@ def _sources(cfg: MegaliteConfig) -> _Sources:
     return _Sources(prefixes, weights, tokenizer, cache_dirs, cache_dirs[0])
 
 
-def _open(sources: _Sources) -> list[IndexedDataset]:
+def _open(sources: _Sources, progress: bool) -> list[IndexedDataset]:
     """Every prefix opened (headers and sizes validated) and its tokens checked against the vocabulary."""
     datasets = []
     for prefix, cache_dir in zip(sources.prefixes, sources.cache_dirs):
         indexed = IndexedDataset(prefix)
         if len(indexed) == 0:
             raise DataError(f"{indexed.index_path}: the dataset has no documents")
-        check_token_range(indexed, sources.tokenizer.vocab_size, cache_dir)
+        check_token_range(indexed, sources.tokenizer.vocab_size, cache_dir, progress=progress)
         datasets.append(indexed)
     return datasets
 
 
 def _checked(cfg: MegaliteConfig) -> tuple[_Sources, list[IndexedDataset]]:
     sources = _sources(cfg)
-    indexed = _open(sources)
+    indexed = _open(sources, progress=not cfg.logging.quiet)
     fractions = cfg.data.split_fractions()
     if all(first == last for first, last in (split_documents(len(d), fractions)[0] for d in indexed)):
         raise DataError(f"{indexed[0].index_path}: --split {cfg.data.split} leaves no documents for training "
@@ -132,19 +132,21 @@ def build_datasets(cfg: MegaliteConfig, num_samples: tuple[int, int, int]) -> Da
     ranges = [split_documents(len(dataset), fractions) for dataset in indexed]
     splits = []
     for s, (name, wanted) in enumerate(zip(SPLIT_NAMES, num_samples)):
-        splits.append(_split(sources, indexed, [r[s] for r in ranges], name, wanted, m.seq_length, seed))
+        splits.append(_split(sources, indexed, [r[s] for r in ranges], name, wanted, m.seq_length, seed,
+                             progress=not cfg.logging.quiet))
     return DataBundle(*splits, vocab_size=sources.tokenizer.vocab_size, tokenizer=sources.tokenizer)
 
 
 def _split(sources: _Sources, indexed: list[IndexedDataset], ranges: list[tuple[int, int]], name: str,
-           num_samples: int, seq_length: int, seed: int) -> Optional[Dataset]:
-    """One split: a GPTDataset, a blend of them, or None if it has no documents or is asked for no samples."""
+           num_samples: int, seq_length: int, seed: int, progress: bool) -> Optional[Dataset]:
+    """One split: a GPTDataset, a blend of them, or None if it has no documents or is asked for no samples
+    (``progress``: bars while indices are built)."""
     usable = [i for i, (first, last) in enumerate(ranges) if last > first]
     if num_samples <= 0 or not usable:
         return None
 
     def make(i: int, n: int) -> GPTDataset:
-        return GPTDataset(indexed[i], ranges[i], seq_length, n, seed, sources.cache_dirs[i], name)
+        return GPTDataset(indexed[i], ranges[i], seq_length, n, seed, sources.cache_dirs[i], name, progress)
 
     if len(indexed) == 1:
         return make(0, num_samples)

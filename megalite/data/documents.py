@@ -4,7 +4,8 @@ An input is a file or a directory (walked recursively in sorted order, hidden en
 A ``.jsonl``/``.json`` file holds one JSON object per line and each of ``json_keys`` gives one document; any other
 file is plain text with one document per line, or one per file with ``whole_files`` (for source code, where lines
 are not documents). Empty lines and documents of only whitespace are skipped, not fatal. Files are streamed a line at
-a time, so an input may be larger than memory (except a whole file taken as one document).
+a time, so an input may be larger than memory (except a whole file taken as one document); the iterable knows how
+many bytes of the inputs it has read of how many (``bytes_read``, ``total_bytes``), for progress bars.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import codecs
 import json
 import sys
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 
 from megalite.data.errors import DataError
@@ -48,11 +49,13 @@ def _looks_like_text(path: Path) -> bool:
     return b"\0" not in head
 
 
-def _lines(path: Path) -> Iterator[tuple[int, str]]:
+def _lines(path: Path, on_read: Callable[[int], None]) -> Iterator[tuple[int, str]]:
     """(line number, line) of a UTF-8 file, streamed (inputs can be larger than memory). Lines end at b"\n" only
-    (not at U+2028 and friends, which may sit inside a JSON string); a CR before it goes too."""
+    (not at U+2028 and friends, which may sit inside a JSON string); a CR before it goes too. ``on_read(bytes)``
+    after each line."""
     with open(path, "rb") as handle:
         for number, raw in enumerate(handle, start=1):
+            on_read(len(raw))
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError:
@@ -60,8 +63,8 @@ def _lines(path: Path) -> Iterator[tuple[int, str]]:
             yield number, line.removesuffix("\n").removesuffix("\r")
 
 
-def _json_documents(path: Path, json_keys: Sequence[str]) -> Iterator[str]:
-    for number, line in _lines(path):
+def _json_documents(path: Path, json_keys: Sequence[str], on_read: Callable[[int], None]) -> Iterator[str]:
+    for number, line in _lines(path, on_read):
         if not line.strip():
             continue
         try:
@@ -81,23 +84,41 @@ def _json_documents(path: Path, json_keys: Sequence[str]) -> Iterator[str]:
             yield value
 
 
+class Documents:
+    """Every non-blank document of the inputs, in input order (iterate it once), and how far the reading is."""
+
+    def __init__(self, inputs: Sequence[str], json_keys: Sequence[str] = ("text",), whole_files: bool = False):
+        self.files = input_files(inputs)
+        self.json_keys, self.whole_files = json_keys, whole_files
+        self.total_bytes = sum(path.stat().st_size for path, _ in self.files)
+        self.bytes_read = 0
+
+    def _read(self, size: int) -> None:
+        self.bytes_read += size
+
+    def __iter__(self) -> Iterator[str]:
+        for path, explicit in self.files:
+            if not explicit and not _looks_like_text(path):
+                # A binary file met while walking a directory (an image, a .pyc) is not text for us: skip it.
+                print(f"megalite: skipping {path}: not UTF-8 text", file=sys.stderr)
+                self._read(path.stat().st_size)
+                continue
+            if path.suffix in JSON_SUFFIXES:
+                documents: Iterable[str] = _json_documents(path, self.json_keys, self._read)
+            elif self.whole_files:
+                try:
+                    documents = [path.read_bytes().decode("utf-8")]
+                except UnicodeDecodeError as error:
+                    raise DataError(f"{path}: not UTF-8 text (byte {error.start})") from None
+                self._read(path.stat().st_size)
+            else:
+                documents = (line for _, line in _lines(path, self._read))
+            for document in documents:
+                if document.strip():
+                    yield document
+
+
 def iter_documents(inputs: Sequence[str], json_keys: Sequence[str] = ("text",),
-                   whole_files: bool = False) -> Iterator[str]:
-    """Every non-blank document of the inputs, in input order."""
-    for path, explicit in input_files(inputs):
-        if not explicit and not _looks_like_text(path):
-            # A binary file met while walking a directory (an image, a .pyc) is not text for us: skip it.
-            print(f"megalite: skipping {path}: not UTF-8 text", file=sys.stderr)
-            continue
-        if path.suffix in JSON_SUFFIXES:
-            documents: Iterable[str] = _json_documents(path, json_keys)
-        elif whole_files:
-            try:
-                documents = [path.read_bytes().decode("utf-8")]
-            except UnicodeDecodeError as error:
-                raise DataError(f"{path}: not UTF-8 text (byte {error.start})") from None
-        else:
-            documents = (line for _, line in _lines(path))
-        for document in documents:
-            if document.strip():
-                yield document
+                   whole_files: bool = False) -> Documents:
+    """Every non-blank document of the inputs, in input order (a missing input raises DataError here)."""
+    return Documents(inputs, json_keys, whole_files)

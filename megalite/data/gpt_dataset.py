@@ -24,6 +24,7 @@ from megalite.data.errors import DataError
 from megalite.data.index_builders import build_sample_idx
 from megalite.data.index_cache import load_or_build
 from megalite.data.indexed_dataset import IndexedDataset
+from megalite.progress import Progress
 
 _INDEX_VERSION = 1  # bump when the arrays' recipe changes, so old cache files are not reused
 SPLIT_NAMES = ("train", "valid", "test")
@@ -45,8 +46,10 @@ class GPTDataset:
     ``seq_length + 1`` tokens (inputs are the first ``seq_length``, labels the last ``seq_length``)."""
 
     def __init__(self, indexed: IndexedDataset, documents: tuple[int, int], seq_length: int, num_samples: int,
-                 seed: int, cache_dir: Path | None = None, split: str = "train"):
+                 seed: int, cache_dir: Path | None = None, split: str = "train", progress: bool = True):
+        """``progress``: a bar on a terminal while the indices are built (megalite.progress)."""
         self.indexed, self.documents, self.seq_length, self.num_samples = indexed, documents, seq_length, num_samples
+        self.split, self.progress = split, progress
         first, last = documents
         self.tokens_per_epoch = int(indexed.sizes[first:last].sum(dtype=np.int64))
         if self.tokens_per_epoch == 0:
@@ -67,12 +70,21 @@ class GPTDataset:
     def _build_indices(self, seed: int):
         def build() -> dict[str, np.ndarray]:
             first, last = self.documents
-            # RandomState's streams are frozen across numpy versions, so a cache built elsewhere stays valid.
-            documents_rng = np.random.RandomState([seed % 2**32, 0])
-            doc_idx = np.concatenate([documents_rng.permutation(np.arange(first, last, dtype=np.int64))
-                                      for _ in range(self.num_epochs)])
-            sample_idx = build_sample_idx(self.indexed.sizes, doc_idx, self.seq_length, self.num_samples)
-            shuffle_idx = np.random.RandomState([seed % 2**32, 1]).permutation(self.num_samples).astype(np.int64)
+            # The bar counts the entries of the three arrays as they are made.
+            entries = self.num_epochs * (last - first) + 2 * self.num_samples
+            with Progress(entries, f"building the {self.split} sample index of {Path(self.indexed.prefix).name}",
+                          "entries", enabled=self.progress) as bar:
+                # RandomState's streams are frozen across numpy versions, so a cache built elsewhere stays valid.
+                documents_rng = np.random.RandomState([seed % 2**32, 0])
+                epochs = []
+                for _ in range(self.num_epochs):
+                    epochs.append(documents_rng.permutation(np.arange(first, last, dtype=np.int64)))
+                    bar.update(last - first)
+                doc_idx = np.concatenate(epochs)
+                sample_idx = build_sample_idx(self.indexed.sizes, doc_idx, self.seq_length, self.num_samples)
+                bar.update(self.num_samples)
+                shuffle_idx = np.random.RandomState([seed % 2**32, 1]).permutation(self.num_samples).astype(np.int64)
+                bar.update(self.num_samples)
             return {"doc_idx": doc_idx, "sample_idx": sample_idx, "shuffle_idx": shuffle_idx}
         return build
 

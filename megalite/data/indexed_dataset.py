@@ -31,6 +31,7 @@ import numpy as np
 
 from megalite.data.atomic import temporary_path, write_atomically
 from megalite.data.errors import DataError
+from megalite.progress import Progress
 
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
@@ -210,11 +211,13 @@ class IndexedDataset:
         return self.get(index)
 
 
-def check_token_range(dataset: IndexedDataset, vocab_size: int, cache_dir: Path | None = None) -> None:
+def check_token_range(dataset: IndexedDataset, vocab_size: int, cache_dir: Path | None = None,
+                      progress: bool = True) -> None:
     """Raise DataError if a token id is negative or >= ``vocab_size``.
 
     A pass over the whole .bin, so the largest id found is remembered in ``cache_dir`` (keyed by the file's path,
-    size and modification time): later runs, and ranks that come after the first, only read that note.
+    size and modification time): later runs, and ranks that come after the first, only read that note. ``progress``:
+    a bar on a terminal while the pass runs (megalite.progress).
     """
     path = dataset.data_path
     stat = path.stat()
@@ -229,14 +232,16 @@ def check_token_range(dataset: IndexedDataset, vocab_size: int, cache_dir: Path 
             pass  # no note yet (or an unreadable one): scan
     high = -1
     tokens = dataset.tokens
-    for start in range(0, len(tokens), _TOKEN_SCAN_CHUNK):
-        chunk = tokens[start:start + _TOKEN_SCAN_CHUNK]
-        chunk_low, chunk_high = int(chunk.min()), int(chunk.max())
-        if chunk_high >= vocab_size or chunk_low < 0:
-            at = start + int(np.argmax((chunk >= vocab_size) | (chunk < 0)))
-            raise DataError(f"{path}: token {int(tokens[at])} at position {at} is outside the tokenizer's "
-                            f"vocabulary [0, {vocab_size})")
-        high = max(high, chunk_high)
+    with Progress(len(tokens), f"checking the tokens of {path.name}", "tokens", enabled=progress) as bar:
+        for start in range(0, len(tokens), _TOKEN_SCAN_CHUNK):
+            chunk = tokens[start:start + _TOKEN_SCAN_CHUNK]
+            chunk_low, chunk_high = int(chunk.min()), int(chunk.max())
+            if chunk_high >= vocab_size or chunk_low < 0:
+                at = start + int(np.argmax((chunk >= vocab_size) | (chunk < 0)))
+                raise DataError(f"{path}: token {int(tokens[at])} at position {at} is outside the tokenizer's "
+                                f"vocabulary [0, {vocab_size})")
+            high = max(high, chunk_high)
+            bar.update(len(chunk))
     if note is not None:
         try:
             note.parent.mkdir(parents=True, exist_ok=True)

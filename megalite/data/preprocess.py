@@ -3,7 +3,9 @@
 Documents go to the workers in windows of a few thousand, at most two windows in flight (so reading never runs ahead
 of tokenizing and memory stays bounded, which ``Pool.imap`` over the whole input would not), and are written back in
 input order, so the output does not depend on the number of workers. Blank documents (only whitespace) and those
-that encode to no tokens are skipped, not fatal. A progress line on stderr shows documents and tokens per second.
+that encode to no tokens are skipped, not fatal. A progress bar on stderr (megalite.progress) shows the input read,
+its rate and the time left, when the documents know their inputs' size (megalite.data.documents), and the documents
+and tokens written; off a terminal, a line every 10 s instead.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import numpy as np
 
 from megalite.data.indexed_dataset import IndexedDatasetWriter, token_dtype
 from megalite.data.tokenizer import Tokenizer
+from megalite.progress import Progress, format_count
 
 _CHUNK = 16  # documents per task handed to a worker: large enough to amortize the pickling round trip
 _WINDOW_PER_WORKER = 64 * _CHUNK
@@ -36,28 +39,17 @@ class PreprocessStats:
     seconds: float = 0.0
 
 
-class Progress:
-    """A status line on a stream: rewritten in place on a terminal, printed every 10 s otherwise (logs)."""
+class _Bar:
+    """The bar over the input bytes read (or, for documents that do not count them, the text bytes encoded)."""
 
-    def __init__(self, stream: TextIO | None):
-        self.stream, self.start = stream, time.perf_counter()
-        self.last = self.start
-        self.interactive = stream is not None and stream.isatty()
+    def __init__(self, documents: Iterable[str], stream: TextIO | None):
+        self.documents = documents
+        self.progress = Progress(getattr(documents, "total_bytes", None), "tokenizing", "bytes",
+                                 enabled=stream is not None, stream=stream, log_interval_s=10.0)
 
-    def update(self, stats: PreprocessStats, final: bool = False) -> None:
-        if self.stream is None:
-            return
-        now = time.perf_counter()
-        if not final and now - self.last < (0.2 if self.interactive else 10.0):
-            return
-        self.last = now
-        elapsed = max(now - self.start, 1e-9)
-        line = (f"{stats.documents:,} docs, {stats.tokens:,} tokens, {stats.bytes / 1e6:,.1f} MB | "
-                f"{stats.documents / elapsed:,.0f} docs/s, {stats.tokens / elapsed:,.0f} tokens/s, "
-                f"{stats.bytes / 1e6 / elapsed:,.1f} MB/s")
-        end = "\n" if final or not self.interactive else ""
-        self.stream.write(("\r" + line + "\033[K" if self.interactive else line) + end)
-        self.stream.flush()
+    def update(self, stats: PreprocessStats) -> None:
+        self.progress.note = f"{format_count(stats.documents)} docs, {format_count(stats.tokens)} tokens"
+        self.progress.set(getattr(self.documents, "bytes_read", stats.bytes))
 
 
 _worker_tokenizer: Tokenizer | None = None
@@ -84,7 +76,7 @@ def preprocess(documents: Iterable[str], tokenizer: Tokenizer, output_prefix: st
                append_eod: bool = True, progress: TextIO | None = sys.stderr) -> PreprocessStats:
     """Encode ``documents`` into ``output_prefix``.bin/.idx (uint16 tokens if the vocabulary fits, else int32)."""
     dtype = token_dtype(tokenizer.vocab_size)
-    stats, bar, start = PreprocessStats(), Progress(progress), time.perf_counter()
+    stats, bar, start = PreprocessStats(), _Bar(documents, progress), time.perf_counter()
     tasks = ((text, append_eod, dtype) for text in documents)
     with IndexedDatasetWriter(output_prefix, dtype) as writer:
         if workers <= 1:
@@ -94,7 +86,8 @@ def preprocess(documents: Iterable[str], tokenizer: Tokenizer, output_prefix: st
             with multiprocessing.Pool(workers, initializer=_init_worker, initargs=(tokenizer,)) as pool:
                 _write(_in_windows(pool, tasks, workers), writer, stats, bar)
     stats.seconds = time.perf_counter() - start
-    bar.update(stats, final=True)
+    bar.update(stats)
+    bar.progress.close()
     return stats
 
 
@@ -114,7 +107,7 @@ def _in_windows(pool, tasks: Iterator[tuple[str, bool, np.dtype]],
 
 
 def _write(results: Iterable[tuple[np.ndarray, int]], writer: IndexedDatasetWriter, stats: PreprocessStats,
-           bar: Progress) -> None:
+           bar: _Bar) -> None:
     for tokens, size in results:
         stats.bytes += size
         if len(tokens) == 0:

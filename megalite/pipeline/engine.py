@@ -5,6 +5,8 @@ the last virtual stage the loss to backpropagate. The engine keeps each micro-ba
 backward, receives what a step needs just before it and sends what it produced with the next exchange. It also
 measures, per rank, the time spent computing and the peak number of micro-batches held, so the bubble can be read:
 ``bubble_fraction`` is idle time over compute time, the quantity (PP - 1) / (V M) of Narayanan et al. 2021 predicts.
+Asked to (``record_steps``), it keeps each step's start and end, in seconds from the start of the schedule (whose
+wall-clock time, ``wall_start``, puts the ranks on one clock), for timelines (megalite.training.step_times).
 On GPUs the timers synchronize the device around each step (a small cost, paid for an honest reading).
 
 Not done yet (Megatron does both): freeing an output's data once it is sent (the next stage holds it), and posting
@@ -14,7 +16,7 @@ the next receive before the current step computes, so transfer latency hides beh
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
@@ -30,6 +32,8 @@ class ScheduleStats:
     busy_s: float = 0.0          # time in forward/backward compute
     total_s: float = 0.0         # wall time of the whole schedule
     peak_in_flight: int = 0      # most micro-batches whose activations were held at once
+    step_times: list[tuple[float, float]] = field(default_factory=list)   # (start, end) per step, if recorded
+    wall_start: float = 0.0      # time.time() when the schedule started: the ranks' common clock
 
     @property
     def idle_fraction(self) -> float:
@@ -43,15 +47,17 @@ class ScheduleStats:
 
 
 def run_schedule(steps: list[Step], forward_step: ForwardStep, *, pp: int, rank: int, virtual_stages: int,
-                 links: PipelineLinks | None, forward_only: bool = False) -> ScheduleStats:
-    """Run ``steps`` (forward steps only, outputs not kept, when ``forward_only``: evaluation)."""
+                 links: PipelineLinks | None, forward_only: bool = False,
+                 record_steps: bool = False) -> ScheduleStats:
+    """Run ``steps`` (forward steps only, outputs not kept, when ``forward_only``: evaluation); ``record_steps``
+    fills ``step_times``."""
     stats = ScheduleStats()
     inputs: dict[tuple[int, int], Optional[torch.Tensor]] = {}
     outputs: dict[tuple[int, int], torch.Tensor] = {}
     pending_sends: list[tuple[int, torch.Tensor]] = []
     synchronize = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     synchronize()
-    start = time.perf_counter()
+    start, stats.wall_start = time.perf_counter(), time.time()
     for step in steps:
         needs, sends = step_messages(step, pp, virtual_stages, rank)
         recv_from = [message_link(needs, pp)[0]] if needs is not None else []
@@ -72,7 +78,10 @@ def run_schedule(steps: list[Step], forward_step: ForwardStep, *, pp: int, rank:
             torch.autograd.backward(output, grad_tensors=received[0] if received else None)
             produced = input_tensor.grad if input_tensor is not None else None
         synchronize()
-        stats.busy_s += time.perf_counter() - compute_start
+        compute_end = time.perf_counter()
+        stats.busy_s += compute_end - compute_start
+        if record_steps:
+            stats.step_times.append((compute_start - start, compute_end - start))
 
         if sends is not None:
             pending_sends.append((message_link(sends, pp)[1], produced))

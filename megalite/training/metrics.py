@@ -9,6 +9,9 @@ config as the run's config) when the ``wandb`` package is installed (``pip insta
 the run says so in one line and goes on. ``WANDB_MODE=offline`` keeps the run in ``--wandb-save-dir`` for
 ``wandb sync``.
 With ``--eod-mask-loss``, ``loss_tokens`` is the number of tokens the loss averaged over.
+
+The console line ends with the time left, ``eta``: the mean step time of the run so far times the iterations to go
+(evaluations and checkpoints not counted); ``--quiet`` leaves it out.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import json
 from typing import Optional
 
 from megalite.config import LoggingConfig, MegaliteConfig, to_dict
+from megalite.progress import MeanStepTime, format_duration
 
 
 def _scalars(record: dict) -> dict:
@@ -29,6 +33,8 @@ class MetricsLogger:
         self.enabled = enabled
         self.total_iters = total_iters
         self.metrics_path = cfg.metrics_file if enabled else None
+        self.log_interval, self.step_time = cfg.log_interval, None if cfg.quiet else MeanStepTime()
+        self._last_timed: int | None = None   # the iteration of the last timed record
         self.tensorboard = None
         if enabled and cfg.tensorboard_dir:
             from torch.utils.tensorboard import SummaryWriter   # imported lazily: it is slow to import
@@ -49,6 +55,7 @@ class MetricsLogger:
     def log(self, record: dict) -> None:
         if not self.enabled:
             return
+        self._time_steps(record)
         print(self._console_line(record), flush=True)
         if self.metrics_path:
             with open(self.metrics_path, "a") as f:
@@ -73,7 +80,20 @@ class MetricsLogger:
                 parts.append(f"{key.replace('_', ' ')} {fmt.format(record[key])}")
         if record.get("skipped"):
             parts.append("skipped (gradient overflow)")
+        if self.step_time is not None and "elapsed_ms" in record:
+            left = self.step_time.eta(self.total_iters - record["iteration"])
+            if left is not None:
+                parts.append(f"eta {format_duration(left)}")
         return " | ".join(parts)
+
+    def _time_steps(self, record: dict) -> None:
+        """Add a training record's window (the iterations since the last one, at ``elapsed_ms`` each) to the mean."""
+        if self.step_time is None or "elapsed_ms" not in record:
+            return
+        iteration = record["iteration"]
+        steps = iteration - self._last_timed if self._last_timed is not None else min(self.log_interval, iteration)
+        self._last_timed = iteration
+        self.step_time.add(steps, steps * record["elapsed_ms"] / 1000.0)
 
     def close(self) -> None:
         if self.tensorboard is not None:

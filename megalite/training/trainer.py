@@ -37,6 +37,7 @@ from megalite.tensor_parallel import TensorParallelRNG
 from megalite.training.housekeeping import MemoryHousekeeping
 from megalite.training.metrics import MetricsLogger
 from megalite.training.profiling import StepProfiler
+from megalite.training.step_times import StepTimeRecorder
 from megalite.training.stopping import StopRequests, check_finite
 from megalite.training.timers import Timers, peak_memory_gib, peak_tflops
 
@@ -145,6 +146,11 @@ class Trainer:
         self.num_micro_batches = self.micro_batches_in(cfg.training.global_batch_size)
         self._schedules: dict[int, list] = {}
         self.cp = parallel_state.get_context_parallel_world_size()
+        lg = cfg.logging   # --timing-log-level 2: the logged iterations' step times, for timelines
+        self.step_times = (StepTimeRecorder(
+            lg.metrics_file, lg.log_interval, self.train_iters,
+            [build_schedule(self.pp, r, self.num_micro_batches, self.virtual_stages) for r in range(self.pp)],
+            self.virtual_stages, device) if StepTimeRecorder.wanted(lg.timing_log_level, lg.metrics_file) else None)
         self.links = (PipelineLinks(parallel_state.get_pipeline_model_parallel_group(),
                                     (cfg.training.micro_batch_size,   # this rank's tokens: its CP and SP shard
                                      m.seq_length // self.cp // (parallel_state.get_tensor_model_parallel_world_size()
@@ -212,9 +218,9 @@ class Trainer:
                 for batch in indices]
 
     def _run_global_batch(self, dataset, consumed_samples: int, forward_only: bool,
-                          global_batch_size: int | None = None):
+                          global_batch_size: int | None = None, record_steps: bool = False):
         """Forward (and backward) one global batch (of ``global_batch_size`` samples, default the largest) through
-        the pipeline schedule.
+        the pipeline schedule (``record_steps``: with its steps' times, clocks aligned over the pipeline).
 
         Returns (loss summed over this rank's tokens, token count of the whole global batch, schedule stats)."""
         global_batch_size = global_batch_size or self.cfg.training.global_batch_size
@@ -241,8 +247,11 @@ class Trainer:
 
         schedule = self.schedule(num_micro_batches)
         steps = schedule if not forward_only else [s for s in schedule if s.kind == "F"]
+        if record_steps:
+            self.step_times.align()
         stats = run_schedule(steps, forward_step, pp=self.pp, rank=self.pp_rank,
-                             virtual_stages=self.virtual_stages, links=self.links, forward_only=forward_only)
+                             virtual_stages=self.virtual_stages, links=self.links, forward_only=forward_only,
+                             record_steps=record_steps)
         loss_sum = torch.stack(loss_sums).sum() if loss_sums else torch.zeros((), device=self.device)
         return loss_sum, global_tokens, stats
 
@@ -251,10 +260,16 @@ class Trainer:
         self.model.train()
         batch = self.batches.at(self.state.consumed_samples)
         self.engine.start_iteration(self.micro_batches_in(batch))
+        # Step times are recorded at the largest batch only: the recorder's schedules are those of that batch.
+        record_steps = (self.step_times is not None and batch == self.cfg.training.global_batch_size
+                        and self.step_times.records(self.state.iteration + 1))
         with self.timers("forward-backward"):
             loss_sum, global_tokens, stats = self._run_global_batch(self.data.train, self.state.consumed_samples,
-                                                                    forward_only=False, global_batch_size=batch)
+                                                                    forward_only=False, global_batch_size=batch,
+                                                                    record_steps=record_steps)
         self.memory.after_forward_backward()
+        if record_steps:
+            self.step_times.write(self.state.iteration + 1, stats.step_times, stats.wall_start)
         self.timers.add("pipeline-wait", stats.total_s - stats.busy_s)
         with self.timers("grads-reduce"):
             self.engine.finish_grad_sync()
@@ -369,6 +384,7 @@ class Trainer:
                 window_s = time.perf_counter() - window_start
                 record["elapsed_ms"] = window_s / window_iters * 1000.0
                 record["tokens_per_sec"] = window_samples * self.cfg.model.seq_length / window_s
+                record["consumed_tokens"] = self.state.consumed_samples * self.cfg.model.seq_length
                 devices = dist.get_world_size() if dist.is_initialized() else 1
                 record["tflops_per_device"] = self.flops_per_sample * window_samples / window_s / devices / 1e12
                 if self.peak_tflops:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import sys
 
-from megalite.checkpoint import check_checkpoint
+from megalite.checkpoint import check_checkpoint, use_checkpoint_args
 from megalite.config.cli import parse_command_line
 from megalite.config import ConfigError, validate
 from megalite.data import check_data_files
@@ -24,7 +24,7 @@ from megalite.training.stopping import TrainingError
 def main(argv: list[str]) -> int:
     try:
         command_line = parse_command_line(argv, world_size_from_env())   # the world size: --deepspeed-config's DP
-        cfg = command_line.config
+        cfg, notes = use_checkpoint_args(command_line.config)   # --use-checkpoint-args: the saved model options
         # Every rank checks the options on its own before any collective, so a bad value cannot hang the job.
         validate(cfg, world_size_from_env())
         check_data_files(cfg)   # data files too: a corrupt file stops every rank here, not in a collective
@@ -35,8 +35,8 @@ def main(argv: list[str]) -> int:
         return 2
     finish_checks(failed=False)
     if os.environ.get("RANK", "0") == "0":
-        for line in command_line.deepspeed_settings():   # what a --deepspeed-config file set, and what the flags overrode
-            print(line, flush=True)
+        for line in command_line.deepspeed_settings() + notes:   # what a --deepspeed-config file set (and the flags
+            print(line, flush=True)                              # overrode), what the checkpoint's options changed
     if cfg.training.dry_run:   # the planner's memory estimate for this layout; no process group, no training
         if os.environ.get("RANK", "0") == "0":
             print(format_dry_run(cfg, world_size_from_env()), flush=True)

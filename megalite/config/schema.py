@@ -263,7 +263,13 @@ class CheckpointConfig:
     no_load_rng: bool = option(False, "With --load: do not restore the random-number generators' states.")
     finetune: bool = option(
         False, "With --load: load the model weights only and start at iteration 0 (fresh optimizer, data position "
-               "and random state).")
+               "and random state), into this run's model even where its options differ from the checkpoint's.")
+    use_checkpoint_args: bool = option(
+        False, "With --load: take every model option from the checkpoint (and, with --data-path, its tokenizer) "
+               "instead of the command line; without it a resume with other model options or tokenizer is refused.")
+    async_save: bool = option(
+        False, "With --save: write checkpoints in the background while training goes on (torch.distributed."
+               "checkpoint.async_save); each is renamed into place and pointed to once every rank has written it.")
 
 
 @dataclass

@@ -191,6 +191,8 @@ def _check_checkpoint(cfg: MegaliteConfig) -> None:
     _at_least(1, [("save_interval", c.save_interval)])
     _require(c.save_interval is None or c.save is not None, f"{FLAG.save_interval} needs {FLAG.save}")
     _require(not c.finetune or c.load is not None, f"{FLAG.finetune} needs {FLAG.load}")
+    _require(not c.use_checkpoint_args or c.load is not None, f"{FLAG.use_checkpoint_args} needs {FLAG.load}")
+    _require(not c.async_save or c.save is not None, f"{FLAG.async_save} needs {FLAG.save}")
 
 
 def _check_kernels(cfg: MegaliteConfig) -> None:

@@ -16,24 +16,11 @@ from megalite.checkpoint.contents import NO_DIGESTS
 from megalite.checkpoint.digests import default_algorithm, digest_ranges, even_shares
 
 from ..helpers import tiny_config
-from .helpers import flip_bytes, train_and_save, without_digests
-from .test_tools import _tool
+from .helpers import (flip_bytes, flip_index, flip_manifest_key, flip_manifest_value, flip_payload, refused,
+                      train_and_save, without_digests)
+from .test_tools import _tool as tool
 
 TINY = ["model=gpt_tiny", "data=mock", "--vocab-size", "301", "--eval-interval", "0", "--train-iters", "4"]
-
-
-def _refused(argv: list[str], capsys) -> str:
-    """The one line pretrain_gpt.py prints for ``argv`` (exit code 2)."""
-    assert pretrain_gpt.main(argv) == 2
-    err = capsys.readouterr().err.strip()
-    assert err.startswith("megalite: error: ") and "\n" not in err, err
-    return err.removeprefix("megalite: error: ")
-
-
-def _item_at(checkpoint, relative_path: str, offset: int) -> str:
-    """The key of the item whose stored bytes hold ``offset`` of the data file."""
-    return next(index.fqn for index, info in checkpoint.metadata.storage_data.items()
-                if info.relative_path == relative_path and info.offset <= offset < info.offset + info.length)
 
 
 def test_a_save_records_a_digest_of_every_item_and_verify_passes(saved, capsys):
@@ -41,45 +28,17 @@ def test_a_save_records_a_digest_of_every_item_and_verify_passes(saved, capsys):
     digests = checkpoint.manifest.digests
     assert digests.algorithm == default_algorithm() and digests.index
     assert set(digests.items) == set(checkpoint.metadata.state_dict_metadata)   # model, optimizer and RNG items
-    assert _tool("convert_checkpoint").main(["verify", "--load", str(saved)]) == 0
+    assert tool("convert_checkpoint").main(["verify", "--load", str(saved)]) == 0
     out = capsys.readouterr().out.strip()
     assert out.startswith(f"{checkpoint.path}: OK: {len(digests.items)} tensors (") and out.endswith(
         f"in 1 data file(s), the manifest, DCP's index match their {digests.algorithm} digests"), out
 
 
-def _flip_payload(directory):
-    """2,000 bytes in the middle of the data file (its header intact): the Adam moment there would turn to NaN."""
-    data = directory / "__0_0.distcp"
-    start = data.stat().st_size // 2 - 1000
-    item = _item_at(open_checkpoint(directory), "__0_0.distcp", start)   # the first one damaged
-    flip_bytes(data, start, 2000)
-    return f"__0_0.distcp: checksum mismatch in {item}"
-
-
-def _flip_index(directory):
-    path = directory / ".metadata"
-    flip_bytes(path, path.stat().st_size // 2)
-    return ".metadata: checksum mismatch (DCP's index changed since it was saved)"
-
-
-def _flip_manifest_value(directory):
-    path = directory / "manifest.json"
-    text = path.read_text()
-    path.write_text(text.replace('"consumed_samples": 24', '"consumed_samples": 25', 1))   # one bit: 0x34 -> 0x35
-    return "manifest.json: checksum mismatch (the manifest changed since it was saved)"
-
-
-def _flip_manifest_key(directory):
-    path = directory / "manifest.json"
-    path.write_text(path.read_text().replace('"manifest_digest"', '"manifest_digesu"', 1))
-    return "manifest.json: malformed manifest (unknown key 'manifest_digesu')"
-
-
-@pytest.mark.parametrize("damage", [_flip_payload, _flip_index, _flip_manifest_value, _flip_manifest_key])
+@pytest.mark.parametrize("damage", [flip_payload, flip_index, flip_manifest_value, flip_manifest_key])
 def test_a_flipped_byte_is_refused_with_one_line(saved, capsys, damage):
     message = damage(saved / "iter_0000003")
-    assert _refused([*TINY, "--load", str(saved)], capsys).endswith(f"iter_0000003/{message}")
-    assert _tool("convert_checkpoint").main(["verify", "--load", str(saved)]) == 2
+    assert refused([*TINY, "--load", str(saved)], capsys).endswith(f"iter_0000003/{message}")
+    assert tool("convert_checkpoint").main(["verify", "--load", str(saved)]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("convert_checkpoint: error: ") and err.endswith(message) and "\n" not in err
 
@@ -89,7 +48,7 @@ def test_only_what_a_load_reads_must_match(saved, capsys):
     checkpoint = open_checkpoint(saved)
     index, info = next((i, s) for i, s in checkpoint.metadata.storage_data.items() if i.fqn.endswith("/exp_avg"))
     flip_bytes(saved / "iter_0000003" / info.relative_path, info.offset + info.length - 8)
-    assert _refused([*TINY, "--load", str(saved)], capsys).endswith(f"checksum mismatch in {index.fqn}")
+    assert refused([*TINY, "--load", str(saved)], capsys).endswith(f"checksum mismatch in {index.fqn}")
     assert pretrain_gpt.main([*TINY, "--load", str(saved), "--no-load-optim"]) == 0
 
 

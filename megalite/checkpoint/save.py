@@ -40,6 +40,7 @@ from megalite.distributed import full_local_tensor
 from megalite.optimizer import MegaliteOptimizer
 from megalite.tensor_parallel import TensorParallelRNG
 
+
 @dataclasses.dataclass
 class _Coordinates:
     tp: int

@@ -85,4 +85,4 @@ def check_loss_scale(iteration: int, scaler) -> None:
     where = "--loss-scale" if not hasattr(scaler, "min_scale") else "--min-loss-scale"
     raise TrainingError(f"iteration {iteration}: {scaler.overflows_at_minimum} steps in a row overflowed (inf/nan "
                         f"gradients) at the lowest loss scale {scaler.scale:g} ({where}); stopping: fp16 cannot go on "
-                        f"from here (try --bf16, a lower --lr or --clip-grad)")
+                        f"from here (try --bf16 or a lower --lr)")

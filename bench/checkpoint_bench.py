@@ -1,6 +1,6 @@
 """What checkpoint digests cost, and how long a save stalls training, synchronous against --async-save.
 
-    python bench/checkpoint_bench.py [--megabytes 256] [--rounds 7] [--hidden-size 384] [--num-layers 6]
+    python bench/checkpoint_bench.py [--megabytes 256] [--rounds 7] [--hidden-size 384] [--num-layers 6] [--threads N]
 
 1. Digests. The same tensors (``--megabytes`` of fp32) saved through DCP's own ``FileSystemWriter`` and through ours
    (which hashes every item after writing it, megalite.checkpoint.digests), and read back with and without checking
@@ -11,7 +11,8 @@
    one's time over the baseline, and the ratio async / sync is the median over rounds.
 
 Single process, CPU: absolute times depend on the disk and on whatever else the machine runs; the ratios are the
-figures to read.
+figures to read. On a small shared machine ``--threads 1`` keeps torch's thread pool from spinning against the other
+load (and leaves the writing thread a core, as a GPU machine's otherwise idle CPUs would).
 """
 
 from __future__ import annotations
@@ -166,7 +167,11 @@ def main() -> None:
     parser.add_argument("--num-layers", type=int, default=6)
     parser.add_argument("--steps-after", type=int, default=6, help="training steps after each save")
     parser.add_argument("--only", choices=["digests", "stall"], help="run one of the two parts")
+    parser.add_argument("--threads", type=int, help="torch's intra-op threads (default: torch's choice)")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} intra-op thread(s), {os.cpu_count()} CPUs")
     scratch = Path(tempfile.mkdtemp(prefix="megalite-ckpt-bench-"))
     try:
         if args.only != "stall":

@@ -226,7 +226,8 @@ class TrainingConfig:
         None, "Stop cleanly (after a checkpoint, with --save) once training has run this many minutes.")
     no_check_for_nan_in_loss_and_grad: bool = option(
         False, "Do not stop on a NaN/Inf loss or gradient (by default training stops naming the iteration and "
-               "ranks; with --fp16 such a step is skipped instead).")
+               "ranks; with --fp16 such a step is skipped instead, until 10 in a row overflow at the lowest loss "
+               "scale).")
     deepspeed_config: Optional[str] = option(
         None, "A DeepSpeed JSON config (batch sizes, ZeRO stage and offload, bf16/fp16, clipping, Adam, LR "
               "scheduler) mapped onto megalite's options; flags and overrides given beside it win; keys megalite "

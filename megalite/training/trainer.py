@@ -213,7 +213,7 @@ class Trainer:
         t = self.cfg.training
         if not t.fp16 and not t.no_check_for_nan_in_loss_and_grad:   # fp16 skips such steps instead
             check_finite(iteration, record["loss"], step["grad_norm"], local_bad, self.device)
-        if self.optimizer.scaler is not None:   # ... unless they keep overflowing at the lowest scale
+        elif t.fp16 and not t.no_check_for_nan_in_loss_and_grad:   # ... until they overflow at the lowest scale
             check_loss_scale(iteration, self.optimizer.scaler)
         if self.pp > 1:
             bubble = [float(stage[1]) for stage in per_stage]

@@ -103,7 +103,8 @@ def test_kill_9_during_an_async_save_keeps_the_previous_checkpoint(tmp_path):
     def held_while_training_went_on() -> bool:
         return marker.exists() and metrics.exists() and any(r["iteration"] >= 6 for r in read_metrics(metrics))
 
-    argv = [*TINY, "--train-iters", "6", "--save", str(ckpt), "--async-save", "--metrics-file", str(metrics)]
+    argv = [*TINY, "--train-iters", "6", "--global-batch-size", "2", "--save", str(ckpt), "--async-save",
+            "--metrics-file", str(metrics)]
     _kill_when_held(_start(ASYNC_CHILD, marker, *argv), held_while_training_went_on)
     half_written = Path(marker.read_text())
     assert half_written.name == "iter_0000004.tmp" and list(half_written.glob("*.distcp"))

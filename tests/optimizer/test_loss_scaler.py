@@ -36,8 +36,8 @@ def test_a_constant_scale_gives_up_too():
 
 
 def test_fp16_training_whose_loss_stays_nan_stops_with_one_line(capsys):
-    argv = ["model=gpt_tiny", "data=mock", "--eval-interval", "0", "--train-iters", "40", "--fp16", "--lr", "1e30",
-            "--clip-grad", "0", "--initial-loss-scale", "4", "--min-loss-scale", "1", "--hysteresis", "1"]
+    argv = ["model=gpt_tiny", "data=mock", "--eval-interval", "0", "--train-iters", "40", "--global-batch-size", "2",
+            "--fp16", "--lr", "1e30", "--clip-grad", "0", "--initial-loss-scale", "1", "--min-loss-scale", "1"]
     assert pretrain_gpt.main(argv) == 1
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and re.fullmatch(

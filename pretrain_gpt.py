@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import sys
 
-from megalite.checkpoint import check_checkpoint
+from megalite.checkpoint import check_checkpoint, use_checkpoint_args
 from megalite.config.cli import parse_command_line
 from megalite.config import ConfigError, megatron, validate
 from megalite.data import check_data_files
@@ -24,7 +24,8 @@ from megalite.training.stopping import TrainingError
 def main(argv: list[str]) -> int:
     try:
         command_line = parse_command_line(argv, world_size_from_env())   # the world size: --deepspeed-config's DP
-        cfg, warnings = megatron.adjust(command_line.config)   # --sequence-parallel at TP=1 off, as Megatron does
+        cfg, notes = use_checkpoint_args(command_line.config)   # --use-checkpoint-args: the saved model options
+        cfg, warnings = megatron.adjust(cfg)   # --sequence-parallel at TP=1 off, as Megatron does
         # Every rank checks the options on its own before any collective, so a bad value cannot hang the job.
         validate(cfg, world_size_from_env())
         check_data_files(cfg)   # data files too: a corrupt file stops every rank here, not in a collective
@@ -38,8 +39,8 @@ def main(argv: list[str]) -> int:
         return 2
     finish_checks(failed=False)
     if os.environ.get("RANK", "0") == "0":
-        for line in command_line.deepspeed_settings():   # a --deepspeed-config file's table: each key, what it became
-            print(line, flush=True)
+        for line in command_line.deepspeed_settings() + notes:   # what a --deepspeed-config file set (and the flags
+            print(line, flush=True)                              # overrode), what the checkpoint's options changed
         for line in warnings + megatron.start_lines(cfg):   # Megatron's flags that were adjusted or change nothing
             print(line, flush=True)
     if cfg.training.dry_run:   # the planner's memory estimate for this layout; no process group, no training

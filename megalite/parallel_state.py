@@ -281,3 +281,17 @@ def any_rank(flag: bool, device: torch.device) -> bool:
         if info.size > 1:
             dist.all_reduce(value, op=dist.ReduceOp.MAX, group=info.group)
     return bool(value.item() > 0)
+
+
+def first_message(message: Optional[str], device: torch.device) -> Optional[str]:
+    """The first non-None ``message`` over the ranks of the layout, the same on every rank (None if there is none):
+    how one rank's error reaches every rank so that each reports the same line. Strings travel only when
+    :func:`any_rank` says there is one, over the same two groups."""
+    if not any_rank(message is not None, device):
+        return None
+    for info in (get_model_parallel_group(), get_data_parallel_group()):
+        if info.size > 1:
+            gathered: list[Optional[str]] = [None] * info.size
+            dist.all_gather_object(gathered, message, group=info.group)
+            message = next((m for m in gathered if m is not None), None)
+    return message

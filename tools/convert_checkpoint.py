@@ -3,6 +3,7 @@
     python tools/convert_checkpoint.py export-hf --load CKPT_DIR --output HF_DIR     # config.json + model.safetensors
     python tools/convert_checkpoint.py import-hf --input HF_DIR --save CKPT_DIR      # then pretrain_gpt.py --load
     python tools/convert_checkpoint.py inspect --load CKPT_DIR
+    python tools/convert_checkpoint.py verify --load CKPT_DIR      # every stored byte against the save's digests
 
 CKPT_DIR is a checkpoint directory or a --save directory (its latest checkpoint), saved at any layout. The exported
 directory loads with ``transformers.AutoModelForCausalLM.from_pretrained(HF_DIR)``, vocabulary padding removed: a
@@ -10,7 +11,9 @@ LlamaForCausalLM if the model uses Llama options (rotary positions, RMSNorm, Swi
 attention; it must then use all but grouped-query attention), else a GPT2LMHeadModel. import-hf reads either, by the
 model_type of HF_DIR/config.json. An imported checkpoint is at iteration 0 with weights only; ``pretrain_gpt.py --load
 CKPT_DIR`` takes it at any layout, given the model options of its config (``inspect`` shows them). Needs
-``safetensors``, and ``transformers`` to export a Llama.
+``safetensors``, and ``transformers`` to export a Llama. verify checks that a checkpoint is complete and that the
+manifest, DCP's index, every tensor and the tokenizer's files match the digests recorded at save (no model is
+built); it exits 2 naming the first file and item that differ.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 
 import torch  # noqa: E402
 
+from megalite.checkpoint import verify_checkpoint  # noqa: E402
 from megalite.checkpoint.convert import export_hf, import_hf, inspect  # noqa: E402
 from megalite.config import ConfigError  # noqa: E402
 
@@ -48,6 +52,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     imported.add_argument("--quiet", action="store_true", help="No progress bar.")
     inspect = commands.add_parser("inspect", help="Print iteration, layout, config and tensor shapes.")
     inspect.add_argument("--load", required=True, metavar="CKPT_DIR", help="The megalite checkpoint.")
+    verify = commands.add_parser("verify", help="Check that every stored byte matches the digests of the save.")
+    verify.add_argument("--load", required=True, metavar="CKPT_DIR", help="The megalite checkpoint.")
     return parser.parse_args(argv)
 
 
@@ -61,6 +67,8 @@ def main(argv: list[str]) -> int:
         elif args.command == "import-hf":
             path = import_hf(args.input, args.save, args.allow_approximate_gelu, progress=not args.quiet)
             print(f"wrote {path}")
+        elif args.command == "verify":
+            print(verify_checkpoint(args.load))
         else:
             print(inspect(args.load))
     except ConfigError as error:

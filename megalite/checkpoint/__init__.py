@@ -1,17 +1,21 @@
 """Checkpoints: each rank saves its own shards through torch.distributed.checkpoint, atomically; loading reshards to
 any layout; conversion to and from Hugging Face GPT-2 and Llama; ``load_pretrained`` for single-process use.
 
-``save_checkpoint`` / ``load_checkpoint`` are what the trainer calls, ``check_checkpoint`` the pre-flight check that
-``pretrain_gpt.py`` runs before any process group exists. The layout on disk is described in ``directory``, the
-tensor names in ``keys``, the JSON table of contents in ``manifest``.
+``start_save`` / ``load_checkpoint`` are what the trainer calls; ``use_checkpoint_args`` and ``check_checkpoint`` what
+``pretrain_gpt.py`` runs before any process group exists; ``verify_checkpoint`` checks every digest offline. The
+layout on disk is described in ``directory``, the tensor names in ``keys``, the JSON table of contents in
+``manifest``, the digests in ``digests``, what must match on resume in ``identity``.
 """
 
 from megalite.checkpoint.contents import Checkpoint, open_checkpoint
 from megalite.checkpoint.errors import CheckpointError
+from megalite.checkpoint.identity import use_checkpoint_args
 from megalite.checkpoint.load import LoadResult, check_checkpoint, load_checkpoint
 from megalite.checkpoint.manifest import Manifest, SavedLayout, TensorSpec
 from megalite.checkpoint.pretrained import PretrainedGPT, load_pretrained
-from megalite.checkpoint.save import save_checkpoint
+from megalite.checkpoint.save import PendingSave, save_checkpoint, start_save
+from megalite.checkpoint.verify import verify_checkpoint
 
-__all__ = ["Checkpoint", "CheckpointError", "LoadResult", "Manifest", "PretrainedGPT", "SavedLayout", "TensorSpec",
-           "check_checkpoint", "load_checkpoint", "load_pretrained", "open_checkpoint", "save_checkpoint"]
+__all__ = ["Checkpoint", "CheckpointError", "LoadResult", "Manifest", "PendingSave", "PretrainedGPT", "SavedLayout",
+           "TensorSpec", "check_checkpoint", "load_checkpoint", "load_pretrained", "open_checkpoint",
+           "save_checkpoint", "start_save", "use_checkpoint_args", "verify_checkpoint"]

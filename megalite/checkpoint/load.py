@@ -6,14 +6,17 @@ stored slice back together from the ranges the saving DP ranks owned; the curren
 own pieces. Reads are per rank (no collective), so any TP/PP/V/DP/distributed-optimizer combination loads from
 any other. RNG states are restored only at the identical layout (elsewhere there is no rank they would belong to).
 
-:func:`check_checkpoint` is the pre-flight ``pretrain_gpt.py`` runs on every rank before any process group exists;
-:func:`load_checkpoint` repeats it (cheap), checks that the checkpoint fits the model, and loads.
+:func:`check_checkpoint` is the pre-flight ``pretrain_gpt.py`` runs on every rank before any process group exists:
+the checkpoint is complete, its manifest and index match their digests, and it holds the same model
+(:mod:`megalite.checkpoint.identity`). :func:`load_checkpoint` repeats that (cheap), checks that the checkpoint fits
+the model, then verifies the stored bytes of everything the run will load against their digests before any of it is
+used: the ranks of the layout split the items evenly by bytes, each hashes its share, and a mismatch found by one
+stops every rank with its line. Only then are tensors read.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections import defaultdict
 from pathlib import Path
 from typing import Optional
@@ -21,13 +24,17 @@ from typing import Optional
 import torch
 
 from megalite import parallel_state
-from megalite.checkpoint.contents import Checkpoint, open_checkpoint
+from megalite.checkpoint.contents import NO_DIGESTS, Checkpoint, open_load_checkpoint
+from megalite.checkpoint.digests import even_shares
 from megalite.checkpoint.errors import CheckpointError
+from megalite.checkpoint.identity import check_same_model
 from megalite.checkpoint.keys import OPTIMIZER_STATES, model_key, optimizer_key, optimizer_pieces, rng_key
 from megalite.checkpoint.manifest import Manifest, SavedLayout
 from megalite.checkpoint.model_specs import check_fits
 from megalite.checkpoint.reshard import assemble, merge, split
 from megalite.config import MegaliteConfig
+from megalite.data.builder import run_tokenizer
+from megalite.data.tokenizer import Tokenizer
 from megalite.distributed import copy_into_parameter
 from megalite.optimizer import MegaliteOptimizer
 from megalite.tensor_parallel import TensorParallelRNG
@@ -47,7 +54,7 @@ def check_checkpoint(cfg: MegaliteConfig, world_size: int) -> None:
     c = cfg.checkpoint
     if c.load is None:
         return
-    checkpoint = open_checkpoint(c.load, allow_none=_same_directory(c.load, c.save))
+    checkpoint = open_load_checkpoint(c)
     if checkpoint is None:
         return
     p = cfg.parallel
@@ -55,15 +62,20 @@ def check_checkpoint(cfg: MegaliteConfig, world_size: int) -> None:
                                                 * p.context_parallel_size))
     checkpoint.verify(optimizer=_loads_optimizer(cfg, checkpoint.manifest),
                       rng=_loads_rng(cfg, checkpoint.manifest, layout, torch.cuda.is_available()))
+    tokenizer = run_tokenizer(cfg)   # it decides the vocabulary, as in the trainer
+    model = cfg.model if tokenizer is None else dataclasses.replace(cfg.model, vocab_size=tokenizer.vocab_size)
+    check_same_model(checkpoint, model, tokenizer, c.finetune)
 
 
 def load_checkpoint(cfg: MegaliteConfig, *, parameters: list[tuple[str, torch.nn.Parameter]],
                     optimizer: Optional[MegaliteOptimizer], rng: Optional[TensorParallelRNG],
-                    device: torch.device) -> Optional[LoadResult]:
-    """Load ``cfg.checkpoint.load`` into this rank's parameters, optimizer and RNG (collective only at the end, to
-    agree that every rank succeeded). None when there is nothing to load yet (--load equal to --save, first run)."""
+                    device: torch.device, tokenizer: Optional[Tokenizer] = None) -> Optional[LoadResult]:
+    """Load ``cfg.checkpoint.load`` into this rank's parameters, optimizer and RNG, after checking that it holds the
+    model of ``cfg`` read with ``tokenizer`` and that its bytes match their digests (collective twice: to verify
+    them together, and at the end to agree that every rank succeeded). None when there is nothing to load yet
+    (--load equal to --save, first run)."""
     c = cfg.checkpoint
-    checkpoint = open_checkpoint(c.load, allow_none=_same_directory(c.load, c.save))
+    checkpoint = open_load_checkpoint(c)
     if checkpoint is None:
         return None
     manifest = checkpoint.manifest
@@ -72,17 +84,22 @@ def load_checkpoint(cfg: MegaliteConfig, *, parameters: list[tuple[str, torch.nn
     with_optimizer = optimizer is not None and _loads_optimizer(cfg, manifest)
     with_rng = rng is not None and _loads_rng(cfg, manifest, layout, device.type == "cuda")
     checkpoint.verify(optimizer=with_optimizer, rng=with_rng)
+    model_notes = check_same_model(checkpoint, cfg.model, tokenizer, c.finetune)
     check_fits(manifest, cfg.model, checkpoint.path)
+    kinds = ("model/",) + ("optim/",) * with_optimizer + ("rng/",) * with_rng
+    _verify_together(checkpoint, [key for key in checkpoint.metadata.state_dict_metadata if key.startswith(kinds)],
+                     device)
     error: Optional[Exception] = None
     try:
         _load_parameters(checkpoint, parameters, optimizer, with_optimizer)
         if with_rng:
             _restore_rng(checkpoint, rng, device)
-    except Exception as caught:   # e.g. corrupt tensor bytes, found by this rank alone: tell the others first
+    except Exception as caught:   # e.g. unreadable tensor bytes, found by this rank alone: tell the others first
         error = caught
-    if parallel_state.any_rank(error is not None, device):
-        raise error or CheckpointError(f"{checkpoint.path}: loading failed on another rank (see its error)")
-    notes = _notes(cfg, manifest, layout, with_optimizer, with_rng, rng is not None)
+    _raise_on_every_rank(error, device)
+    notes = _notes(cfg, manifest, layout, with_optimizer, with_rng, rng is not None) + model_notes
+    if not checkpoint.has_digests:
+        notes.append(NO_DIGESTS)
     if c.finetune:
         return LoadResult(checkpoint.path, 0, 0, notes)
     return LoadResult(checkpoint.path, manifest.iteration, manifest.consumed_samples, notes)
@@ -93,11 +110,38 @@ def load_weights(checkpoint: Checkpoint, parameters: list[tuple[str, torch.nn.Pa
     _load_parameters(checkpoint, parameters, None, False)
 
 
+def _raise_on_every_rank(error: Optional[Exception], device: torch.device) -> None:
+    """If any rank of the layout failed, raise on every rank: the same CheckpointError with the first failing rank's
+    message (so each prints the same line), or on the failing rank its own error when it is not a CheckpointError."""
+    message = parallel_state.first_message(None if error is None else str(error), device)
+    if error is not None and not isinstance(error, CheckpointError):
+        raise error
+    if message is not None:
+        raise CheckpointError(message)
+
+
+def _verify_together(checkpoint: Checkpoint, keys: list[str], device: torch.device) -> None:
+    """Check the stored bytes of ``keys`` against their digests, each rank of the layout an even share by bytes (in
+    storage order, so each reads a contiguous run of a file), before anything is loaded."""
+    if not checkpoint.has_digests:
+        return
+    ps = parallel_state
+    tp, pp, dp = (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
+                  ps.get_data_parallel_world_size())
+    me = ((ps.get_pipeline_model_parallel_rank() * dp + ps.get_data_parallel_rank()) * tp
+          + ps.get_tensor_model_parallel_rank())   # the rank's place in the layout (parallel_state's rank order)
+    keys = checkpoint.in_storage_order(keys)
+    start, end = even_shares(checkpoint.item_sizes(keys), tp * pp * dp)[me]
+    error: Optional[CheckpointError] = None
+    try:
+        checkpoint.verify_contents(keys[start:end])
+    except CheckpointError as caught:
+        error = caught
+    _raise_on_every_rank(error, device)
+    checkpoint.mark_verified(keys)
+
+
 # ---- what to load -------------------------------------------------------------------------------------------------
-def _same_directory(load: Optional[str], save: Optional[str]) -> bool:
-    return load is not None and save is not None and os.path.abspath(load) == os.path.abspath(save)
-
-
 def _loads_optimizer(cfg: MegaliteConfig, manifest: Manifest) -> bool:
     c = cfg.checkpoint
     return manifest.has_optimizer and not c.finetune and not c.no_load_optim

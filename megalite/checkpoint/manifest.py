@@ -1,10 +1,16 @@
 """The manifest: a checkpoint's table of contents, in JSON (``manifest.json`` beside DCP's files).
 
 It holds everything that is not a tensor: the iteration and consumed samples, the layout the checkpoint was saved at,
-the full config it was trained with, the loss-scaler state and Adam's step count, and for every parameter (by
-canonical name) its full shape, how it was partitioned over tensor-parallel ranks, and its dtype. The tensors
-themselves are in DCP's files under the keys of :mod:`megalite.checkpoint.keys`; the manifest is what lets a loader
-at another layout find and merge them. JSON, not pickle, so reading a manifest cannot run code.
+the full config it was trained with, the loss-scaler state and Adam's step count, the tokenizer (its type, files
+and fingerprint), and for every parameter (by canonical name) its full shape, how it was partitioned over
+tensor-parallel ranks, and its dtype. The tensors themselves are in DCP's files under the keys of
+:mod:`megalite.checkpoint.keys`; the manifest is what lets a loader at another layout find and merge them. JSON, not
+pickle, so reading a manifest cannot run code.
+
+It also holds the digests of everything else in the checkpoint (:class:`Digests`) and, last, ``manifest_digest``:
+the digest of the manifest's own JSON without that line, checked on every read. Reading refuses keys it does not
+know, so a flipped byte cannot turn a key into one that is silently ignored. A manifest without digests was written
+before megalite recorded them; it still loads, and the loader says that nothing was verified.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from typing import Any, Optional
 
 import torch
 
+from megalite.checkpoint.digests import digest_bytes
 from megalite.checkpoint.errors import CheckpointError
 from megalite.config import MegaliteConfig, OptimizerConfig, from_dict
 from megalite.tensor_parallel import Partition, shard
@@ -101,6 +108,24 @@ class TensorSpec:
 
 
 @dataclass
+class Digests:
+    """What a save hashed (see :mod:`megalite.checkpoint.digests`), each a hex digest of the bytes on disk."""
+    algorithm: str
+    index: str                                # DCP's .metadata
+    items: dict[str, str]                     # tensor key -> its bytes in a .distcp file
+    files: dict[str, str] = dataclasses.field(default_factory=dict)   # tokenizer file name -> its bytes
+
+    @classmethod
+    def from_json(cls, data: dict) -> "Digests":
+        return cls(str(data["algorithm"]), str(data["index"]), {str(k): str(v) for k, v in data["items"].items()},
+                   {str(k): str(v) for k, v in data["files"].items()})
+
+
+_KEYS = {"format", "version", "iteration", "consumed_samples", "layout", "adam_step", "loss_scaler", "rng_streams",
+         "tokenizer", "config", "params", "digests", "manifest_digest"}
+
+
+@dataclass
 class Manifest:
     iteration: int
     consumed_samples: int
@@ -110,7 +135,9 @@ class Manifest:
     adam_step: Optional[int] = None           # None: no optimizer state in the checkpoint
     loss_scaler: Optional[dict] = None        # fp16 loss-scaler state
     rng_streams: list[str] = dataclasses.field(default_factory=list)   # stored per rank; empty: no RNG state
-    tokenizer: Optional[dict] = None          # {"type", "file" (in the checkpoint dir) or "vocab_size", "eod"}
+    # {"type", "vocab_size", "eod", "fingerprint", "files": [names in the checkpoint dir], "file": the one file}
+    tokenizer: Optional[dict] = None
+    digests: Optional[Digests] = None         # None: saved before megalite recorded digests
 
     @property
     def has_optimizer(self) -> bool:
@@ -122,6 +149,9 @@ class Manifest:
                 "adam_step": self.adam_step, "loss_scaler": self.loss_scaler, "rng_streams": self.rng_streams,
                 "tokenizer": self.tokenizer, "config": self.config,
                 "params": {name: spec.to_json() for name, spec in self.params.items()}}
+        if self.digests is not None:
+            data["digests"] = dataclasses.asdict(self.digests)
+            data["manifest_digest"] = _self_digest(data, self.digests.algorithm)
         return json.dumps(data, indent=1)
 
     @classmethod
@@ -138,13 +168,30 @@ class Manifest:
             raise CheckpointError(f"{path}: not a megalite checkpoint manifest")
         if data.get("version") != VERSION:
             raise CheckpointError(f"{path}: format version {data.get('version')} (this megalite reads {VERSION})")
+        unknown = sorted(set(data) - _KEYS)
+        if unknown:
+            raise CheckpointError(f"{path}: malformed manifest (unknown key {unknown[0]!r})")
+        claimed = data.pop("manifest_digest", None)
+        if (claimed is None) != ("digests" not in data):
+            raise CheckpointError(f"{path}: malformed manifest (digests without manifest_digest, or the reverse)")
+        try:
+            digests = Digests.from_json(data["digests"]) if claimed is not None else None
+        except (KeyError, TypeError, AttributeError) as error:
+            raise CheckpointError(f"{path}: malformed manifest digests ({type(error).__name__}: {error})") from None
+        if digests is not None:
+            try:
+                actual = _self_digest(data, digests.algorithm)
+            except CheckpointError as error:   # an unknown algorithm, or xxhash not installed
+                raise CheckpointError(f"{path}: {error}") from None
+            if actual != claimed:
+                raise CheckpointError(f"{path}: checksum mismatch (the manifest changed since it was saved)")
         try:
             return cls(iteration=int(data["iteration"]), consumed_samples=int(data["consumed_samples"]),
                        layout=SavedLayout.from_json(data["layout"]), config=dict(data["config"]),
                        params={name: TensorSpec.from_json(spec) for name, spec in data["params"].items()},
                        adam_step=None if data["adam_step"] is None else int(data["adam_step"]),
                        loss_scaler=data["loss_scaler"], rng_streams=list(data["rng_streams"]),
-                       tokenizer=data["tokenizer"])
+                       tokenizer=data["tokenizer"], digests=digests)
         except (KeyError, TypeError, ValueError) as error:
             raise CheckpointError(f"{path}: malformed manifest ({type(error).__name__}: {error})") from None
 
@@ -152,6 +199,13 @@ class Manifest:
         """The config the checkpoint was trained with, as this version of megalite reads it (options it does not
         know are dropped with a warning; options the checkpoint predates get their defaults)."""
         return config_from_dict(self.config)
+
+
+def _self_digest(data: dict, algorithm: str) -> str:
+    """The digest of the manifest's JSON as written, without its ``manifest_digest`` (JSON read back and written
+    again gives the same text, so the reader recomputes it from the parsed data)."""
+    return digest_bytes(json.dumps({k: v for k, v in data.items() if k != "manifest_digest"}, indent=1).encode(),
+                        algorithm)
 
 
 def config_from_dict(data: dict[str, Any]) -> MegaliteConfig:
@@ -163,4 +217,4 @@ def config_from_dict(data: dict[str, Any]) -> MegaliteConfig:
     return cfg
 
 
-__all__ = ["MANIFEST_NAME", "Manifest", "SavedLayout", "TensorSpec", "config_from_dict"]
+__all__ = ["MANIFEST_NAME", "Digests", "Manifest", "SavedLayout", "TensorSpec", "config_from_dict"]

@@ -8,9 +8,14 @@ Who writes what, so that every piece is stored exactly once:
 - optimizer state (fp32 main parameter, Adam moments) per piece of :class:`MegaliteOptimizer`: with the
   distributed optimizer every DP rank writes the ranges it owns, without it DP rank 0 writes whole parameters;
 - RNG states: every rank, under its (pp, tp, dp) coordinates;
+- the manifest, with every rank's digests, and the tokenizer's files (which tools/generate.py uses): rank 0, last.
+
+:func:`start_save` returns a :class:`PendingSave`: with ``asynchronous`` (``--async-save``) the tensors are copied
+and written in the background while training goes on; :meth:`PendingSave.ready` says (collectively) when every rank's
+write has completed, and only then does :meth:`PendingSave.finish` write the manifest, rename the checkpoint into
+place and point to it. A process killed before that leaves the previous checkpoint in charge.
 
 "DP" here is DP x CP: context-parallel ranks hold the same weights, and the optimizer shards over all of them.
-- the manifest (and a copy of the tokenizer model, which tools/generate.py uses): rank 0, last.
 """
 
 from __future__ import annotations
@@ -27,16 +32,15 @@ from megalite import parallel_state
 from megalite.checkpoint import directory as ckpt_dir
 from megalite.checkpoint.errors import CheckpointError
 from megalite.checkpoint.keys import model_key, optimizer_key, rng_key, slice_of, stores_slice
-from megalite.checkpoint.manifest import MANIFEST_NAME, Manifest, SavedLayout, TensorSpec
+from megalite.checkpoint.digests import digest_bytes
+from megalite.checkpoint.manifest import MANIFEST_NAME, Digests, Manifest, SavedLayout, TensorSpec
 from megalite.checkpoint.model_specs import model_parameters
-from megalite.checkpoint.storage import world_size, write_tensors
+from megalite.checkpoint.storage import METADATA_NAME, TensorWrite, world_size, write_tensors
 from megalite.config import MegaliteConfig, to_dict
-from megalite.data.tokenizer import NullTokenizer, SentencePieceTokenizer, Tokenizer
+from megalite.data.tokenizer import Tokenizer
 from megalite.distributed import full_local_tensor
 from megalite.optimizer import MegaliteOptimizer
 from megalite.tensor_parallel import TensorParallelRNG
-
-TOKENIZER_FILE = "tokenizer.model"
 
 
 @dataclasses.dataclass
@@ -66,6 +70,52 @@ def save_checkpoint(root: str | Path, *, cfg: MegaliteConfig, iteration: int, co
     """Save this rank's part of the model (``parameters``: canonical name, parameter of this rank's chunks) and
     optimizer into ``root/iter_NNNNNNN``; collective over every rank of the registered layout, which must be the
     whole world or a single process. Returns the checkpoint directory once it is complete and the pointer is set."""
+    return start_save(root, cfg=cfg, iteration=iteration, consumed_samples=consumed_samples, parameters=parameters,
+                      optimizer=optimizer, rng=rng, tokenizer=tokenizer, device=device).finish()
+
+
+class PendingSave:
+    """A save whose tensors are being written (see the module docstring); every rank holds one."""
+
+    def __init__(self, write: TensorWrite, manifest: Manifest, tokenizer: Optional[Tokenizer], temporary: Path,
+                 final: Path, collective: bool, device: torch.device):
+        self.iteration = manifest.iteration
+        self._write, self._manifest, self._tokenizer = write, manifest, tokenizer
+        self._temporary, self._final, self._collective, self._device = temporary, final, collective, device
+
+    def ready(self) -> bool:
+        """Whether every rank's write has completed: a collective (all ranks call it at the same point) when the
+        save is; the same answer on every rank."""
+        if not self._collective:
+            return self._write.done()
+        pending = torch.tensor([0.0 if self._write.done() else 1.0], device=self._device)
+        dist.all_reduce(pending, op=dist.ReduceOp.MAX)
+        return not bool(pending.item())
+
+    def finish(self) -> Path:
+        """Wait for every rank's write, then (rank 0) write the manifest with every rank's digests, rename the
+        checkpoint into place and point to it; collective. Returns the checkpoint directory."""
+        self._write.wait()   # a failed write on any rank raises here on every rank
+
+        def commit() -> None:
+            files = _save_tokenizer(self._tokenizer, self._temporary)
+            digests = Digests(self._write.algorithm, self._write.index_digest, self._write.digests,
+                              {name: digest_bytes(data, self._write.algorithm) for name, data in files.items()})
+            manifest = dataclasses.replace(self._manifest, tokenizer=_tokenizer_entry(self._tokenizer, files),
+                                           digests=digests)
+            ckpt_dir.write_file(self._temporary / MANIFEST_NAME, manifest.to_json().encode())
+            ckpt_dir.commit(self._temporary, self._final, self.iteration)
+
+        _on_rank0(commit, not self._collective or dist.get_rank() == 0, self._collective)
+        return self._final   # nobody goes on (or loads) before the checkpoint is in place
+
+
+def start_save(root: str | Path, *, cfg: MegaliteConfig, iteration: int, consumed_samples: int,
+               parameters: list[tuple[str, torch.nn.Parameter]], optimizer: Optional[MegaliteOptimizer] = None,
+               rng: Optional[TensorParallelRNG] = None, tokenizer: Optional[Tokenizer] = None,
+               device: torch.device = torch.device("cpu"), asynchronous: bool = False) -> PendingSave:
+    """Begin :func:`save_checkpoint`: this rank's tensors are written (``asynchronous``: copied, then written in the
+    background) and what the manifest says is taken now; :meth:`PendingSave.finish` completes it."""
     at = _Coordinates.registered()
     layout_size = at.tp * at.pp * at.dp
     if layout_size not in (1, world_size()):
@@ -82,23 +132,16 @@ def save_checkpoint(root: str | Path, *, cfg: MegaliteConfig, iteration: int, co
         tensors.update(_optimizer_tensors(optimizer, at, {id(param): name for name, param in parameters}))
     streams = _rng_states(rng, device)
     tensors.update({rng_key(at.pp_rank, at.tp_rank, at.dp_rank, s): state for s, state in streams.items()})
+    manifest = Manifest(
+        iteration=iteration, consumed_samples=consumed_samples,
+        layout=SavedLayout.of(cfg, parallel_state.get_data_parallel_world_size()),   # pure DP: CP is its own field
+        config=to_dict(cfg), params=_specs(cfg, parameters), adam_step=adam_step,
+        loss_scaler=optimizer.scaler.state_dict() if optimizer is not None and optimizer.scaler else None,
+        rng_streams=sorted(streams))
 
     _on_rank0(lambda: ckpt_dir.prepare(final), is_writer, collective)
-    write_tensors(temporary, tensors, collective)   # returns once DCP's index of every rank's pieces is written
-
-    def finish() -> None:
-        manifest = Manifest(
-            iteration=iteration, consumed_samples=consumed_samples,
-            layout=SavedLayout.of(cfg, parallel_state.get_data_parallel_world_size()),
-            config=to_dict(cfg),
-            params=_specs(cfg, parameters), adam_step=adam_step,
-            loss_scaler=optimizer.scaler.state_dict() if optimizer is not None and optimizer.scaler else None,
-            rng_streams=sorted(streams), tokenizer=_save_tokenizer(tokenizer, temporary))
-        ckpt_dir.write_file(temporary / MANIFEST_NAME, manifest.to_json().encode())
-        ckpt_dir.commit(temporary, final, iteration)
-
-    _on_rank0(finish, is_writer, collective)   # nobody goes on (or loads) before the checkpoint is in place
-    return final
+    write = write_tensors(temporary, tensors, collective, asynchronous)
+    return PendingSave(write, manifest, tokenizer, temporary, final, collective, device)
 
 
 def _on_rank0(step: Callable[[], object], is_writer: bool, collective: bool) -> None:
@@ -185,11 +228,27 @@ def _specs(cfg: MegaliteConfig, parameters) -> dict[str, TensorSpec]:
             for name, spec in specs.items()}
 
 
-def _save_tokenizer(tokenizer: Optional[Tokenizer], directory: Path) -> Optional[dict]:
-    if isinstance(tokenizer, SentencePieceTokenizer):
-        ckpt_dir.write_file(directory / TOKENIZER_FILE, tokenizer.model_path.read_bytes())
-        # The class's name: Megatron's Llama2Tokenizer / GPTSentencePieceTokenizer are SentencePiece models too.
-        return {"type": type(tokenizer).__name__, "file": TOKENIZER_FILE, "eod": tokenizer.eod}
-    if isinstance(tokenizer, NullTokenizer):
-        return {"type": "NullTokenizer", "vocab_size": tokenizer.vocab_size, "eod": tokenizer.eod}
-    return None
+# The checkpoint's own files: a tokenizer file of one of these names would overwrite them.
+_RESERVED = {MANIFEST_NAME, METADATA_NAME}
+
+
+def _save_tokenizer(tokenizer: Optional[Tokenizer], directory: Path) -> dict[str, bytes]:
+    """Write every file of ``tokenizer.files()`` into the checkpoint directory; returns them."""
+    files = tokenizer.files() if tokenizer is not None else {}
+    for name, data in files.items():
+        if name in _RESERVED or name.endswith(".distcp") or Path(name).name != name or name.startswith("."):
+            raise CheckpointError(f"tokenizer file name {name!r} cannot be stored in a checkpoint directory")
+        ckpt_dir.write_file(directory / name, data)
+    return files
+
+
+def _tokenizer_entry(tokenizer: Optional[Tokenizer], files: dict[str, bytes]) -> Optional[dict]:
+    """The manifest's description of the tokenizer: enough to compare it (fingerprint) and to rebuild it from the
+    stored files (``file`` when there is one: the model path ``build_tokenizer`` takes, as tools/generate.py reads)."""
+    if tokenizer is None:
+        return None
+    entry = {"type": type(tokenizer).__name__, "vocab_size": tokenizer.vocab_size, "eod": tokenizer.eod,
+             "fingerprint": tokenizer.fingerprint(), "files": sorted(files)}
+    if len(files) == 1:
+        entry["file"] = next(iter(files))
+    return entry

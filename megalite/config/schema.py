@@ -320,7 +320,8 @@ class TrainingConfig:
         None, "Stop cleanly (after a checkpoint, with --save) once training has run this many minutes.")
     no_check_for_nan_in_loss_and_grad: bool = option(
         False, "Do not stop on a NaN/Inf loss or gradient (by default training stops naming the iteration and "
-               "ranks; with --fp16 such a step is skipped instead).")
+               "ranks; with --fp16 such a step is skipped instead, until 10 in a row overflow at the lowest loss "
+               "scale).")
     deepspeed_config: Optional[str] = option(
         None, "A DeepSpeed JSON config, read key by key: what megalite can honour becomes its option, what only "
               "tunes DeepSpeed's speed or memory is ignored, the rest is refused by name; \"auto\" keeps megalite's "
@@ -403,7 +404,13 @@ class CheckpointConfig:
     no_load_rng: bool = option(False, "With --load: do not restore the random-number generators' states.")
     finetune: bool = option(
         False, "With --load: load the model weights only and start at iteration 0 (fresh optimizer, data position "
-               "and random state).")
+               "and random state), into this run's model even where its options differ from the checkpoint's.")
+    use_checkpoint_args: bool = option(
+        False, "With --load: take every model option from the checkpoint (and, with --data-path, its tokenizer) "
+               "instead of the command line; without it a resume with other model options or tokenizer is refused.")
+    async_save: bool = option(
+        False, "With --save: write checkpoints in the background while training goes on (torch.distributed."
+               "checkpoint.async_save); each is renamed into place and pointed to once every rank has written it.")
     ckpt_format: str = option(
         "torch_dist", "Megatron's checkpoint format: megalite writes torch.distributed.checkpoint shards with a JSON "
                       "manifest, which is torch_dist's kind; other formats are refused.", accepted_only=True)

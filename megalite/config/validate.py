@@ -302,6 +302,8 @@ def _check_checkpoint(cfg: MegaliteConfig) -> None:
     _require(c.ckpt_format == "torch_dist",
              f"{FLAG.ckpt_format} {c.ckpt_format} is not supported: megalite writes torch.distributed.checkpoint "
              f"shards with a manifest (Megatron's torch_dist kind); use {FLAG.ckpt_format} torch_dist or leave it out")
+    _require(not c.use_checkpoint_args or c.load is not None, f"{FLAG.use_checkpoint_args} needs {FLAG.load}")
+    _require(not c.async_save or c.save is not None, f"{FLAG.async_save} needs {FLAG.save}")
 
 
 def _check_kernels(cfg: MegaliteConfig) -> None:

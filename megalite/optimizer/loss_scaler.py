@@ -5,19 +5,39 @@ divided by it before the step. When any rank sees an inf/nan gradient, every ran
 overflow flag is all-reduced before anyone decides). Dynamic rule: after ``hysteresis`` overflowing steps the scale
 is multiplied by ``backoff`` (never below ``min_scale``); after ``window`` clean steps in a row it is multiplied by
 ``growth``.
+
+Giving up: a step that overflows at a scale that cannot go lower (``min_scale``, or a constant scale) is one the
+scaler cannot fix. After ``GIVE_UP_AFTER`` (10) such steps in a row, ``gave_up`` turns True and the trainer stops with
+one line, as DeepSpeed does at its minimum scale (where it stops at the first): a loss that stays NaN would otherwise
+skip every step forever. Ten, not one, so that a few bad batches at the minimum scale are skipped as before; any step
+that does not overflow starts the count again. The count is not saved with the scaler's state.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+GIVE_UP_AFTER = 10   # overflowing steps in a row at the lowest scale
+
+
+class _GivesUp:
+    """The count of overflowing steps in a row at a scale that cannot go lower."""
+    overflows_at_minimum = 0
+
+    def _count(self, found_inf: bool, at_minimum: bool) -> None:
+        self.overflows_at_minimum = self.overflows_at_minimum + 1 if found_inf and at_minimum else 0
+
+    @property
+    def gave_up(self) -> bool:
+        return self.overflows_at_minimum >= GIVE_UP_AFTER
+
 
 @dataclass
-class ConstantLossScaler:
+class ConstantLossScaler(_GivesUp):
     scale: float
 
     def update(self, found_inf: bool) -> None:
-        pass
+        self._count(found_inf, at_minimum=True)
 
     def state_dict(self) -> dict:
         return {"scale": self.scale}
@@ -27,7 +47,7 @@ class ConstantLossScaler:
 
 
 @dataclass
-class DynamicLossScaler:
+class DynamicLossScaler(_GivesUp):
     scale: float
     min_scale: float = 1.0
     window: int = 1000
@@ -40,6 +60,7 @@ class DynamicLossScaler:
         self._hysteresis_left = self.hysteresis
 
     def update(self, found_inf: bool) -> None:
+        self._count(found_inf, at_minimum=self.scale <= self.min_scale)
         if found_inf:
             self._clean_steps = 0
             self._hysteresis_left -= 1

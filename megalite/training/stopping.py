@@ -1,5 +1,5 @@
 """Stopping a run on purpose: a scheduler's SIGTERM, an iteration budget, a time budget; and refusing to go on
-after a NaN.
+after a NaN, or (fp16) after steps that keep overflowing at the lowest loss scale.
 
 Every rank must take the same decision at the same iteration, or the ones that stop leave the others waiting in a
 collective: a SIGTERM may reach only some ranks, and clocks differ. So each rank contributes its own wish and one
@@ -75,3 +75,14 @@ def check_finite(iteration: int, loss: float, grad_norm: Optional[float], local_
     raise TrainingError(f"iteration {iteration}: {what} is {loss if what == 'loss' else grad_norm} "
                         f"(non-finite loss or gradients on rank(s) {ranks or 'unknown'}); stopping "
                         f"(--no-check-for-nan-in-loss-and-grad to go on)")
+
+
+def check_loss_scale(iteration: int, scaler) -> None:
+    """Raise TrainingError once the fp16 loss scaler gave up (see megalite.optimizer.loss_scaler): every rank
+    decides alike, the overflow flag being agreed over all ranks before the scaler counts it."""
+    if not scaler.gave_up:
+        return
+    where = "--loss-scale" if not hasattr(scaler, "min_scale") else "--min-loss-scale"
+    raise TrainingError(f"iteration {iteration}: {scaler.overflows_at_minimum} steps in a row overflowed (inf/nan "
+                        f"gradients) at the lowest loss scale {scaler.scale:g} ({where}); stopping: fp16 cannot go on "
+                        f"from here (try --bf16 or a lower --lr)")

@@ -38,7 +38,7 @@ from megalite.training.housekeeping import MemoryHousekeeping
 from megalite.training.metrics import MetricsLogger
 from megalite.training.profiling import StepProfiler
 from megalite.training.step_times import StepTimeRecorder
-from megalite.training.stopping import StopRequests, check_finite
+from megalite.training.stopping import StopRequests, check_finite, check_loss_scale
 from megalite.training.timers import Timers, peak_memory_gib, peak_tflops
 
 
@@ -162,6 +162,7 @@ class Trainer:
         self.logger = MetricsLogger(cfg.logging, is_logging_rank, self.train_iters, cfg)
         # The iteration the latest saved (or loaded) checkpoint holds, so the end of training does not save it again.
         self._checkpointed_iteration = self.load_checkpoint() if cfg.checkpoint.load else None
+        self._pending_save: checkpoint.PendingSave | None = None   # an --async-save still being written
         self.stop_requests = StopRequests(cfg.training, device)
         self.timers = Timers(cfg.logging.timing_log_level, device)
         self.memory = MemoryHousekeeping(cfg.training, device)
@@ -310,6 +311,8 @@ class Trainer:
         t = self.cfg.training
         if not t.fp16 and not t.no_check_for_nan_in_loss_and_grad:   # fp16 skips such steps instead
             check_finite(iteration, record["loss"], step["grad_norm"], local_bad, self.device)
+        elif t.fp16 and not t.no_check_for_nan_in_loss_and_grad:   # ... until they overflow at the lowest scale
+            check_loss_scale(iteration, self.optimizer.scaler)
         if self.pp > 1:
             bubble = [float(stage[1]) for stage in per_stage]
             record["pipeline_bubble"] = sum(bubble) / len(bubble)   # idle / compute time, mean over stages
@@ -334,14 +337,28 @@ class Trainer:
         return float(_gather_over_pipeline(total / tokens)[-1])
 
     def save_checkpoint(self, directory: str):
-        """Save model, optimizer, data position and RNG states into ``directory`` (collective; megalite.checkpoint)."""
+        """Save model, optimizer, data position and RNG states into ``directory`` (collective; megalite.checkpoint).
+        With --async-save the tensors are copied and written in the background: :meth:`finish_save` completes it
+        (the loop calls it every iteration and at the end); one save at a time. Returns the directory once saved."""
+        self.finish_save()
         self.engine.finish_param_sync()   # the distributed optimizer's parameter gathers must have landed
-        path = checkpoint.save_checkpoint(
+        pending = checkpoint.start_save(
             directory, cfg=self.cfg, iteration=self.state.iteration, consumed_samples=self.state.consumed_samples,
             parameters=list(self.canonical_named_parameters()), optimizer=self.optimizer, rng=self.rng,
-            tokenizer=self.data.tokenizer, device=self.device)
+            tokenizer=self.data.tokenizer, device=self.device, asynchronous=self.cfg.checkpoint.async_save)
         self._checkpointed_iteration = self.state.iteration
-        self.logger.print(f"saved checkpoint at iteration {self.state.iteration} to {path}")
+        self._pending_save = pending
+        return self.finish_save(wait=not self.cfg.checkpoint.async_save)
+
+    def finish_save(self, wait: bool = True):
+        """Complete the save in flight, if any, once every rank has written it (``wait``: block until then); then
+        it is renamed into place and pointed to. Returns its directory, or None if none completed (collective)."""
+        pending = self._pending_save
+        if pending is None or not (wait or pending.ready()):
+            return None
+        self._pending_save = None
+        path = pending.finish()
+        self.logger.print(f"saved checkpoint at iteration {pending.iteration} to {path}")
         return path
 
     def load_checkpoint(self) -> int | None:
@@ -351,7 +368,8 @@ class Trainer:
         self.logger.print(f"megalite: loading checkpoint from {c.load} ...")
         start = time.perf_counter()
         result = checkpoint.load_checkpoint(self.cfg, parameters=list(self.canonical_named_parameters()),
-                                            optimizer=self.optimizer, rng=self.rng, device=self.device)
+                                            optimizer=self.optimizer, rng=self.rng, device=self.device,
+                                            tokenizer=self.data.tokenizer)
         if result is None:
             self.logger.print(f"no checkpoint in {c.load} yet: starting from scratch")
             return None
@@ -376,6 +394,7 @@ class Trainer:
             record = self.train_step()
             profiler.after_step(self.state.iteration)
             self.memory.collect_if_due(record["iteration"])
+            self.finish_save(wait=False)   # a background save whose every rank has written it goes into place
             window_iters += 1
             window_samples += record.get("global_batch_size", self.cfg.training.global_batch_size)
             if record["iteration"] % interval == 0 or record["iteration"] == self.train_iters:
@@ -411,6 +430,7 @@ class Trainer:
         profiler.close()
         if self.cfg.checkpoint.save and self._checkpointed_iteration != self.state.iteration:
             self.save_checkpoint(self.cfg.checkpoint.save)
+        self.finish_save()   # the end of training waits for a save still in flight
         self.engine.finish_param_sync()
         self.memory.finish()
         self.logger.close()

@@ -2,7 +2,9 @@
 
 The child process trains with --save-interval 2 and is held, by a test-only patch, inside its second save: after
 every rank's tensors and the manifest are written into the temporary directory, just before the rename that
-publishes it. That is the latest a crash can strike and still have to leave the old checkpoint in charge.
+publishes it. That is the latest a crash can strike and still have to leave the old checkpoint in charge. With
+--async-save the child is held inside the background write of its second save, its data file written, while its
+training thread goes on (two more iterations are logged before the kill).
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from pathlib import Path
 
 from megalite import load_pretrained
 from megalite.checkpoint import open_checkpoint
+
+from ..helpers import read_metrics
 
 import pretrain_gpt
 
@@ -41,14 +45,30 @@ sys.exit(pretrain_gpt.main(sys.argv[2:]))
 """
 
 
-def test_kill_9_during_save_keeps_the_previous_checkpoint(tmp_path):
-    ckpt, marker = tmp_path / "ckpt", tmp_path / "held"
-    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
-    child = subprocess.Popen([sys.executable, "-c", CHILD, str(marker), *TINY, "--save", str(ckpt)], cwd=ROOT,
-                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+ASYNC_CHILD = """
+import sys, time
+from pathlib import Path
+import megalite.checkpoint.storage as storage
+import pretrain_gpt
+
+digest_ranges, marker = storage.digest_ranges, Path(sys.argv[1])
+
+def held_digest_ranges(path, ranges, algorithm):
+    if path.parent.name == "iter_0000004.tmp":
+        marker.write_text(str(path.parent))
+        time.sleep(120)     # killed here, in the writing thread
+    return digest_ranges(path, ranges, algorithm)
+
+storage.digest_ranges = held_digest_ranges
+sys.exit(pretrain_gpt.main(sys.argv[2:]))
+"""
+
+
+def _kill_when_held(child: subprocess.Popen, held) -> None:
+    """SIGKILL the child once ``held()`` is true."""
     try:
         deadline = time.monotonic() + 120
-        while not marker.exists():
+        while not held():
             assert child.poll() is None, child.stderr.read()[-2000:]
             assert time.monotonic() < deadline, "the child never reached its second save"
             time.sleep(0.1)
@@ -57,6 +77,17 @@ def test_kill_9_during_save_keeps_the_previous_checkpoint(tmp_path):
     finally:
         if child.poll() is None:
             child.kill()
+
+
+def _start(program: str, marker: Path, *args: str) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
+    return subprocess.Popen([sys.executable, "-c", program, str(marker), *args], cwd=ROOT, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def test_kill_9_during_save_keeps_the_previous_checkpoint(tmp_path):
+    ckpt, marker = tmp_path / "ckpt", tmp_path / "held"
+    _kill_when_held(_start(CHILD, marker, *TINY, "--save", str(ckpt)), marker.exists)
     half_written = Path(marker.read_text())
     assert half_written.name == "iter_0000004.tmp" and (half_written / "manifest.json").is_file()
     assert open_checkpoint(ckpt).manifest.iteration == 2          # the pointer still names the previous one
@@ -64,3 +95,19 @@ def test_kill_9_during_save_keeps_the_previous_checkpoint(tmp_path):
     # Resuming finishes the run; the next save clears the leftover.
     assert pretrain_gpt.main([*TINY, "--save", str(ckpt), "--load", str(ckpt)]) == 0
     assert open_checkpoint(ckpt).manifest.iteration == 4 and not half_written.exists()
+
+
+def test_kill_9_during_an_async_save_keeps_the_previous_checkpoint(tmp_path):
+    ckpt, marker, metrics = tmp_path / "ckpt", tmp_path / "held", tmp_path / "metrics.jsonl"
+
+    def held_while_training_went_on() -> bool:
+        return marker.exists() and metrics.exists() and any(r["iteration"] >= 6 for r in read_metrics(metrics))
+
+    argv = [*TINY, "--train-iters", "6", "--global-batch-size", "2", "--save", str(ckpt), "--async-save",
+            "--metrics-file", str(metrics)]
+    _kill_when_held(_start(ASYNC_CHILD, marker, *argv), held_while_training_went_on)
+    half_written = Path(marker.read_text())
+    assert half_written.name == "iter_0000004.tmp" and list(half_written.glob("*.distcp"))
+    assert not (half_written / "manifest.json").exists()
+    assert open_checkpoint(ckpt).manifest.iteration == 2          # the pointer still names the previous one
+    assert load_pretrained(ckpt).iteration == 2                   # and it loads

@@ -3,8 +3,6 @@ the one-line errors of a partial or corrupt checkpoint (from pretrain_gpt.py, be
 
 from __future__ import annotations
 
-import pickle
-
 import pytest
 import torch
 
@@ -16,7 +14,7 @@ from megalite.checkpoint.storage import read_metadata
 from megalite.training import Trainer
 
 from ..helpers import losses, read_metrics, single_layout, tiny_config, with_checkpoint
-from .helpers import CPU, train_and_save
+from .helpers import CPU, rewrite_index, train_and_save, without_digests
 
 TINY = ["model=gpt_tiny", "data=mock", "--eval-interval", "0", "--train-iters", "4", "--lr", "1e-3"]
 
@@ -77,7 +75,15 @@ def test_pretrain_gpt_save_then_resume_where_load_is_save(tmp_path, capsys):
 
 
 def test_checkpoint_that_does_not_fit_the_model(cfg, saved, capsys):
+    """Another model is refused before its shapes are compared (tests/checkpoint/test_identity.py); with --finetune,
+    which loads the weights into another model, the shapes must still fit."""
     assert pretrain_gpt.main([*TINY, "--hidden-size", "128", "--vocab-size", "301", "--load", str(saved)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("megalite: error:") and "\n" not in err
+    assert "trained with another model: --hidden-size 64 (checkpoint) vs 128, --ffn-hidden-size 256 (checkpoint) vs " \
+           "512 (--use-checkpoint-args takes the model from the checkpoint" in err
+    assert pretrain_gpt.main([*TINY, "--hidden-size", "128", "--vocab-size", "301", "--load", str(saved),
+                              "--finetune"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("megalite: error:") and "\n" not in err
     assert "does not fit this model: embedding.word.weight is [301, 64] there, [301, 128] here" in err
@@ -89,7 +95,7 @@ def _remove_optimizer_piece(directory):
     key = next(k for k in metadata.state_dict_metadata if k.startswith("optim/layers.1.mlp.linear_fc1.weight/")
                and k.endswith("/exp_avg"))
     del metadata.state_dict_metadata[key]
-    (directory / ".metadata").write_bytes(pickle.dumps(metadata))
+    rewrite_index(directory, metadata)   # an incomplete checkpoint, not a damaged one
 
 
 @pytest.mark.parametrize("damage, message", [
@@ -116,12 +122,18 @@ def test_missing_optimizer_piece_is_fine_without_optimizer(cfg, saved):
         check_checkpoint(with_checkpoint(cfg, load=str(saved)), 1)
 
 
-def test_corrupt_tensor_bytes_are_reported_by_name(saved):
+@pytest.mark.parametrize("digests", [True, False])
+def test_corrupt_tensor_bytes_are_reported_by_name(saved, digests):
+    """Zeroed bytes (same length: only the contents tell): the digest names the item; a checkpoint saved without
+    digests fails reading it, named too."""
+    if not digests:
+        without_digests(saved / "iter_0000003")
     data = saved / "iter_0000003" / "__0_0.distcp"
     raw = bytearray(data.read_bytes())
-    raw[:4000] = bytes(4000)      # same length: only reading the tensors finds it
+    raw[:4000] = bytes(4000)
     data.write_bytes(bytes(raw))
-    with pytest.raises(CheckpointError, match=r"reading model/.* failed") as error:
+    message = r"__0_0.distcp: checksum mismatch in model/" if digests else r"reading model/.* failed"
+    with pytest.raises(CheckpointError, match=message) as error:
         load_pretrained(saved)
     assert "\n" not in str(error.value)
 
@@ -130,6 +142,8 @@ def test_corrupt_tensor_bytes_are_reported_by_name(saved):
     (["--save-interval", "2"], "--save-interval needs --save"),
     (["--save", "x", "--save-interval", "0"], "--save-interval must be >= 1, got 0"),
     (["--finetune"], "--finetune needs --load"),
+    (["--use-checkpoint-args"], "--use-checkpoint-args needs --load"),
+    (["--async-save"], "--async-save needs --save"),
     (["checkpoint.load=/no/such/dir"], "--load /no/such/dir: no such directory"),
 ])
 def test_checkpoint_options_fail_with_one_line(argv, message, capsys):

@@ -4,6 +4,9 @@
   interleaved PP=2 x DP=2 with ZeRO-2): 10 iterations straight and 5 + save + resume for 5 give the same losses, bit
   for bit on CPU fp32 (asserted <= 1e-7 relative): weights, Adam states, data position and RNG states all come back.
 - Import (4 ranks): a Hugging Face GPT-2 imported in one process fine-tunes at TP=2 x PP=2 like in one process.
+- Async save (4 ranks, TP=2 x DP=2 ZeRO-1): held on one rank, it is not put in place while that rank writes, though
+  the others have finished and training went on; then it equals a synchronous save bit for bit. A byte flipped in
+  one item is found by the one rank whose share of the verification holds it, and every rank stops with its line.
 - Reshard (8 ranks): a TP=2 x PP=2 x DP=2 run with the distributed optimizer saves after 4 of 6 iterations; resuming
   that checkpoint at TP=1 x PP=1 x DP=1 (rank 0 alone), TP=4 x DP=2 and PP=4 x DP=2 (plain optimizer) gives
   iterations 5 and 6 equal to the uninterrupted run's within 1e-5 relative (dropout off: RNG states only come back at
@@ -14,10 +17,16 @@
 from __future__ import annotations
 
 import dataclasses
+import os
+import threading
 
 import pytest
+import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 
+from megalite.checkpoint import CheckpointError, open_checkpoint
+from megalite.checkpoint.directory import POINTER_NAME
 from megalite.config import ModelConfig, ParallelConfig
 from megalite.training import Trainer
 
@@ -139,3 +148,51 @@ def test_reshard_llama_style_model(directory):
     print(f"Llama-style model saved at TP=2 x PP=2 (ZeRO-1), resumed at PP=4: iteration 4 rel loss diff "
           f"{difference:.1e}")
     assert difference < RESHARD
+
+
+def test_async_save_waits_for_every_rank_and_a_damaged_item_stops_every_rank(directory, monkeypatch):
+    cfg = tiny_config(tp=2, optimizer={"use_distributed_optimizer": True}, data={"eval_interval": 0},
+                      training={"train_iters": 6})
+    with layout(2, 1):
+        trainer = Trainer(cfg, CPU)
+        for _ in range(2):
+            trainer.train_step()
+        trainer.save_checkpoint(f"{directory}/sync")
+    release, write_data = threading.Event(), dcp.FileSystemWriter.write_data
+
+    def held_on_rank_1(self, plan, planner):
+        assert dist.get_rank() != 1 or release.wait(timeout=60)
+        return write_data(self, plan, planner)
+
+    monkeypatch.setattr(dcp.FileSystemWriter, "write_data", held_on_rank_1)
+    with layout(2, 1):
+        trainer = Trainer(with_checkpoint(cfg, async_save=True), CPU)
+        for _ in range(2):
+            trainer.train_step()
+        trainer.save_checkpoint(f"{directory}/async")
+        trainer.train_step()   # training goes on while the ranks write
+        assert trainer.finish_save(wait=False) is None   # collective: rank 1 has not written yet
+        assert not os.path.exists(f"{directory}/async/{POINTER_NAME}")
+        release.set()
+        assert trainer.finish_save().name == "iter_0000002"
+    if dist.get_rank() == 0:
+        sync, asynchronous = open_checkpoint(f"{directory}/sync"), open_checkpoint(f"{directory}/async")
+        keys = sorted(sync.metadata.state_dict_metadata)
+        assert keys == sorted(asynchronous.metadata.state_dict_metadata)
+        assert all(torch.equal(a, b) for a, b in zip(sync.read(keys).values(), asynchronous.read(keys).values()))
+        # Damage the last item of the last data file: the last rank's share of the verification.
+        item, info = max(asynchronous.metadata.storage_data.items(), key=lambda kv: (kv[1].relative_path,
+                                                                                     kv[1].offset))
+        path = asynchronous.path / info.relative_path
+        data = bytearray(path.read_bytes())
+        data[info.offset + info.length - 4] ^= 0xFF
+        path.write_bytes(bytes(data))
+        damaged = [f"{path}: checksum mismatch in {item.fqn}"]
+    else:
+        damaged = [None]
+    dist.broadcast_object_list(damaged, src=0)
+    with layout(2, 1), pytest.raises(CheckpointError) as error:
+        Trainer(with_checkpoint(cfg, load=f"{directory}/async"), CPU)
+    messages = [None] * dist.get_world_size()
+    dist.all_gather_object(messages, str(error.value))
+    assert messages == damaged * dist.get_world_size(), messages

@@ -1,0 +1,121 @@
+"""Same model or a clear refusal: a resumed run must compute what the checkpoint's weights were trained to compute.
+
+Every model option (a ``ModelConfig`` field) counts except those that only shape training: dropout, initialization,
+the sequence length, activation recompute and the vocabulary's padding multiple (padded rows are masked out). Options
+compare by the value they resolve to: an unset ``--ffn-hidden-size`` is 4 x hidden, grouped-query attention with as
+many groups as heads is plain attention, ``--rotary-base`` counts only with rotary positions and
+``--max-position-embeddings`` only with a learned position table. A model option added later counts by default.
+The tokenizer compares by :meth:`Tokenizer.fingerprint` (type, vocabulary, EOD and the bytes of its files), which
+the manifest records (a checkpoint from before that has its tokenizer rebuilt from the stored file); when the
+checkpoint has no tokenizer (mock data, imported weights) or the run has none, there is nothing to compare.
+
+A difference stops every rank with one line listing each one with both values. ``--use-checkpoint-args`` (Megatron's
+flag) takes every model option from the checkpoint instead, and, when the data comes from ``--data-path``, its
+tokenizer too (rebuilt from the files stored beside the weights); ``--finetune`` loads the weights into this run's
+model anyway (their shapes must fit) and notes what differs. Layout and optimizer options may differ: resharding is
+the point.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+from megalite.checkpoint.contents import Checkpoint, open_load_checkpoint
+from megalite.checkpoint.errors import CheckpointError
+from megalite.config import MegaliteConfig, ModelConfig
+from megalite.config.flags import FLAG
+from megalite.data.errors import DataError
+from megalite.data.tokenizer import Tokenizer, build_tokenizer
+
+# Model options that change how a model trains, not the function its weights compute.
+TRAINING_ONLY = frozenset({"hidden_dropout", "attention_dropout", "init_method_std", "seq_length",
+                           "recompute_granularity", "recompute_method", "recompute_num_layers",
+                           "make_vocab_size_divisible_by"})
+
+
+def model_identity(model: ModelConfig) -> dict[str, object]:
+    """Option name -> the value it resolves to, for every option that decides what the model computes."""
+    identity = {f.name: getattr(model, f.name) for f in dataclasses.fields(ModelConfig) if f.name not in TRAINING_ONLY}
+    identity.update(ffn_hidden_size=model.ffn_size, num_query_groups=model.query_groups)
+    del identity["group_query_attention"]   # folded into num_query_groups
+    if model.position_embedding_type == "rope":
+        del identity["max_position_embeddings"]
+    else:
+        identity["max_position_embeddings"] = model.max_positions
+        del identity["rotary_base"]
+    return identity
+
+
+def saved_tokenizer_source(checkpoint: Checkpoint) -> tuple[str, Optional[str]]:
+    """(tokenizer type, the model path ``build_tokenizer`` takes) of the checkpoint's tokenizer: its one stored file,
+    or the checkpoint directory when it stored several, or None when it stored none (its files checked first)."""
+    info = checkpoint.manifest.tokenizer
+    files = info.get("files", [info["file"]] if "file" in info else [])
+    checkpoint.verify_files(files)
+    if len(files) > 1:
+        return info["type"], str(checkpoint.path)
+    return info["type"], str(checkpoint.path / files[0]) if files else None
+
+
+def _saved_fingerprint(checkpoint: Checkpoint) -> Optional[str]:
+    """The recorded fingerprint, or (a checkpoint from before they were recorded) that of the rebuilt tokenizer."""
+    info = checkpoint.manifest.tokenizer
+    if "fingerprint" in info:
+        return info["fingerprint"]
+    vocab_size = info.get("vocab_size", checkpoint.manifest.config.get("model", {}).get("vocab_size"))
+    try:
+        return build_tokenizer(*saved_tokenizer_source(checkpoint), vocab_size).fingerprint()
+    except DataError:
+        return None
+
+
+def differences(checkpoint: Checkpoint, model: ModelConfig, tokenizer: Optional[Tokenizer]) -> list[str]:
+    """Each way this run's model (and tokenizer) differs from the checkpoint's, with both values."""
+    saved, mine = model_identity(checkpoint.manifest.megalite_config().model), model_identity(model)
+    found = [f"{getattr(FLAG, name)} {saved[name]} (checkpoint) vs {value}" for name, value in mine.items()
+             if name in saved and saved[name] != value]
+    if checkpoint.manifest.tokenizer is not None and tokenizer is not None:
+        fingerprint, ours = _saved_fingerprint(checkpoint), tokenizer.fingerprint()
+        if fingerprint is not None and fingerprint != ours:
+            found.append(f"tokenizer {checkpoint.manifest.tokenizer['type']} {fingerprint[:12]} (checkpoint) vs "
+                         f"{type(tokenizer).__name__} {ours[:12]}")
+    return found
+
+
+def check_same_model(checkpoint: Checkpoint, model: ModelConfig, tokenizer: Optional[Tokenizer],
+                     finetune: bool) -> list[str]:
+    """Raise CheckpointError listing every difference (see the module docstring); with ``finetune``, return a note
+    of them instead."""
+    found = differences(checkpoint, model, tokenizer)
+    if not found:
+        return []
+    if finetune:
+        return [f"{FLAG.finetune}: this model differs from the checkpoint's: {', '.join(found)}"]
+    raise CheckpointError(f"{checkpoint.path}: trained with another model: {', '.join(found)} "
+                          f"({FLAG.use_checkpoint_args} takes the model from the checkpoint, {FLAG.finetune} loads its "
+                          f"weights into this one)")
+
+
+def use_checkpoint_args(cfg: MegaliteConfig) -> tuple[MegaliteConfig, list[str]]:
+    """With ``--use-checkpoint-args``: ``cfg`` with every model option taken from the ``--load`` checkpoint (and,
+    with ``--data-path``, its tokenizer), and a note of what that changed. No checkpoint yet (``--load`` equal to
+    ``--save``, first run): ``cfg`` as given. Reads the manifest only; no process group needed."""
+    c = cfg.checkpoint
+    if not c.use_checkpoint_args or c.load is None:
+        return cfg, []
+    checkpoint = open_load_checkpoint(c)
+    if checkpoint is None:
+        return cfg, [f"{FLAG.use_checkpoint_args}: no checkpoint yet, the model options of the command line"]
+    saved = checkpoint.manifest.megalite_config().model
+    taken = {f.name: getattr(saved, f.name) for f in dataclasses.fields(ModelConfig) if f.name not in TRAINING_ONLY}
+    changed = [f"{getattr(FLAG, name)} {value}" for name, value in taken.items() if getattr(cfg.model, name) != value]
+    data = cfg.data
+    if checkpoint.manifest.tokenizer is not None and data.data_path is not None and not data.mock_data:
+        kind, source = saved_tokenizer_source(checkpoint)
+        if (kind, source) != (data.tokenizer_type, data.tokenizer_model):
+            data = dataclasses.replace(data, tokenizer_type=kind, tokenizer_model=source)
+            changed.append(f"{FLAG.tokenizer_type} {kind} {FLAG.tokenizer_model} {source}")
+    note = (f"{FLAG.use_checkpoint_args}: the model options of {checkpoint.path}" +
+            (f" ({', '.join(changed)})" if changed else " (the same as the command line's)"))
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **taken), data=data), [note]

@@ -289,7 +289,7 @@ def first_message(message: Optional[str], device: torch.device) -> Optional[str]
     :func:`any_rank` says there is one, over the same two groups."""
     if not any_rank(message is not None, device):
         return None
-    for info in (get_model_parallel_group(), get_data_parallel_group()):
+    for info in (get_model_parallel_group(), get_data_parallel_group(with_context_parallel=True)):
         if info.size > 1:
             gathered: list[Optional[str]] = [None] * info.size
             dist.all_gather_object(gathered, message, group=info.group)

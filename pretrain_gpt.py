@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import sys
 
-from megalite.checkpoint import check_checkpoint
+from megalite.checkpoint import check_checkpoint, with_checkpoint_tokenizer
 from megalite.config.cli import parse_command_line
 from megalite.config import ConfigError, validate
 from megalite.data import check_data_files
@@ -24,7 +24,7 @@ from megalite.training.stopping import TrainingError
 def main(argv: list[str]) -> int:
     try:
         command_line = parse_command_line(argv, world_size_from_env())   # the world size: --deepspeed-config's DP
-        cfg = command_line.config
+        cfg = with_checkpoint_tokenizer(command_line.config)   # --data-path alone: the --load checkpoint's tokenizer
         # Every rank checks the options on its own before any collective, so a bad value cannot hang the job.
         validate(cfg, world_size_from_env())
         check_data_files(cfg)   # data files too: a corrupt file stops every rank here, not in a collective

@@ -3,8 +3,11 @@
     python tools/preprocess_data.py --input docs.jsonl --output-prefix data/mine \\
         --tokenizer-model tokenizers/mine.model --workers 4 --append-eod
 
-Then train with ``--data-path data/mine --tokenizer-model tokenizers/mine.model``. Inputs and documents are as for
-train_tokenizer.py (megalite/data/documents.py); the file format is in megalite/data/indexed_dataset.py.
+Then train with ``--data-path data/mine --tokenizer-model tokenizers/mine.model``. A Hugging Face tokenizer:
+``--tokenizer-type HuggingFaceTokenizer --tokenizer-model DIR`` (DIR holds tokenizer.json, e.g. a model's folder);
+GPT-2's BPE: ``--tokenizer-type GPT2BPETokenizer --vocab-file vocab.json --merge-file merges.txt``. Inputs and
+documents are as for train_tokenizer.py (megalite/data/documents.py); the file format is in
+megalite/data/indexed_dataset.py.
 """
 
 from __future__ import annotations
@@ -28,7 +31,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
                         help="Text files, directories (read recursively) or .jsonl files.")
     parser.add_argument("--output-prefix", required=True, help="Write PREFIX.bin and PREFIX.idx.")
     parser.add_argument("--tokenizer-type", default="SentencePieceTokenizer", choices=TOKENIZER_TYPES)
-    parser.add_argument("--tokenizer-model", help="SentencePiece model file.")
+    parser.add_argument("--tokenizer-model", help="SentencePiece model file, or a Hugging Face tokenizer's directory.")
+    parser.add_argument("--vocab-file", help="GPT2BPETokenizer: vocab.json.")
+    parser.add_argument("--merge-file", help="GPT2BPETokenizer: merges.txt.")
     parser.add_argument("--vocab-size", type=int, default=0, help="Vocabulary of the NullTokenizer.")
     parser.add_argument("--json-keys", nargs="+", default=["text"], metavar="KEY",
                         help="Keys of the JSON-lines records to tokenize, each one document (default text).")
@@ -43,7 +48,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str]) -> int:
     args = parse(argv)
     try:
-        tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_size)
+        tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_size,
+                                    vocab_file=args.vocab_file, merge_file=args.merge_file)
         documents = iter_documents(args.input, args.json_keys, args.whole_files)
         stats = preprocess(documents, tokenizer, args.output_prefix, args.workers, args.append_eod,
                            progress=None if args.quiet else sys.stderr)

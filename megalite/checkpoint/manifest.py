@@ -107,7 +107,7 @@ class Manifest:
     adam_step: Optional[int] = None           # None: no optimizer state in the checkpoint
     loss_scaler: Optional[dict] = None        # fp16 loss-scaler state
     rng_streams: list[str] = dataclasses.field(default_factory=list)   # stored per rank; empty: no RNG state
-    tokenizer: Optional[dict] = None          # {"type", "file" (in the checkpoint dir) or "vocab_size", "eod"}
+    tokenizer: Optional[dict] = None          # {"type", "files" (in the checkpoint dir), "vocab_size", "eod"}
 
     @property
     def has_optimizer(self) -> bool:

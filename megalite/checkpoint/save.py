@@ -8,7 +8,7 @@ Who writes what, so that every piece is stored exactly once:
 - optimizer state (fp32 main parameter, Adam moments) per piece of :class:`MegaliteOptimizer`: with the
   distributed optimizer every DP rank writes the ranges it owns, without it DP rank 0 writes whole parameters;
 - RNG states: every rank, under its (pp, tp, dp) coordinates;
-- the manifest (and a copy of the tokenizer model, which tools/generate.py uses): rank 0, last.
+- the manifest (and a copy of the tokenizer's files, which tools/generate.py uses): rank 0, last.
 """
 
 from __future__ import annotations
@@ -29,13 +29,10 @@ from megalite.checkpoint.manifest import MANIFEST_NAME, Manifest, SavedLayout, T
 from megalite.checkpoint.model_specs import model_parameters
 from megalite.checkpoint.storage import world_size, write_tensors
 from megalite.config import MegaliteConfig, to_dict
-from megalite.data.tokenizer import NullTokenizer, SentencePieceTokenizer, Tokenizer
+from megalite.data.tokenizer import Tokenizer
 from megalite.distributed import full_local_tensor
 from megalite.optimizer import MegaliteOptimizer
 from megalite.tensor_parallel import TensorParallelRNG
-
-TOKENIZER_FILE = "tokenizer.model"
-
 
 @dataclasses.dataclass
 class _Coordinates:
@@ -180,9 +177,11 @@ def _specs(cfg: MegaliteConfig, parameters) -> dict[str, TensorSpec]:
 
 
 def _save_tokenizer(tokenizer: Optional[Tokenizer], directory: Path) -> Optional[dict]:
-    if isinstance(tokenizer, SentencePieceTokenizer):
-        ckpt_dir.write_file(directory / TOKENIZER_FILE, tokenizer.model_path.read_bytes())
-        return {"type": "SentencePieceTokenizer", "file": TOKENIZER_FILE, "eod": tokenizer.eod}
-    if isinstance(tokenizer, NullTokenizer):
-        return {"type": "NullTokenizer", "vocab_size": tokenizer.vocab_size, "eod": tokenizer.eod}
-    return None
+    """Write the tokenizer's files beside the manifest; its manifest entry (megalite.checkpoint.tokenizer reads it)."""
+    if tokenizer is None:
+        return None
+    files = tokenizer.files()
+    for name, contents in files.items():
+        ckpt_dir.write_file(directory / name, contents)
+    return {"type": type(tokenizer).__name__, "files": sorted(files), "vocab_size": tokenizer.vocab_size,
+            "eod": tokenizer.eod}

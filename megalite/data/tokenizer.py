@@ -1,8 +1,21 @@
 """Tokenizers: text <-> token ids, plus the vocabulary size and end-of-document (EOD) id the data layer needs.
 
-``SentencePieceTokenizer`` wraps a SentencePiece model (Megatron's ``--tokenizer-type SentencePieceTokenizer
---tokenizer-model PATH``); ``NullTokenizer`` reads text that already is space-separated token ids (pre-tokenized or
-mock data), with ids below ``vocab_size`` and EOD = ``vocab_size - 1``.
+One class per ``--tokenizer-type`` (Megatron's names), found by name in :data:`TOKENIZERS`:
+
+- ``SentencePieceTokenizer``: a SentencePiece model (``--tokenizer-model FILE``).
+- ``HuggingFaceTokenizer``: a Hugging Face fast tokenizer (``--tokenizer-model DIR`` holding ``tokenizer.json``, and
+  ``tokenizer_config.json`` naming the EOS token, which is the EOD), run offline by the ``tokenizers`` library:
+  the ids of ``transformers.AutoTokenizer.from_pretrained(DIR).encode(text)`` (special tokens such as a BOS added as
+  its post-processor says).
+- ``GPT2BPETokenizer``: GPT-2's byte-level BPE from ``--vocab-file vocab.json --merge-file merges.txt``, run by the
+  ``tokenizers`` library as transformers' GPT2Tokenizer runs it; EOD is ``<|endoftext|>``.
+- ``NullTokenizer``: text that already is space-separated token ids (pre-tokenized or mock data), with ids below
+  ``vocab_size`` and EOD = ``vocab_size - 1``.
+
+A tokenizer is defined by its type and :meth:`Tokenizer.files`: a checkpoint stores both, and
+:func:`tokenizer_from_files` rebuilds it; :meth:`Tokenizer.options_for` are the data options naming such files in a
+directory (a run that trains on with a checkpoint's tokenizer). :meth:`Tokenizer.export_files` are the files that let
+transformers' ``AutoTokenizer`` load it (written beside an exported model).
 
 :func:`train_sentencepiece` trains models for which ``decode(encode(x)) == x`` for any text: identity normalization
 (no NFKC), whitespace kept as it is (runs of spaces may become one piece, so indentation is cheap), the newline a piece
@@ -12,20 +25,39 @@ of its own (training reads lines, so it would never see one otherwise) and byte 
 from __future__ import annotations
 
 import abc
+import dataclasses
 import hashlib
 import io
 import itertools
+import json
 import os
 import re
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
+from typing import Optional
 
 import sentencepiece as spm
 
+from megalite.config import TOKENIZER_TYPES, DataConfig
 from megalite.data.atomic import write_atomically
 from megalite.data.errors import DataError
 
-TOKENIZER_TYPES = ("SentencePieceTokenizer", "NullTokenizer")
+
+@dataclasses.dataclass(frozen=True)
+class TokenizerOptions:
+    """What the command line says about a tokenizer (Megatron's flags); each type reads the options it needs."""
+    model: Optional[str] = None        # --tokenizer-model
+    vocab_file: Optional[str] = None   # --vocab-file
+    merge_file: Optional[str] = None   # --merge-file
+    vocab_size: int = 0                # the model's vocabulary (NullTokenizer's size)
+
+    @classmethod
+    def of(cls, data: DataConfig, vocab_size: int) -> TokenizerOptions:
+        return cls(data.tokenizer_model, data.vocab_file, data.merge_file, vocab_size)
+
+    def data_options(self) -> dict[str, Optional[str]]:
+        """These options as DataConfig fields."""
+        return {"tokenizer_model": self.model, "vocab_file": self.vocab_file, "merge_file": self.merge_file}
 
 
 class Tokenizer(abc.ABC):
@@ -49,9 +81,29 @@ class Tokenizer(abc.ABC):
     def decode(self, ids: Sequence[int]) -> str:
         """Text of ``ids``."""
 
+    @classmethod
+    @abc.abstractmethod
+    def from_options(cls, options: TokenizerOptions) -> Tokenizer:
+        """The tokenizer the command-line options name (files are read here)."""
+
+    @classmethod
+    @abc.abstractmethod
+    def from_files(cls, files: dict[str, bytes], vocab_size: int) -> Tokenizer:
+        """The tokenizer whose :meth:`files` are ``files`` and whose vocabulary size was ``vocab_size``."""
+
     def files(self) -> dict[str, bytes]:
         """The files that define this tokenizer (file name -> contents): what a checkpoint stores beside the weights
         and an export writes next to them. Empty for a tokenizer defined by its parameters alone."""
+        return {}
+
+    @classmethod
+    @abc.abstractmethod
+    def options_for(cls, directory: Path) -> TokenizerOptions:
+        """The options of this tokenizer type naming the files of :meth:`files` written into ``directory``."""
+
+    def export_files(self) -> dict[str, bytes]:
+        """Files with which ``transformers.AutoTokenizer.from_pretrained`` loads this tokenizer, giving the same ids;
+        empty when it cannot."""
         return {}
 
     def fingerprint(self) -> str:
@@ -68,6 +120,15 @@ def _sentencepiece_message(error: Exception) -> str:
     """SentencePiece's reason without its source location: 'INTERNAL: src/x.cc(744) [cond] Reason.' -> 'Reason.'"""
     text = " ".join(str(error).split())
     return re.sub(r"^[A-Z_]+: (src/\S+\(\d+\) \[.*?\] ?)?", "", text) or text
+
+
+def _required(files: dict[str, bytes], name: str, kind: str) -> bytes:
+    if name not in files:
+        raise DataError(f"{kind}: no {name} among its files ({', '.join(sorted(files)) or 'none'})")
+    return files[name]
+
+
+SENTENCEPIECE_FILE = "tokenizer.model"
 
 
 class SentencePieceTokenizer(Tokenizer):
@@ -88,6 +149,23 @@ class SentencePieceTokenizer(Tokenizer):
         if self._sp.eos_id() < 0:
             raise DataError(f"{self.model_path}: the model has no end-of-document piece (eos_id -1)")
 
+    @classmethod
+    def from_options(cls, options: TokenizerOptions) -> SentencePieceTokenizer:
+        if options.model is None:
+            raise DataError("SentencePieceTokenizer needs --tokenizer-model")
+        return cls(options.model)
+
+    @classmethod
+    def options_for(cls, directory: Path) -> TokenizerOptions:
+        return TokenizerOptions(model=str(directory / SENTENCEPIECE_FILE))
+
+    @classmethod
+    def from_files(cls, files: dict[str, bytes], vocab_size: int) -> SentencePieceTokenizer:
+        tokenizer = cls.__new__(cls)
+        tokenizer.model_path = Path(SENTENCEPIECE_FILE)
+        tokenizer._load(_required(files, SENTENCEPIECE_FILE, cls.__name__))
+        return tokenizer
+
     # Worker processes of the preprocessor receive the model itself, not a path they might not see.
     def __getstate__(self) -> dict:
         return {"model_path": str(self.model_path), "proto": self._proto}
@@ -101,7 +179,7 @@ class SentencePieceTokenizer(Tokenizer):
         return self._sp.get_piece_size()
 
     def files(self) -> dict[str, bytes]:
-        return {"tokenizer.model": self._proto}
+        return {SENTENCEPIECE_FILE: self._proto}
 
     @property
     def eod(self) -> int:
@@ -143,16 +221,214 @@ class NullTokenizer(Tokenizer):
     def decode(self, ids: Sequence[int]) -> str:
         return " ".join(str(int(i)) for i in ids)
 
+    @classmethod
+    def from_options(cls, options: TokenizerOptions) -> NullTokenizer:
+        return cls(options.vocab_size)
 
-def build_tokenizer(tokenizer_type: str, tokenizer_model: str | None, vocab_size: int) -> Tokenizer:
+    @classmethod
+    def from_files(cls, files: dict[str, bytes], vocab_size: int) -> NullTokenizer:
+        return cls(vocab_size)
+
+    @classmethod
+    def options_for(cls, directory: Path) -> TokenizerOptions:
+        return TokenizerOptions()
+
+
+def _library_tokenizers():
+    try:
+        import tokenizers
+    except ImportError:
+        raise DataError("HuggingFaceTokenizer and GPT2BPETokenizer need the tokenizers package: "
+                        "pip install tokenizers") from None
+    return tokenizers
+
+
+def _read_json(contents: bytes, where: str) -> dict:
+    try:
+        data = json.loads(contents)
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise DataError(f"{where}: not JSON ({error})") from None
+    if not isinstance(data, dict):
+        raise DataError(f"{where}: not a JSON object")
+    return data
+
+
+class _LibraryTokenizer(Tokenizer):
+    """A tokenizer run by the ``tokenizers`` library, defined by its files; pickled as them (preprocessing
+    workers)."""
+
+    def __init__(self, files: dict[str, bytes], where: Optional[str] = None):
+        self._files, self._where = dict(files), where or type(self).__name__
+        self._tokenizer, eod_token = self._build(self._files)
+        self._eod = self._tokenizer.token_to_id(eod_token)
+        if self._eod is None:
+            raise DataError(f"{self._where}: the end-of-document token {eod_token!r} is not in the vocabulary")
+
+    @abc.abstractmethod
+    def _build(self, files: dict[str, bytes]):
+        """The ``tokenizers.Tokenizer`` of the files and the text of its EOD token."""
+
+    @classmethod
+    def from_files(cls, files: dict[str, bytes], vocab_size: int) -> _LibraryTokenizer:
+        return cls(files)
+
+    def __reduce__(self):
+        return type(self), (self._files, self._where)
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tokenizer.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def eod(self) -> int:
+        return self._eod
+
+    def files(self) -> dict[str, bytes]:
+        return dict(self._files)
+
+    def encode(self, text: str) -> list[int]:
+        return self._tokenizer.encode(text).ids
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._tokenizer.decode([int(i) for i in ids], skip_special_tokens=False)
+
+
+HF_TOKENIZER_FILE = "tokenizer.json"
+HF_TOKENIZER_CONFIG = "tokenizer_config.json"
+HF_SPECIAL_TOKENS = "special_tokens_map.json"
+
+
+def _token_text(value) -> Optional[str]:
+    """A special token as tokenizer_config.json writes it: a string or {"content": ...}."""
+    return value.get("content") if isinstance(value, dict) else value
+
+
+class HuggingFaceTokenizer(_LibraryTokenizer):
+    FILES = (HF_TOKENIZER_FILE, HF_TOKENIZER_CONFIG, HF_SPECIAL_TOKENS)   # the ones read, when present
+
+    @classmethod
+    def from_options(cls, options: TokenizerOptions) -> HuggingFaceTokenizer:
+        if options.model is None:
+            raise DataError("HuggingFaceTokenizer needs --tokenizer-model (a directory with tokenizer.json)")
+        return cls.from_directory(options.model)
+
+    @classmethod
+    def from_directory(cls, directory: str | os.PathLike) -> HuggingFaceTokenizer:
+        folder = Path(directory)
+        if not (folder / HF_TOKENIZER_FILE).is_file():
+            raise DataError(f"{folder}: no {HF_TOKENIZER_FILE} (a Hugging Face tokenizer's directory)")
+        return cls({name: (folder / name).read_bytes() for name in cls.FILES if (folder / name).is_file()},
+                   str(folder))
+
+    @classmethod
+    def options_for(cls, directory: Path) -> TokenizerOptions:
+        return TokenizerOptions(model=str(directory))
+
+    def _build(self, files: dict[str, bytes]):
+        contents = _required(files, HF_TOKENIZER_FILE, self._where)
+        try:
+            tokenizer = _library_tokenizers().Tokenizer.from_str(contents.decode())
+        except Exception as error:   # the library raises a bare Exception on a malformed file
+            raise DataError(f"{self._where}: not a Hugging Face {HF_TOKENIZER_FILE} ({error})") from None
+        eos = None
+        for name in (HF_TOKENIZER_CONFIG, HF_SPECIAL_TOKENS):
+            if eos is None and name in files:
+                eos = _token_text(_read_json(files[name], f"{self._where}/{name}").get("eos_token"))
+        if not eos:
+            raise DataError(f"{self._where}: no end-of-document token: neither {HF_TOKENIZER_CONFIG} nor "
+                            f"{HF_SPECIAL_TOKENS} names an eos_token")
+        return tokenizer, eos
+
+    def export_files(self) -> dict[str, bytes]:
+        return self.files()
+
+
+GPT2_VOCAB_FILE, GPT2_MERGE_FILE = "vocab.json", "merges.txt"
+GPT2_EOD = "<|endoftext|>"
+
+
+class GPT2BPETokenizer(_LibraryTokenizer):
+    @classmethod
+    def from_options(cls, options: TokenizerOptions) -> GPT2BPETokenizer:
+        if options.vocab_file is None or options.merge_file is None:
+            raise DataError("GPT2BPETokenizer needs --vocab-file and --merge-file")
+        files = {}
+        for name, path in ((GPT2_VOCAB_FILE, options.vocab_file), (GPT2_MERGE_FILE, options.merge_file)):
+            if not Path(path).is_file():
+                raise DataError(f"{path}: GPT-2 BPE {name} not found")
+            files[name] = Path(path).read_bytes()
+        return cls(files, options.vocab_file)
+
+    @classmethod
+    def options_for(cls, directory: Path) -> TokenizerOptions:
+        return TokenizerOptions(vocab_file=str(directory / GPT2_VOCAB_FILE),
+                                merge_file=str(directory / GPT2_MERGE_FILE))
+
+    def _build(self, files: dict[str, bytes]):
+        library = _library_tokenizers()
+        vocab = _read_json(_required(files, GPT2_VOCAB_FILE, self._where), f"{self._where} ({GPT2_VOCAB_FILE})")
+        merges = []
+        try:
+            lines = _required(files, GPT2_MERGE_FILE, self._where).decode().splitlines()
+        except UnicodeDecodeError as error:
+            raise DataError(f"{self._where}: {GPT2_MERGE_FILE} is not text ({error})") from None
+        for number, line in enumerate(lines, 1):
+            if not line or line.startswith("#version"):
+                continue
+            pair = line.split(" ")
+            if len(pair) != 2:
+                raise DataError(f"{self._where}: {GPT2_MERGE_FILE} line {number} is not two tokens: {line!r}")
+            merges.append(tuple(pair))
+        try:
+            tokenizer = library.Tokenizer(library.models.BPE(vocab, merges, continuing_subword_prefix="",
+                                                             end_of_word_suffix="", fuse_unk=False))
+        except Exception as error:   # e.g. a merge of tokens the vocabulary lacks
+            raise DataError(f"{self._where}: not a GPT-2 BPE vocabulary and merges ({error})") from None
+        tokenizer.pre_tokenizer = library.pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tokenizer.decoder = library.decoders.ByteLevel()
+        tokenizer.add_special_tokens([library.AddedToken(GPT2_EOD, special=True)])   # as GPT2Tokenizer's eos
+        return tokenizer, GPT2_EOD
+
+    def export_files(self) -> dict[str, bytes]:
+        config = {"tokenizer_class": "GPT2Tokenizer", "add_prefix_space": False, "bos_token": GPT2_EOD,
+                  "eos_token": GPT2_EOD, "unk_token": GPT2_EOD}
+        return {**self.files(), HF_TOKENIZER_CONFIG: (json.dumps(config, indent=2) + "\n").encode()}
+
+
+TOKENIZERS: dict[str, type[Tokenizer]] = {
+    cls.__name__: cls for cls in (SentencePieceTokenizer, HuggingFaceTokenizer, GPT2BPETokenizer, NullTokenizer)}
+if set(TOKENIZERS) != set(TOKENIZER_TYPES):   # the schema's list of --tokenizer-type values is the one list
+    raise RuntimeError(f"tokenizer classes {sorted(TOKENIZERS)} differ from the schema's {sorted(TOKENIZER_TYPES)}")
+
+
+def _tokenizer_class(tokenizer_type: str) -> type[Tokenizer]:
+    if tokenizer_type not in TOKENIZERS:
+        raise DataError(f"unknown tokenizer type {tokenizer_type!r} (choose from {', '.join(TOKENIZER_TYPES)})")
+    return TOKENIZERS[tokenizer_type]
+
+
+def build_tokenizer(tokenizer_type: str, tokenizer_model: str | None = None, vocab_size: int = 0, *,
+                    vocab_file: str | None = None, merge_file: str | None = None) -> Tokenizer:
     """The tokenizer named by the data options; ``vocab_size`` (the model's) is used by NullTokenizer only."""
-    if tokenizer_type == "SentencePieceTokenizer":
-        if tokenizer_model is None:
-            raise DataError("SentencePieceTokenizer needs --tokenizer-model")
-        return SentencePieceTokenizer(tokenizer_model)
-    if tokenizer_type == "NullTokenizer":
-        return NullTokenizer(vocab_size)
-    raise DataError(f"unknown tokenizer type {tokenizer_type!r} (choose from {', '.join(TOKENIZER_TYPES)})")
+    options = TokenizerOptions(tokenizer_model, vocab_file, merge_file, vocab_size)
+    return _tokenizer_class(tokenizer_type).from_options(options)
+
+
+def configured_tokenizer(data: DataConfig, vocab_size: int) -> Tokenizer:
+    """The tokenizer of ``--tokenizer-type`` and its file options."""
+    return _tokenizer_class(data.tokenizer_type).from_options(TokenizerOptions.of(data, vocab_size))
+
+
+def tokenizer_options_for(tokenizer_type: str, directory: Path) -> dict[str, Optional[str]]:
+    """The data options (DataConfig fields, ``tokenizer_type`` included) naming the files of a tokenizer of this type
+    written into ``directory``."""
+    return {"tokenizer_type": tokenizer_type, **_tokenizer_class(tokenizer_type).options_for(directory).data_options()}
+
+
+def tokenizer_from_files(tokenizer_type: str, files: dict[str, bytes], vocab_size: int) -> Tokenizer:
+    """The tokenizer of type ``tokenizer_type`` defined by ``files`` (its :meth:`Tokenizer.files`, e.g. a
+    checkpoint's copy), for a model of ``vocab_size`` ids."""
+    return _tokenizer_class(tokenizer_type).from_files(files, vocab_size)
 
 
 def _lines(documents: Iterable[str]) -> Iterator[str]:

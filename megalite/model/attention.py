@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -33,7 +34,8 @@ from megalite.config import ModelConfig
 from megalite.kernels import DEFAULT_POLICY, KernelPolicy
 from megalite.kernels.fused import scaled_masked_softmax
 from megalite.kernels.policy import MASKED_SOFTMAX
-from megalite.model.rotary import RotaryEmbedding
+from megalite.model.kv_cache import LayerCache
+from megalite.model.rotary import RopeScaling, RotaryEmbedding
 from megalite.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, TensorParallelRNG,
                                       all_gather_tensor_parallel, recompute)
 
@@ -54,19 +56,20 @@ class SelfAttention(nn.Module):
         self.dropout = cfg.attention_dropout
         self.rng = rng
         self.recompute_core = cfg.recompute_granularity == "selective"
-        self.rotary = (RotaryEmbedding(head_dim, cfg.rotary_base, kernels) if cfg.position_embedding_type == "rope"
-                       else None)
+        self.rotary = (RotaryEmbedding(head_dim, cfg.rotary_base, kernels, RopeScaling.of(cfg))
+                       if cfg.position_embedding_type == "rope" else None)
         bias = not cfg.disable_bias_linear
         kv_size = groups * head_dim
         fused = 3 if groups == heads else (cfg.hidden_size, kv_size, kv_size)
         output_std = cfg.init_method_std / math.sqrt(2.0 * cfg.num_layers)   # Megatron's scaled init of outputs
         self.linear_qkv = ColumnParallelLinear(cfg.hidden_size, cfg.hidden_size + 2 * kv_size, fused=fused,
-                                               bias=bias, init_std=cfg.init_method_std,
+                                               bias=bias or cfg.add_qkv_bias, init_std=cfg.init_method_std,
                                                sequence_parallel=sequence_parallel)
         self.linear_proj = RowParallelLinear(cfg.hidden_size, cfg.hidden_size, bias=bias, init_std=output_std,
                                              sequence_parallel=sequence_parallel)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: Optional[LayerCache] = None) -> torch.Tensor:
+        """With a ``cache`` (generation), ``x`` holds the tokens after the cached ones, which it attends to too."""
         qkv = self.linear_qkv(x)                 # the whole sequence, also under sequence parallelism
         batch, seq, _ = qkv.shape
         q, k, v = qkv.split([self.heads * self.head_dim, self.kv_channels, self.kv_channels], dim=-1)
@@ -75,8 +78,10 @@ class SelfAttention(nn.Module):
         q = q.view(batch, seq, self.heads, self.head_dim).transpose(1, 2)
         k, v = (t.view(batch, seq, self.kv_heads, self.head_dim).transpose(1, 2) for t in (k, v))
         if self.rotary is not None:
-            q, k = self.rotary(q, k)
-        if self.recompute_core and self.training and torch.is_grad_enabled():
+            q, k = self.rotary(q, k, 0 if cache is None else cache.offset)
+        if cache is not None:
+            context = cache.attend(q, k, v)
+        elif self.recompute_core and self.training and torch.is_grad_enabled():
             context = recompute(self._core, self.rng, q, k, v)
         else:
             context = self._core(q, k, v)

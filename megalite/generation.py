@@ -51,8 +51,9 @@ def generate(model: Callable[..., torch.Tensor], prompt: Sequence[int], max_new_
         if not use_cache:
             logits = model(torch.tensor([tokens[-max_positions:]], device=device))
         else:
-            if cache is None or cache.length + len(pending) > max_positions:
-                cache, pending = KVCache(max_positions), tokens[-max_positions:]
+            if cache is None or cache.length + len(pending) > cache.max_length:   # (again) from the cropped context
+                pending = tokens[-max_positions:]
+                cache = KVCache(min(max_positions, len(pending) + max_new_tokens - len(new)))
             logits = model(torch.tensor([pending], device=device), cache=cache)
         token = next_token(logits[0, -1], temperature, top_k, top_p, generator)
         tokens.append(token)

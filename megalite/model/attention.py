@@ -13,6 +13,8 @@ the blocks are unequal: [hidden; G x head_dim; G x head_dim].
 Rotary embeddings, when configured, rotate q and k; attention runs on this rank's heads through torch's
 scaled_dot_product_attention (the "core", which selective recompute reruns in backward instead of keeping its
 seq x seq intermediates); a row-parallel projection sums the heads' contributions back into the residual stream.
+With a KV cache (generation) the new tokens are rotated at their positions and attend to the cached keys and values
+too (megalite.model.kv_cache). ``--add-qkv-bias`` gives the q/k/v projection a bias under ``--disable-bias-linear``.
 
 With ``--use-fused-kernels on`` (and not ``--no-masked-softmax-fusion``) the core on CUDA is instead Megatron's
 unfused attention with the fused causal softmax: q k^T, the scaled upper-triangular masked softmax kernel, dropout,

@@ -4,8 +4,9 @@ costs one position's work instead of rerunning the whole context.
 ``KVCache(max_length)`` goes through the model's forward (``GPTModel(tokens, cache=cache)``): the first call (the
 prompt) fills positions 0 .. n-1, each later call appends its tokens after them; rotary and learned positions start
 at ``cache.length``. Buffers are allocated on first use per layer, [batch, key/value heads, max_length, head dim] in
-the keys' dtype and device. Inference only (no autograd through the cache), at any tensor-parallel size: each rank
-caches its own heads.
+the keys' dtype and device. Inference only (no dropout, no autograd through the cache), at any tensor-parallel size:
+each rank caches its own heads. Attention over the cache runs through scaled_dot_product_attention whatever the
+kernel policy (the fused masked softmax is square: every query sees only the keys up to its own position).
 """
 
 from __future__ import annotations

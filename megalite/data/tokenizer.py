@@ -303,6 +303,23 @@ def _token_text(value) -> Optional[str]:
     return value.get("content") if isinstance(value, dict) else value
 
 
+def _named_eos(files: dict[str, bytes], where: str) -> Optional[str]:
+    """The EOS token that tokenizer_config.json (or else special_tokens_map.json) names, None if neither does."""
+    for name in (HF_TOKENIZER_CONFIG, HF_SPECIAL_TOKENS):
+        if name in files:
+            eos = _token_text(_read_json(files[name], f"{where}/{name}").get("eos_token"))
+            if eos:
+                return eos
+    return None
+
+
+def _parse_tokenizer_json(contents: bytes, where: str):
+    try:
+        return _library_tokenizers().Tokenizer.from_str(contents.decode())
+    except Exception as error:   # the library raises a bare Exception on a malformed file
+        raise DataError(f"{where}: not a Hugging Face {HF_TOKENIZER_FILE} ({error})") from None
+
+
 class HuggingFaceTokenizer(_LibraryTokenizer):
     FILES = (HF_TOKENIZER_FILE, HF_TOKENIZER_CONFIG, HF_SPECIAL_TOKENS)   # the ones read, when present
 
@@ -314,33 +331,42 @@ class HuggingFaceTokenizer(_LibraryTokenizer):
 
     @classmethod
     def from_directory(cls, directory: str | os.PathLike) -> HuggingFaceTokenizer:
-        folder = Path(directory)
+        folder, where = Path(directory), str(directory)
         if not (folder / HF_TOKENIZER_FILE).is_file():
             raise DataError(f"{folder}: no {HF_TOKENIZER_FILE} (a Hugging Face tokenizer's directory)")
-        return cls({name: (folder / name).read_bytes() for name in cls.FILES if (folder / name).is_file()},
-                   str(folder))
+        files = {name: (folder / name).read_bytes() for name in cls.FILES if (folder / name).is_file()}
+        if _named_eos(files, where) is None and (folder / "config.json").is_file():
+            # A model's folder may name its EOS in config.json only (OpenAI's GPT-2): kept as special_tokens_map.json,
+            # the file transformers writes it to, so that the tokenizer's files say it.
+            eos_id = _read_json((folder / "config.json").read_bytes(), f"{where}/config.json").get("eos_token_id")
+            eos_id = eos_id[0] if isinstance(eos_id, list) and eos_id else eos_id
+            token = (_parse_tokenizer_json(files[HF_TOKENIZER_FILE], where).id_to_token(eos_id)
+                     if isinstance(eos_id, int) else None)
+            if token is not None:
+                files[HF_SPECIAL_TOKENS] = (json.dumps({"eos_token": token}, indent=2) + "\n").encode()
+        return cls(files, where)
 
     @classmethod
     def options_for(cls, directory: Path) -> TokenizerOptions:
         return TokenizerOptions(model=str(directory))
 
     def _build(self, files: dict[str, bytes]):
-        contents = _required(files, HF_TOKENIZER_FILE, self._where)
-        try:
-            tokenizer = _library_tokenizers().Tokenizer.from_str(contents.decode())
-        except Exception as error:   # the library raises a bare Exception on a malformed file
-            raise DataError(f"{self._where}: not a Hugging Face {HF_TOKENIZER_FILE} ({error})") from None
-        eos = None
-        for name in (HF_TOKENIZER_CONFIG, HF_SPECIAL_TOKENS):
-            if eos is None and name in files:
-                eos = _token_text(_read_json(files[name], f"{self._where}/{name}").get("eos_token"))
-        if not eos:
+        tokenizer = _parse_tokenizer_json(_required(files, HF_TOKENIZER_FILE, self._where), self._where)
+        eos = _named_eos(files, self._where)
+        if eos is None:
             raise DataError(f"{self._where}: no end-of-document token: neither {HF_TOKENIZER_CONFIG} nor "
-                            f"{HF_SPECIAL_TOKENS} names an eos_token")
+                            f"{HF_SPECIAL_TOKENS} (nor a model's config.json beside them) names an eos_token")
         return tokenizer, eos
 
     def export_files(self) -> dict[str, bytes]:
-        return self.files()
+        """Its files; tokenizer_config.json names the class that reads tokenizer.json as it is (without one,
+        AutoTokenizer would pick the model type's class, which may build the tokenizer its own way)."""
+        files = self.files()
+        config = _read_json(files[HF_TOKENIZER_CONFIG], self._where) if HF_TOKENIZER_CONFIG in files else {}
+        if "tokenizer_class" not in config:
+            config["tokenizer_class"] = "PreTrainedTokenizerFast"
+            files[HF_TOKENIZER_CONFIG] = (json.dumps(config, indent=2) + "\n").encode()
+        return files
 
 
 GPT2_VOCAB_FILE, GPT2_MERGE_FILE = "vocab.json", "merges.txt"

@@ -211,6 +211,14 @@ def test_tokenizer_types_are_one_list_and_errors_are_one_line(hf_tokenizer_dir, 
     shutil.copy(hf_tokenizer_dir / "tokenizer.json", tmp_path / "tokenizer.json")
     with pytest.raises(DataError, match="no end-of-document token: neither tokenizer_config.json nor"):
         build_tokenizer("HuggingFaceTokenizer", str(tmp_path))
+    # A model's folder naming its EOS in config.json only (OpenAI's GPT-2): the tokenizer's files then say it too.
+    (tmp_path / "config.json").write_text('{"model_type": "gpt2", "eos_token_id": 0}')
+    tokenizer = build_tokenizer("HuggingFaceTokenizer", str(tmp_path))
+    assert tokenizer.eod == 0 and tokenizer_from_files("HuggingFaceTokenizer", tokenizer.files(), 0).eod == 0
+    exported = tokenizer.export_files()   # AutoTokenizer told to read tokenizer.json as it is
+    assert json.loads(exported["tokenizer_config.json"]) == {"tokenizer_class": "PreTrainedTokenizerFast"}
+    assert json.loads(exported["special_tokens_map.json"]) == {"eos_token": "<|endoftext|>"}
+    (tmp_path / "config.json").unlink()
     (tmp_path / "tokenizer_config.json").write_text('{"eos_token": "<|end|>"}')
     with pytest.raises(DataError, match="the end-of-document token '<\\|end\\|>' is not in the vocabulary"):
         build_tokenizer("HuggingFaceTokenizer", str(tmp_path))

@@ -19,10 +19,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
-from megalite.config import ConfigError  # noqa: E402
+from megalite.config import TOKENIZER_TYPES, ConfigError  # noqa: E402
 from megalite.data.documents import iter_documents  # noqa: E402
 from megalite.data.preprocess import preprocess  # noqa: E402
-from megalite.data.tokenizer import TOKENIZER_TYPES, build_tokenizer  # noqa: E402
+from megalite.data.tokenizer import build_tokenizer  # noqa: E402
 
 
 def parse(argv: list[str]) -> argparse.Namespace:

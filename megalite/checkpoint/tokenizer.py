@@ -24,16 +24,21 @@ def _file_names(info: dict) -> list[str]:
     return list(info.get("files") or ([info["file"]] if info.get("file") else []))
 
 
+def _files_directory(checkpoint: Checkpoint) -> Path:
+    """Where save.py's _save_tokenizer writes the tokenizer's files: beside the manifest."""
+    return checkpoint.path
+
+
 def saved_tokenizer(checkpoint: Checkpoint) -> Optional[Tokenizer]:
     """The tokenizer the checkpoint was trained with, or None if it holds none (mock data, an import without one)."""
     info = checkpoint.manifest.tokenizer
     if not info:
         return None
-    files = {}
+    files, directory = {}, _files_directory(checkpoint)
     for name in _file_names(info):
-        if not (checkpoint.path / name).is_file():
+        if not (directory / name).is_file():
             raise CheckpointError(f"{checkpoint.path}: incomplete checkpoint: its tokenizer file {name} is missing")
-        files[name] = (checkpoint.path / name).read_bytes()
+        files[name] = (directory / name).read_bytes()
     vocab_size = info.get("vocab_size") or checkpoint.manifest.megalite_config().model.vocab_size
     return tokenizer_from_files(info["type"], files, vocab_size)
 
@@ -51,7 +56,7 @@ def with_checkpoint_tokenizer(cfg: MegaliteConfig) -> MegaliteConfig:
         where = f"the {FLAG.load} checkpoint {checkpoint.path}" if checkpoint is not None else f"{FLAG.load} {load}"
         raise CheckpointError(f"{FLAG.data_path} needs {FLAG.tokenizer_type} and its files ({FLAG.tokenizer_model} or "
                               f"{FLAG.vocab_file}/{FLAG.merge_file}): {where} holds no tokenizer")
-    data = dataclasses.replace(d, **tokenizer_options_for(info["type"], checkpoint.path))
+    data = dataclasses.replace(d, **tokenizer_options_for(info["type"], _files_directory(checkpoint)))
     return dataclasses.replace(cfg, data=data)
 
 

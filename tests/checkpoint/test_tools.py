@@ -148,6 +148,9 @@ def test_generate_with_the_checkpoints_tokenizer(corpus, tmp_path, capsys):
     assert generate_tool.main(["--load", str(ckpt), "--prompt", "the quick", "--max-new-tokens", "5",
                                "--temperature", "0.8", "--top-k", "20", "--top-p", "0.9"]) == 0
     assert greedy.strip() and capsys.readouterr().out.strip()
+    (ckpt / "iter_0000002" / "tokenizer.model").unlink()
+    assert generate_tool.main(["--load", str(ckpt), "--prompt", "the quick"]) == 2
+    assert "incomplete checkpoint: its tokenizer file tokenizer.model is missing" in capsys.readouterr().err
 
 
 def test_generate_with_token_ids_when_there_is_no_tokenizer(saved, capsys):

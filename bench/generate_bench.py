@@ -46,7 +46,8 @@ def main() -> None:
     positions = args.prompt + args.new_tokens
     torch.manual_seed(args.seed)
     config = transformers.GPT2Config(vocab_size=args.vocab, n_positions=positions, n_embd=args.hidden,
-                                     n_layer=args.layers, n_head=args.heads, activation_function="gelu_new")
+                                     n_layer=args.layers, n_head=args.heads, activation_function="gelu_new",
+                                     bos_token_id=None, eos_token_id=None)   # no EOS: every side makes all tokens
     hf = transformers.GPT2LMHeadModel(config).eval()
     with torch.no_grad():   # larger weights than the initialization, so that greedy tokens vary with the context
         for param in hf.parameters():

@@ -95,8 +95,8 @@ def test_imported_hugging_face_model_loads_at_a_parallel_layout(directory):
 
     if dist.get_rank() == 0:
         config = transformers.GPT2Config(vocab_size=301, n_positions=32, n_embd=64, n_layer=4, n_head=4,
-                                         activation_function="gelu_new", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                                         bos_token_id=0, eos_token_id=0)
+                                         activation_function="gelu_new", resid_pdrop=0.0, embd_pdrop=0.0,
+                                         attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
         torch_model = transformers.GPT2LMHeadModel(config)
         torch_model.save_pretrained(f"{directory}/hf")
         import_hf(f"{directory}/hf", f"{directory}/ckpt")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import sys
 
-from megalite.checkpoint import check_checkpoint, use_checkpoint_args
+from megalite.checkpoint import check_checkpoint, use_checkpoint_args, with_checkpoint_tokenizer
 from megalite.config.cli import parse_command_line
 from megalite.config import ConfigError, megatron, validate
 from megalite.data import check_data_files
@@ -21,10 +21,22 @@ from megalite.training import (Trainer, finish_checks, initialize_distributed, s
 from megalite.training.stopping import TrainingError
 
 
+def error_line(text: str) -> None:
+    """One line on stderr in one write, so the lines of ranks that fail together never interleave."""
+    try:
+        descriptor = sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):   # a captured stream (pytest's capsys): no descriptor to write
+        print(text, file=sys.stderr, flush=True)
+        return
+    sys.stderr.flush()
+    os.write(descriptor, f"{text}\n".encode())
+
+
 def main(argv: list[str]) -> int:
     try:
         command_line = parse_command_line(argv, world_size_from_env())   # the world size: --deepspeed-config's DP
-        cfg, notes = use_checkpoint_args(command_line.config)   # --use-checkpoint-args: the saved model options
+        cfg = with_checkpoint_tokenizer(command_line.config)   # --data-path alone: the --load checkpoint's tokenizer
+        cfg, notes = use_checkpoint_args(cfg)   # --use-checkpoint-args: the saved model options
         cfg, warnings = megatron.adjust(cfg)   # --sequence-parallel at TP=1 off, as Megatron does
         # Every rank checks the options on its own before any collective, so a bad value cannot hang the job.
         validate(cfg, world_size_from_env())
@@ -34,7 +46,7 @@ def main(argv: list[str]) -> int:
         if os.environ.get("RANK", "0") == "0":   # a refused --deepspeed-config: its table shows what was refused
             for line in getattr(error, "table", ()):
                 print(line, flush=True)
-        print(f"megalite: error: {error}", file=sys.stderr, flush=True)
+        error_line(f"megalite: error: {error}")
         finish_checks(failed=True)
         return 2
     finish_checks(failed=False)
@@ -51,7 +63,7 @@ def main(argv: list[str]) -> int:
                 try:
                     print(f"wrote {draw_dry_run(cfg, world_size_from_env())}", flush=True)
                 except ConfigError as error:
-                    print(f"megalite: error: {error}", file=sys.stderr, flush=True)
+                    error_line(f"megalite: error: {error}")
                     return 2
         return 0
     device = initialize_distributed(cfg.parallel, timeout_s=60 * cfg.training.distributed_timeout_minutes)
@@ -65,21 +77,21 @@ def main(argv: list[str]) -> int:
         trainer.train()
         shutdown_distributed(wait_for_peers=True)
     except ConfigError as error:   # a checkpoint that does not fit the model: every rank finds it alike
-        print(f"megalite: error: {error}", file=sys.stderr, flush=True)
+        error_line(f"megalite: error: {error}")
         return 2
     except TrainingError as error:   # a NaN/Inf loss or gradient: the iteration and the ranks, in one line
-        print(f"megalite: error: {error}", file=sys.stderr, flush=True)
+        error_line(f"megalite: error: {error}")
         return 1
     except RuntimeError as error:   # torch's DistBackendError and OutOfMemoryError are RuntimeErrors too
         if is_out_of_memory(error):   # which memory ran over, by how much, and what to change
-            print(out_of_memory_message(cfg, error), file=sys.stderr, flush=True)
+            error_line(out_of_memory_message(cfg, error))
             return 1
         if "timed out" not in str(error).lower():
             raise
         # A dead or stalled peer: say so in one line instead of a traceback from inside the backend.
-        print(f"megalite: error: rank {os.environ.get('RANK', '0')}: a collective timed out after "
+        error_line(f"megalite: error: rank {os.environ.get('RANK', '0')}: a collective timed out after "
               f"--distributed-timeout-minutes {cfg.training.distributed_timeout_minutes:g}: another rank died or "
-              f"stalled ({str(error).splitlines()[0]})", file=sys.stderr, flush=True)
+              f"stalled ({str(error).splitlines()[0]})")
         return 1
     finally:
         shutdown_distributed()

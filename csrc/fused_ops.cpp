@@ -119,20 +119,20 @@ void check_bias(const Tensor& x, const Tensor& bias) {
               " does not match the last dimension of ", x.sizes());
 }
 
-Tensor bias_gelu_forward(const Tensor& input, const Tensor& bias) {
+Tensor bias_gelu_forward(const Tensor& input, const Tensor& bias, bool tanh) {
   check_cuda(input, "input");
   check_bias(input, bias);
   const c10::cuda::CUDAGuard guard(input.device());
   const Tensor x = input.contiguous(), b = bias.contiguous();
   Tensor y = new_output_like(x);
   const int64_t cols = x.size(-1), rows = cols == 0 ? 0 : x.numel() / cols;
-  check_launch(megalite::bias_gelu_forward(x.data_ptr(), b.data_ptr(), y.data_ptr(), rows, cols, dtype_of(x),
-                                           stream()),
+  check_launch(megalite::bias_gelu_forward(x.data_ptr(), b.data_ptr(), y.data_ptr(), rows, cols, tanh,
+                                           dtype_of(x), stream()),
                "bias_gelu_forward");
   return y;
 }
 
-Tensor bias_gelu_backward(const Tensor& grad_output, const Tensor& input, const Tensor& bias) {
+Tensor bias_gelu_backward(const Tensor& grad_output, const Tensor& input, const Tensor& bias, bool tanh) {
   check_cuda(input, "input");
   check_bias(input, bias);
   check_same(grad_output, input, "grad");
@@ -143,7 +143,7 @@ Tensor bias_gelu_backward(const Tensor& grad_output, const Tensor& input, const 
   Tensor grad_x = new_output_like(x);
   const int64_t cols = x.size(-1), rows = cols == 0 ? 0 : x.numel() / cols;
   check_launch(megalite::bias_gelu_backward(g.data_ptr(), x.data_ptr(), b.data_ptr(), grad_x.data_ptr(), rows, cols,
-                                            dtype_of(x), stream()),
+                                            tanh, dtype_of(x), stream()),
                "bias_gelu_backward");
   return grad_x;
 }
@@ -316,8 +316,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "megalite's fused CUDA kernels (see csrc/cuda/fused_kernels.h); torch ops in megalite/kernels/torch_ops.py";
   m.def("masked_softmax_forward", &masked_softmax_forward, "causal softmax(scale * x)", py::arg("x"), py::arg("scale"));
   m.def("masked_softmax_backward", &masked_softmax_backward, py::arg("grad_y"), py::arg("y"), py::arg("scale"));
-  m.def("bias_gelu_forward", &bias_gelu_forward, "gelu(x + bias)", py::arg("x"), py::arg("bias"));
-  m.def("bias_gelu_backward", &bias_gelu_backward, py::arg("grad_y"), py::arg("x"), py::arg("bias"));
+  m.def("bias_gelu_forward", &bias_gelu_forward, "gelu(x + bias), exact or tanh", py::arg("x"), py::arg("bias"),
+        py::arg("tanh") = false);
+  m.def("bias_gelu_backward", &bias_gelu_backward, py::arg("grad_y"), py::arg("x"), py::arg("bias"),
+        py::arg("tanh") = false);
   m.def("layer_norm_forward", &layer_norm_forward, "(y, mean, rstd)", py::arg("x"), py::arg("weight"),
         py::arg("bias"), py::arg("eps"));
   m.def("layer_norm_backward", &layer_norm_backward, "(grad_x, grad_weight, grad_bias)", py::arg("grad_y"),

@@ -1,14 +1,18 @@
 """Text continuation with a single-process model: greedy, or sampling with temperature, top-k and top-p.
 
-No KV cache: each new token reruns the model on the whole context (cropped to the position table), which is plenty
-for trying a checkpoint out and keeps the model code free of inference-only paths.
+With the KV cache (the default) the prompt runs once and each new token costs one position (megalite.model.kv_cache);
+without it each new token reruns the model on the whole context. Both give the same tokens. A context longer than the
+position table is cropped to its last ``max_positions`` tokens, as without the cache: the cache then starts again
+from the cropped context.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import torch
+
+from megalite.model import KVCache
 
 
 def next_token(logits: torch.Tensor, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
@@ -32,20 +36,29 @@ def next_token(logits: torch.Tensor, temperature: float = 0.0, top_k: int = 0, t
 
 
 @torch.no_grad()
-def generate(model: Callable[[torch.Tensor], torch.Tensor], prompt: list[int], max_new_tokens: int,
-             max_positions: int, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-             eod: Optional[int] = None, seed: int = 0) -> list[int]:
-    """Token ids continuing ``prompt`` (at most ``max_new_tokens``, stopping after ``eod``); ``model`` maps token
-    ids [1, seq] to logits [1, seq, vocab]."""
+def generate(model: Callable[..., torch.Tensor], prompt: Sequence[int], max_new_tokens: int, max_positions: int,
+             temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, eod: Optional[int] = None, seed: int = 0,
+             use_cache: bool = True, device: torch.device | str = "cpu") -> list[int]:
+    """Token ids continuing ``prompt`` (at most ``max_new_tokens``, stopping after ``eod``); ``model(tokens,
+    cache=None)`` maps token ids [1, seq] to logits [1, seq, vocab], the ids continuing the cached ones when it is
+    given a :class:`KVCache`."""
     if not prompt:
         raise ValueError("the prompt has no tokens")
     generator = torch.Generator().manual_seed(seed)
-    tokens, new = list(prompt), []
+    tokens, new = [int(t) for t in prompt], []
+    cache, pending = None, tokens   # pending: the tokens the cache does not hold yet
     for _ in range(max_new_tokens):
-        context = torch.tensor([tokens[-max_positions:]])
-        token = next_token(model(context)[0, -1], temperature, top_k, top_p, generator)
+        if not use_cache:
+            logits = model(torch.tensor([tokens[-max_positions:]], device=device))
+        else:
+            if cache is None or cache.length + len(pending) > cache.max_length:   # (again) from the cropped context
+                pending = tokens[-max_positions:]
+                cache = KVCache(min(max_positions, len(pending) + max_new_tokens - len(new)))
+            logits = model(torch.tensor([pending], device=device), cache=cache)
+        token = next_token(logits[0, -1], temperature, top_k, top_p, generator)
         tokens.append(token)
         new.append(token)
+        pending = [token]
         if token == eod:
             break
     return new

@@ -6,7 +6,7 @@ import pytest
 
 from megalite import extensions
 
-from .data.helpers import Corpus, build_corpus
+from .data.helpers import Corpus, build_corpus, build_hf_tokenizer
 from .helpers import single_layout
 
 
@@ -14,6 +14,14 @@ from .helpers import single_layout
 def corpus(tmp_path_factory) -> Corpus:
     """A generated corpus, its tokenizer and indexed dataset, built once per session (tests/data/helpers.py)."""
     return build_corpus(tmp_path_factory.mktemp("corpus"))
+
+
+@pytest.fixture(scope="session")
+def hf_tokenizer_dir(tmp_path_factory):
+    """A small byte-level BPE trained with the tokenizers library, as a Hugging Face tokenizer directory that also
+    holds GPT-2's vocab.json and merges.txt (tests/data/helpers.py); built once per session."""
+    pytest.importorskip("tokenizers")
+    return build_hf_tokenizer(tmp_path_factory.mktemp("hf_tokenizer"))
 
 
 @pytest.fixture

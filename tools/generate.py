@@ -4,7 +4,9 @@
     python tools/generate.py --load checkpoints/ --prompt "import " --temperature 0.8 --top-k 50 --top-p 0.95
 
 The checkpoint may have been saved at any layout (it is merged into one process, see megalite.load_pretrained).
-Checkpoints trained on mock data (or imported from Hugging Face) carry no tokenizer: the prompt is then token ids
+The prompt runs once and each new token reuses the keys and values of the ones before (a KV cache;
+``--no-kv-cache`` recomputes the whole context per token, giving the same tokens). Checkpoints trained on mock data
+(or imported from a Hugging Face directory without a tokenizer) carry no tokenizer: the prompt is then token ids
 separated by spaces, and so is the output.
 """
 
@@ -18,7 +20,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 
 from megalite.checkpoint import load_pretrained  # noqa: E402
 from megalite.config import ConfigError  # noqa: E402
-from megalite.generation import generate  # noqa: E402
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -33,6 +34,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--top-p", type=float, default=1.0,
                         help="Sample among the most likely tokens whose probability reaches p (1: all).")
     parser.add_argument("--seed", type=int, default=0, help="Seed of the sampling (default 0).")
+    parser.add_argument("--no-kv-cache", action="store_true",
+                        help="Rerun the model on the whole context for each new token (slower, same tokens).")
     return parser.parse_args(argv)
 
 
@@ -48,8 +51,8 @@ def main(argv: list[str]) -> int:
         prompt = tokenizer.encode(args.prompt)
         if not prompt:
             raise ConfigError("the prompt encodes to no tokens")
-        new = generate(model, prompt, args.max_new_tokens, model.config.model.max_positions, args.temperature,
-                       args.top_k, args.top_p, eod=model.eod, seed=args.seed)
+        new = model.generate(prompt, args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed,
+                             use_cache=not args.no_kv_cache)
     except ConfigError as error:
         print(f"generate: error: {error}", file=sys.stderr)
         return 2

@@ -117,11 +117,13 @@ def cases(sizes: str) -> list[Case]:
             lambda ops, x, scale=scale: fused.scaled_masked_softmax(x, scale, ops),
             lambda x, scale=scale: _causal_softmax(x, scale), 1))
     for shape in gelu_shapes:
-        result.append(Case(
-            "bias + GeLU", "x".join(map(str, shape)),
-            lambda dtype, device, shape=shape: [_randn(shape, dtype, device, scale=2.0),
-                                                _randn(shape[-1:], dtype, device)],
-            lambda ops, x, bias: fused.bias_gelu(x, bias, ops), lambda x, bias: F.gelu(x + bias), 2))
+        for name, tanh in (("bias + GeLU", False), ("bias + tanh GeLU", True)):   # exact, --openai-gelu
+            result.append(Case(
+                name, "x".join(map(str, shape)),
+                lambda dtype, device, shape=shape: [_randn(shape, dtype, device, scale=2.0),
+                                                    _randn(shape[-1:], dtype, device)],
+                lambda ops, x, bias, tanh=tanh: fused.bias_gelu(x, bias, ops, tanh=tanh),
+                lambda x, bias, tanh=tanh: F.gelu(x + bias, approximate="tanh" if tanh else "none"), 2))
     for shape in norm_shapes:
         result.append(Case(
             "LayerNorm", "x".join(map(str, shape)),

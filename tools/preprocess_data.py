@@ -3,8 +3,11 @@
     python tools/preprocess_data.py --input docs.jsonl --output-prefix data/mine \\
         --tokenizer-model tokenizers/mine.model --workers 4 --append-eod
 
-Then train with ``--data-path data/mine --tokenizer-model tokenizers/mine.model``. Inputs and documents are as for
-train_tokenizer.py (megalite/data/documents.py); the file format is in megalite/data/indexed_dataset.py.
+Then train with ``--data-path data/mine --tokenizer-model tokenizers/mine.model``. A Hugging Face tokenizer:
+``--tokenizer-type HuggingFaceTokenizer --tokenizer-model DIR`` (DIR holds tokenizer.json, e.g. a model's folder);
+GPT-2's BPE: ``--tokenizer-type GPT2BPETokenizer --vocab-file vocab.json --merge-file merges.txt``. Inputs and
+documents are as for train_tokenizer.py (megalite/data/documents.py); the file format is in
+megalite/data/indexed_dataset.py.
 """
 
 from __future__ import annotations
@@ -16,10 +19,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
-from megalite.config import ConfigError  # noqa: E402
+from megalite.config import TOKENIZER_TYPES, ConfigError  # noqa: E402
 from megalite.data.documents import iter_documents  # noqa: E402
 from megalite.data.preprocess import preprocess  # noqa: E402
-from megalite.data.tokenizer import MEGATRON_TOKENIZERS, TOKENIZER_TYPES, build_tokenizer  # noqa: E402
+from megalite.data.tokenizer import build_tokenizer  # noqa: E402
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -27,9 +30,11 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--input", nargs="+", required=True, metavar="PATH",
                         help="Text files, directories (read recursively) or .jsonl files.")
     parser.add_argument("--output-prefix", required=True, help="Write PREFIX.bin and PREFIX.idx.")
-    parser.add_argument("--tokenizer-type", default="SentencePieceTokenizer",
-                        choices=TOKENIZER_TYPES + tuple(MEGATRON_TOKENIZERS))
-    parser.add_argument("--tokenizer-model", help="SentencePiece model file.")
+    parser.add_argument("--tokenizer-type", default="SentencePieceTokenizer", choices=TOKENIZER_TYPES)
+    parser.add_argument("--tokenizer-model", help="SentencePiece or tiktoken model file, or a Hugging Face tokenizer's "
+                                                  "directory.")
+    parser.add_argument("--vocab-file", help="GPT2BPETokenizer: vocab.json.")
+    parser.add_argument("--merge-file", help="GPT2BPETokenizer: merges.txt.")
     parser.add_argument("--vocab-size", type=int, default=0, help="Vocabulary of the NullTokenizer.")
     parser.add_argument("--tiktoken-pattern", choices=("v1", "v2"), help="TikTokenizer's pre-tokenization pattern.")
     parser.add_argument("--tiktoken-num-special-tokens", type=int, default=1000,
@@ -50,9 +55,10 @@ def main(argv: list[str]) -> int:
     args = parse(argv)
     try:
         tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_size,
+                                    vocab_file=args.vocab_file, merge_file=args.merge_file,
                                     tiktoken_pattern=args.tiktoken_pattern,
                                     tiktoken_num_special_tokens=args.tiktoken_num_special_tokens,
-                                    tiktoken_special_tokens=args.tiktoken_special_tokens)
+                                    tiktoken_special_tokens=" ".join(args.tiktoken_special_tokens or []) or None)
         documents = iter_documents(args.input, args.json_keys, args.whole_files)
         stats = preprocess(documents, tokenizer, args.output_prefix, args.workers, args.append_eod,
                            progress=None if args.quiet else sys.stderr)

@@ -25,13 +25,13 @@ cudaError_t masked_softmax_forward(const void* x, void* y, int64_t batches, int6
 cudaError_t masked_softmax_backward(const void* grad_y, const void* y, void* grad_x, int64_t batches, int64_t sq,
                                     int64_t sk, float scale, DType dtype, cudaStream_t stream);
 
-// y = gelu(x + bias) with the exact (erf) GeLU, bias broadcast over rows: x and y are [rows, cols], bias [cols].
-// Backward: grad_x = grad_y * gelu'(x + bias), which is also the gradient of the pre-activation (the caller sums it
-// over rows for the bias).
-cudaError_t bias_gelu_forward(const void* x, const void* bias, void* y, int64_t rows, int64_t cols, DType dtype,
-                              cudaStream_t stream);
+// y = gelu(x + bias) with the exact (erf) GeLU, or its tanh approximation when tanh is true, bias broadcast over
+// rows: x and y are [rows, cols], bias [cols]. Backward: grad_x = grad_y * gelu'(x + bias), which is also the gradient
+// of the pre-activation (the caller sums it over rows for the bias).
+cudaError_t bias_gelu_forward(const void* x, const void* bias, void* y, int64_t rows, int64_t cols, bool tanh,
+                              DType dtype, cudaStream_t stream);
 cudaError_t bias_gelu_backward(const void* grad_y, const void* x, const void* bias, void* grad_x, int64_t rows,
-                               int64_t cols, DType dtype, cudaStream_t stream);
+                               int64_t cols, bool tanh, DType dtype, cudaStream_t stream);
 
 // LayerNorm (rms == false) or RMSNorm (rms == true) over the last dimension of x [rows, cols]; weight (and bias,
 // LayerNorm only; may be null) [cols] have x's dtype. Forward writes y and the per-row fp32 statistics: mean (null

@@ -1,17 +1,23 @@
 """What ``tools/convert_checkpoint.py`` does: export to / import from a Hugging Face directory, and inspect.
 
 The Hugging Face architecture follows the model: a megalite model using any Llama option (rotary positions, RMSNorm,
-SwiGLU, no biases, grouped-query attention) exports as ``LlamaForCausalLM`` (``hf_llama``), any other as
-``GPT2LMHeadModel`` (``hf_gpt2``); an import follows the ``model_type`` of config.json (``llama`` or ``gpt2``).
+SwiGLU, no biases, grouped-query attention, q/k/v biases) exports as ``LlamaForCausalLM``, or ``Qwen2ForCausalLM``
+with q/k/v biases, or ``MistralForCausalLM`` when asked for (``hf_llama``), any other as ``GPT2LMHeadModel``
+(``hf_gpt2``); an import follows the ``model_type`` of config.json (``gpt2``, ``llama``, ``mistral``, ``qwen2``).
 
 An export merges every parameter to its canonical tensor (whatever layout the checkpoint was saved at) and writes
-``config.json`` + ``model.safetensors``; an import reads such a directory into a single-process megalite checkpoint
-at iteration 0 (weights only), which ``pretrain_gpt.py --load`` reshards to any layout. Tensors are read with
-``safetensors`` (or ``torch.load(weights_only=True)`` for a ``pytorch_model.bin``), never with pickle.
+``config.json`` + ``model.safetensors``, and the tokenizer's files where transformers' AutoTokenizer can read them
+(Hugging Face and GPT-2 BPE tokenizers). An import reads such a directory into a single-process megalite checkpoint
+at iteration 0 (weights only, plus the directory's tokenizer if it has one), which ``pretrain_gpt.py --load``
+reshards to any layout. When the tokenizer has fewer ids than the model's vocab_size (models pad their embedding,
+e.g. Qwen2), the import keeps the rows the tokenizer can produce, as Megatron's converter does with its true
+vocabulary size: megalite's vocabulary is the tokenizer's. Tensors are read with ``safetensors`` (or
+``torch.load(weights_only=True)`` for a ``pytorch_model.bin``), never with pickle.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -26,6 +32,7 @@ from megalite.checkpoint.keys import model_key
 from megalite.checkpoint.pretrained import single_process_layout
 from megalite.checkpoint.reshard import merge, split
 from megalite.checkpoint.save import save_checkpoint
+from megalite.checkpoint.tokenizer import hf_tokenizer, saved_tokenizer
 from megalite.config import MegaliteConfig, ModelConfig
 from megalite.model import GPTModel
 from megalite.progress import track
@@ -58,32 +65,49 @@ def _safetensors():
     return safetensors.torch
 
 
-def hf_architecture(model: ModelConfig):
-    """The conversion module of the HF architecture a megalite model exports as: ``hf_llama`` if it uses any Llama
-    option (it must then be a whole Llama), else ``hf_gpt2``."""
-    return hf_llama if hf_llama.is_llama_shaped(model) else hf_gpt2
+HF_ARCHITECTURES = (hf_gpt2.ARCHITECTURE, *hf_llama.ARCHITECTURES)
+# Canonical tensors with a row per vocabulary entry.
+_VOCABULARY_ROWS = ("embedding.word.weight", "output_layer.weight")
+
+
+def hf_architecture(model: ModelConfig, name: Optional[str] = None) -> str:
+    """The HF architecture a megalite model exports as: ``name`` if given (one of :data:`HF_ARCHITECTURES`), else a
+    Llama-family one if it uses any Llama option (it must then be a whole Llama: see hf_llama.export_architecture),
+    else ``GPT2LMHeadModel``."""
+    if name == hf_gpt2.ARCHITECTURE or (name is None and not hf_llama.is_llama_shaped(model)):
+        return hf_gpt2.ARCHITECTURE
+    return hf_llama.export_architecture(model, name).name
 
 
 def export_hf(load: str | os.PathLike, output: str | os.PathLike, dtype: Optional[torch.dtype] = None,
-              progress: bool = True) -> Path:
-    """Write the checkpoint as a ``GPT2LMHeadModel`` or ``LlamaForCausalLM`` directory (see :func:`hf_architecture`);
-    returns it. ``dtype`` defaults to the stored one; ``progress``: a bar on a terminal while tensors are read."""
+              architecture: Optional[str] = None, progress: bool = True) -> Path:
+    """Write the checkpoint as a Hugging Face model directory of ``architecture`` (default: see
+    :func:`hf_architecture`), with its tokenizer where AutoTokenizer can read it; returns it. ``dtype`` defaults to
+    the stored one; ``progress``: a bar on a terminal while tensors are read."""
     checkpoint = open_checkpoint(load)
     checkpoint.verify()
-    config = checkpoint.manifest.megalite_config()
-    architecture = hf_architecture(config.model)
-    architecture.check_exportable(config.model)
-    tensors = architecture.to_hf(full_tensors(checkpoint, progress), config.model)
+    model = checkpoint.manifest.megalite_config().model
+    name = hf_architecture(model, architecture)
+    family = hf_llama.ARCHITECTURES.get(name)
+    if family is None:   # checked before any tensor is read
+        hf_gpt2.check_exportable(model)
+        tensors = hf_gpt2.to_hf(full_tensors(checkpoint, progress), model)
+    else:
+        hf_llama.check_exportable(model, family)
+        tensors = hf_llama.to_hf(full_tensors(checkpoint, progress), model, family)
     dtype = dtype or next(iter(tensors.values())).dtype
-    tensors = {name: t.to(dtype) for name, t in tensors.items()}
-    eod = (checkpoint.manifest.tokenizer or {}).get("eod")
+    tensors = {tensor_name: t.to(dtype) for tensor_name, t in tensors.items()}
+    tokenizer = saved_tokenizer(checkpoint)
+    eod = tokenizer.eod if tokenizer is not None else None
     out = Path(output)
     out.mkdir(parents=True, exist_ok=True)
-    if architecture is hf_llama:
-        hf_llama.write_hf_config(config.model, out, eod, dtype)
+    if family is None:
+        (out / HF_CONFIG).write_text(json.dumps(hf_gpt2.hf_config_from(model, eod, dtype), indent=2) + "\n")
     else:
-        (out / HF_CONFIG).write_text(json.dumps(hf_gpt2.hf_config_from(config.model, eod, dtype), indent=2) + "\n")
+        hf_llama.write_hf_config(model, out, eod, dtype, family)
     _safetensors().save_file(tensors, str(out / HF_WEIGHTS), metadata={"format": "pt"})
+    for file_name, contents in (tokenizer.export_files() if tokenizer is not None else {}).items():
+        (out / file_name).write_bytes(contents)
     return out
 
 
@@ -102,10 +126,9 @@ def read_hf_tensors(directory: Path) -> dict[str, torch.Tensor]:
     raise CheckpointError(f"{directory}: no {HF_WEIGHTS}, {HF_INDEX} or {HF_PICKLE_WEIGHTS}")
 
 
-def import_hf(source: str | os.PathLike, save: str | os.PathLike, allow_approximate_gelu: bool = False,
-              progress: bool = True) -> Path:
-    """Turn an HF GPT-2 or Llama directory into a megalite checkpoint (iteration 0, weights only, fp32); returns it.
-    ``allow_approximate_gelu`` concerns GPT-2 only (see ``hf_gpt2``); ``progress``: a bar on a terminal while the
+def import_hf(source: str | os.PathLike, save: str | os.PathLike, progress: bool = True) -> Path:
+    """Turn an HF GPT-2, Llama, Mistral or Qwen2 directory into a megalite checkpoint (iteration 0, weights only,
+    fp32, with the directory's tokenizer if it has one); returns it. ``progress``: a bar on a terminal while the
     tensors are converted."""
     directory = Path(source)
     if not (directory / HF_CONFIG).is_file():
@@ -115,15 +138,24 @@ def import_hf(source: str | os.PathLike, save: str | os.PathLike, allow_approxim
     except (OSError, json.JSONDecodeError) as error:
         raise CheckpointError(f"{directory / HF_CONFIG}: unreadable ({error})") from None
     model_type = hf.get("model_type", "gpt2")   # GPT-2 configs of old transformers versions may not say
-    if model_type == "llama":
+    if model_type in hf_llama.BY_MODEL_TYPE:
         model = hf_llama.model_config_from(hf)
-        canonical = hf_llama.from_hf(read_hf_tensors(directory), model)
+        canonical = hf_llama.from_hf(read_hf_tensors(directory), model, hf_llama.BY_MODEL_TYPE[model_type])
     elif model_type == "gpt2":
-        model = hf_gpt2.model_config_from(hf, allow_approximate_gelu)
+        model = hf_gpt2.model_config_from(hf)
         canonical = hf_gpt2.from_hf(read_hf_tensors(directory), model)
     else:
         raise CheckpointError(f"model_type {model_type!r}: only {hf_gpt2.ARCHITECTURE} (gpt2) and "
-                              f"{hf_llama.ARCHITECTURE} (llama) can be imported")
+                              f"{', '.join(f'{a.name} ({a.model_type})' for a in hf_llama.ARCHITECTURES.values())} "
+                              f"can be imported")
+    tokenizer = hf_tokenizer(directory)
+    if tokenizer is not None and tokenizer.vocab_size != model.vocab_size:
+        if tokenizer.vocab_size > model.vocab_size:
+            raise CheckpointError(f"{directory}: the tokenizer has {tokenizer.vocab_size} ids, more than the "
+                                  f"model's vocab_size {model.vocab_size}")
+        # The model pads its embedding past the tokenizer: keep the rows the tokenizer can produce.
+        canonical = {name: t[:tokenizer.vocab_size] if name in _VOCABULARY_ROWS else t for name, t in canonical.items()}
+        model = dataclasses.replace(model, vocab_size=tokenizer.vocab_size)
     cfg = MegaliteConfig(model=model)
     with single_process_layout():
         with torch.device("meta"):
@@ -136,7 +168,8 @@ def import_hf(source: str | os.PathLike, save: str | os.PathLike, allow_approxim
             tensor = torch.nn.Parameter(split(canonical[name].float(), param.partition, 0, 1), requires_grad=False)
             tensor.full_shape, tensor.partition = param.full_shape, param.partition
             parameters.append((name, tensor))
-        return save_checkpoint(save, cfg=cfg, iteration=0, consumed_samples=0, parameters=parameters)
+        return save_checkpoint(save, cfg=cfg, iteration=0, consumed_samples=0, parameters=parameters,
+                               tokenizer=tokenizer)
 
 
 def inspect(load: str | os.PathLike) -> str:

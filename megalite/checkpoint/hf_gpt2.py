@@ -5,9 +5,9 @@ The two are the same network: learned positions, pre-LayerNorm blocks, biases ev
 
 - HF GPT-2 uses ``Conv1D`` (weight [in, out]) where megalite uses linear layers (weight [out, in]): transposed.
 - ``c_attn`` is the fused [q; k; v] projection, megalite's canonical ``linear_qkv`` stacked the same way.
-- megalite's GeLU is the exact (erf) one: HF ``activation_function="gelu"``. HF's default ``gelu_new`` (and
-  ``gelu_pytorch_tanh``) is the tanh approximation, which megalite does not implement; importing such a model is
-  refused unless asked for explicitly (the logits then differ by the approximation, about 1e-3).
+- the activation: HF ``activation_function="gelu"`` is megalite's exact GeLU; ``gelu_new`` (OpenAI's GPT-2, HF's
+  default), ``gelu_pytorch_tanh`` and ``gelu_fast`` are its tanh approximation, megalite's ``--openai-gelu``; any
+  other is refused. An export writes ``gelu`` or ``gelu_new``.
 - canonical tensors carry no vocabulary padding, so the HF vocabulary is the tokenizer's.
 
 No ``transformers`` import: config.json is plain JSON, and the tensors are given and returned as dicts.
@@ -26,7 +26,8 @@ from megalite.config import ModelConfig
 
 ARCHITECTURE = "GPT2LMHeadModel"
 EXACT_GELU = "gelu"
-TANH_GELUS = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")
+TANH_GELU = "gelu_new"
+TANH_GELUS = (TANH_GELU, "gelu_pytorch_tanh", "gelu_fast")   # the same function, written three ways
 
 # GPT2Config's defaults, for config.json files that leave keys out.
 _HF_DEFAULTS = {"n_positions": 1024, "n_embd": 768, "n_layer": 12, "n_head": 12, "n_inner": None,
@@ -40,7 +41,7 @@ _HF_DEFAULTS = {"n_positions": 1024, "n_embd": 768, "n_layer": 12, "n_head": 12,
 _MAPPED_FIELDS = {"num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "seq_length",
                   "max_position_embeddings", "vocab_size", "make_vocab_size_divisible_by", "init_method_std",
                   "hidden_dropout", "attention_dropout", "layernorm_epsilon", "untie_embeddings_and_output_weights",
-                  "recompute_granularity", "recompute_method", "recompute_num_layers"}
+                  "openai_gelu", "recompute_granularity", "recompute_method", "recompute_num_layers"}
 
 _LAYER_NAMES = [  # (megalite name inside layer i, HF name inside block i, transposed)
     ("input_norm.weight", "ln_1.weight", False), ("input_norm.bias", "ln_1.bias", False),
@@ -135,17 +136,15 @@ def _with_defaults(hf: dict[str, Any]) -> dict[str, Any]:
     return {**_HF_DEFAULTS, **{k: v for k, v in hf.items() if v is not None or k == "n_inner"}}
 
 
-def model_config_from(hf: dict[str, Any], allow_tanh_gelu: bool = False) -> ModelConfig:
+def model_config_from(hf: dict[str, Any]) -> ModelConfig:
     """The megalite ModelConfig of an HF GPT-2 config.json (refusing what megalite would compute differently)."""
     hf = _with_defaults(hf)
     if hf.get("model_type", "gpt2") != "gpt2":
         raise CheckpointError(f"model_type {hf.get('model_type')!r}: only {ARCHITECTURE} (gpt2) can be imported")
     activation = hf["activation_function"]
-    if activation != EXACT_GELU and not (allow_tanh_gelu and activation in TANH_GELUS):
-        hint = (" (the tanh approximation of GeLU; megalite computes the exact one: pass "
-                "--allow-approximate-gelu to import anyway, logits then differ slightly)" if activation in TANH_GELUS
-                else "")
-        raise CheckpointError(f"activation_function {activation!r} is not supported{hint}")
+    if activation != EXACT_GELU and activation not in TANH_GELUS:
+        raise CheckpointError(f"activation_function {activation!r} is not supported (megalite computes GeLU, "
+                              f"exact ({EXACT_GELU}) or tanh ({', '.join(TANH_GELUS)}))")
     for key, supported in (("scale_attn_weights", True), ("scale_attn_by_inverse_layer_idx", False),
                            ("add_cross_attention", False)):
         if bool(hf[key]) != supported:
@@ -155,14 +154,16 @@ def model_config_from(hf: dict[str, Any], allow_tanh_gelu: bool = False) -> Mode
                        max_position_embeddings=hf["n_positions"], vocab_size=hf["vocab_size"],
                        init_method_std=hf["initializer_range"], hidden_dropout=hf["resid_pdrop"],
                        attention_dropout=hf["attn_pdrop"], layernorm_epsilon=hf["layer_norm_epsilon"],
-                       untie_embeddings_and_output_weights=not hf["tie_word_embeddings"])
+                       untie_embeddings_and_output_weights=not hf["tie_word_embeddings"],
+                       openai_gelu=activation in TANH_GELUS)
 
 
 def hf_config_from(model: ModelConfig, eod: int | None = None, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
     """config.json of the GPT2LMHeadModel equal to a megalite model."""
     config = {"architectures": [ARCHITECTURE], "model_type": "gpt2", "vocab_size": model.vocab_size,
               "n_positions": model.max_positions, "n_embd": model.hidden_size, "n_layer": model.num_layers,
-              "n_head": model.num_attention_heads, "n_inner": model.ffn_size, "activation_function": EXACT_GELU,
+              "n_head": model.num_attention_heads, "n_inner": model.ffn_size,
+              "activation_function": TANH_GELU if model.openai_gelu else EXACT_GELU,
               "resid_pdrop": model.hidden_dropout, "embd_pdrop": model.hidden_dropout,
               "attn_pdrop": model.attention_dropout, "layer_norm_epsilon": model.layernorm_epsilon,
               "initializer_range": model.init_method_std, "scale_attn_weights": True,

@@ -1,30 +1,37 @@
-"""Megalite's Llama-shaped GPT <-> Hugging Face ``LlamaForCausalLM``: names, shapes and config.
+"""Megalite's Llama-shaped GPT <-> Hugging Face ``LlamaForCausalLM``, ``MistralForCausalLM`` and
+``Qwen2ForCausalLM``: names, shapes and config.
 
-A megalite model with rotary positions, RMSNorm, SwiGLU and no biases (grouped-query attention or not) is a Llama.
-Its canonical tensors are already in Hugging Face's layout, so converting is renaming and cutting fused weights:
+A megalite model with rotary positions, RMSNorm, SwiGLU and no biases (grouped-query attention or not) is a Llama;
+with ``--add-qkv-bias`` (biases on q, k and v only) a Qwen2; a Mistral is a Llama whose attention is not limited to
+a sliding window. Its canonical tensors are already in Hugging Face's layout, so converting is renaming and cutting
+fused weights:
 
 - ``linear_qkv`` is [q_proj; k_proj; v_proj] stacked along the output dimension, q with heads x head_dim rows, k
   and v with groups x head_dim rows each, heads in order inside each block (no per-group interleaving: tensor
-  parallelism splits each block separately, so the canonical tensor is the plain stack).
+  parallelism splits each block separately, so the canonical tensor is the plain stack); Qwen2's biases likewise.
 - ``linear_fc1`` is [gate_proj; up_proj]; ``linear_proj`` is o_proj, ``linear_fc2`` down_proj; no transposes.
 - Rotary embeddings use the rotate-half convention of HF's Llama, whose q_proj/k_proj rows are already permuted for
-  it (Meta's original checkpoints are not): no permutation either way.
+  it (Meta's original checkpoints are not): no permutation either way. Llama 3.1's rope scaling (``rope_type``
+  ``llama3``) maps onto ``--use-rope-scaling`` and its factors.
 - Canonical tensors carry no vocabulary padding, so the HF vocabulary is the tokenizer's.
 
-What megalite would compute differently is refused by name: rope scaling (Llama 3.1's ``llama3``, ``linear``,
-``dynamic``, ...), attention or MLP biases, an activation other than SiLU. A ``head_dim`` other than hidden size /
-heads is megalite's ``--kv-channels``. HF's Llama has no hidden dropout: megalite's (training only) is not exported and is 0 on import.
+What megalite would compute differently is refused by name: other rope scalings (``linear``, ``dynamic``, ``yarn``,
+...), attention or MLP biases of Llama, an activation other than SiLU, a sliding window shorter than the context
+(Mistral's ``sliding_window``, Qwen2's ``use_sliding_window``). A ``head_dim`` other than hidden size / heads is
+megalite's ``--kv-channels`` (Llama and Mistral; Qwen2's config has no head_dim). HF's models have no hidden dropout:
+megalite's (training only) is not exported and is 0 on import.
 
-config.json is written by transformers' own ``LlamaConfig`` (imported only then), so it is in the format the
-installed transformers reads (``rope_parameters`` from v5, ``rope_theta`` before); importing reads plain JSON in
-either format, with LlamaConfig's defaults for missing keys, and needs no transformers.
+config.json is written by transformers' own config class (imported only then), so it is in the format the installed
+transformers reads (``rope_parameters`` from v5, ``rope_theta`` and ``rope_scaling`` before); importing reads plain
+JSON in either format, with the config class's defaults for missing keys, and needs no transformers.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -32,28 +39,52 @@ from megalite.checkpoint.errors import CheckpointError
 from megalite.checkpoint.model_specs import check_options_mapped
 from megalite.config import ModelConfig
 
-ARCHITECTURE = "LlamaForCausalLM"
 SILU = ("silu", "swish")   # the same function in transformers' ACT2FN
 
 # The options that make a megalite model a Llama, with the value each must have.
 LLAMA_OPTIONS = {"position_embedding_type": "rope", "normalization": "RMSNorm", "swiglu": True,
                  "disable_bias_linear": True}
 
-# ModelConfig fields the Llama mapping accounts for, or that change neither the weights nor the inference maths
+# ModelConfig fields the mapping accounts for, or that change neither the weights nor the inference maths
 # (activation recompute, hidden dropout); any other field must keep its default to be exported.
 _MAPPED_FIELDS = {"num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "seq_length",
                   "max_position_embeddings", "vocab_size", "make_vocab_size_divisible_by", "init_method_std",
                   "hidden_dropout", "attention_dropout", "layernorm_epsilon", "untie_embeddings_and_output_weights",
-                  "rotary_base", "group_query_attention", "num_query_groups", "recompute_granularity",
+                  "rotary_base", "use_rope_scaling", "rope_scaling_factor", "rope_scaling_low_freq_factor",
+                  "rope_scaling_high_freq_factor", "rope_scaling_original_max_position_embeddings",
+                  "group_query_attention", "num_query_groups", "add_qkv_bias", "recompute_granularity",
                   "recompute_method", "recompute_num_layers", "kv_channels", *LLAMA_OPTIONS,
                   "no_position_embedding"}   # HF's head_dim; no learned positions beside rope anyway
 
-# LlamaConfig's defaults, for config.json files that leave keys out (None: derived from other keys).
-_HF_DEFAULTS = {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
-                "num_attention_heads": 32, "num_key_value_heads": None, "hidden_act": "silu",
-                "max_position_embeddings": 2048, "initializer_range": 0.02, "rms_norm_eps": 1e-6,
-                "tie_word_embeddings": False, "rope_theta": 10000.0, "rope_scaling": None, "attention_bias": False,
-                "attention_dropout": 0.0, "mlp_bias": False, "head_dim": None}
+# The config class's defaults, for config.json files that leave keys out (None: derived from other keys, or unset).
+_COMMON_DEFAULTS = {"hidden_act": "silu", "initializer_range": 0.02, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+                    "rope_theta": 10000.0, "rope_scaling": None, "attention_dropout": 0.0, "head_dim": None}
+
+
+@dataclasses.dataclass(frozen=True)
+class Architecture:
+    """One member of the Llama family."""
+    name: str              # "LlamaForCausalLM"
+    model_type: str        # config.json's model_type
+    config_class: str      # transformers' config class, which writes config.json
+    qkv_bias: bool         # biases on q_proj, k_proj and v_proj (megalite's --add-qkv-bias)
+    defaults: dict[str, Any]
+
+
+LLAMA = Architecture("LlamaForCausalLM", "llama", "LlamaConfig", False, {
+    **_COMMON_DEFAULTS, "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
+    "num_attention_heads": 32, "num_key_value_heads": None, "max_position_embeddings": 2048, "attention_bias": False,
+    "mlp_bias": False})
+MISTRAL = Architecture("MistralForCausalLM", "mistral", "MistralConfig", False, {
+    **_COMMON_DEFAULTS, "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+    "num_attention_heads": 32, "num_key_value_heads": 8, "max_position_embeddings": 4096 * 32,
+    "sliding_window": 4096})
+QWEN2 = Architecture("Qwen2ForCausalLM", "qwen2", "Qwen2Config", True, {
+    **_COMMON_DEFAULTS, "vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 22016,
+    "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32, "max_position_embeddings": 32768,
+    "use_sliding_window": False, "sliding_window": 4096, "max_window_layers": 28, "layer_types": None})
+ARCHITECTURES = {a.name: a for a in (LLAMA, MISTRAL, QWEN2)}
+BY_MODEL_TYPE = {a.model_type: a for a in ARCHITECTURES.values()}
 
 # (megalite name inside layer i, HF names inside model.layers.i it is the stack of, in order)
 _LAYER_NAMES = [("input_norm.weight", ["input_layernorm.weight"]),
@@ -63,49 +94,78 @@ _LAYER_NAMES = [("input_norm.weight", ["input_layernorm.weight"]),
                 ("pre_mlp_norm.weight", ["post_attention_layernorm.weight"]),
                 ("mlp.linear_fc1.weight", ["mlp.gate_proj.weight", "mlp.up_proj.weight"]),
                 ("mlp.linear_fc2.weight", ["mlp.down_proj.weight"])]
+_QKV_BIAS = ("self_attention.linear_qkv.bias", ["self_attn.q_proj.bias", "self_attn.k_proj.bias",
+                                                "self_attn.v_proj.bias"])
 _TOP_NAMES = [("embedding.word.weight", ["model.embed_tokens.weight"]), ("final_norm.weight", ["model.norm.weight"])]
 # Buffers some HF versions store beside the parameters (rotary inverse frequencies): not weights, ignored on import.
 _HF_BUFFERS = re.compile(r"model\.(layers\.\d+\.self_attn\.)?rotary_emb\.inv_freq")
+# The keys of HF's llama3 rope parameters, and megalite's options they set.
+_LLAMA3_KEYS = {"factor": "rope_scaling_factor", "low_freq_factor": "rope_scaling_low_freq_factor",
+                "high_freq_factor": "rope_scaling_high_freq_factor",
+                "original_max_position_embeddings": "rope_scaling_original_max_position_embeddings"}
+
+
+def export_architecture(model: ModelConfig, name: Optional[str] = None) -> Architecture:
+    """The family member a Llama-shaped model exports as: ``name`` if given, else Qwen2 with q/k/v biases and Llama
+    without (a Mistral is the same network: ask for it by name)."""
+    if name is None:
+        return QWEN2 if model.add_qkv_bias else LLAMA
+    if name not in ARCHITECTURES:
+        raise CheckpointError(f"unknown architecture {name!r} (a Llama-shaped model exports as "
+                              f"{', '.join(ARCHITECTURES)})")
+    return ARCHITECTURES[name]
 
 
 def is_llama_shaped(model: ModelConfig) -> bool:
     """Whether the model uses any Llama-only option (then it can only export as a Llama, if at all)."""
-    return model.group_query_attention or any(getattr(model, k) == v for k, v in LLAMA_OPTIONS.items())
+    return (model.group_query_attention or model.add_qkv_bias
+            or any(getattr(model, k) == v for k, v in LLAMA_OPTIONS.items()))
 
 
 def name_map(model: ModelConfig) -> list[tuple[str, list[str]]]:
     """(canonical megalite name, the HF names it stacks along dim 0) for every tensor of a Llama with this config."""
     names = list(_TOP_NAMES)
+    layer_names = _LAYER_NAMES + ([_QKV_BIAS] if model.add_qkv_bias else [])
     for i in range(model.num_layers):
-        names += [(f"layers.{i}.{m}", [f"model.layers.{i}.{h}" for h in hf]) for m, hf in _LAYER_NAMES]
+        names += [(f"layers.{i}.{m}", [f"model.layers.{i}.{h}" for h in hf]) for m, hf in layer_names]
     if model.untie_embeddings_and_output_weights:
         names.append(("output_layer.weight", ["lm_head.weight"]))
     return names
 
 
-def check_exportable(model: ModelConfig) -> None:
-    """Raise CheckpointError unless the model is a Llama: every Llama option set, every other option mapped."""
+def check_exportable(model: ModelConfig, architecture: Architecture = LLAMA) -> None:
+    """Raise CheckpointError unless the model is this family member: every Llama option set, q/k/v biases as the
+    architecture has them, every other option mapped."""
     for name, wanted in LLAMA_OPTIONS.items():
         value = getattr(model, name)
         if value != wanted:
             raise CheckpointError(
-                f"cannot export as {ARCHITECTURE}: model option {name}={value!r} (a Llama needs {name}={wanted!r}); "
-                f"a GPT-2-shaped model (learned positions, LayerNorm, GeLU, biases) exports as GPT2LMHeadModel")
-    check_options_mapped(model, _MAPPED_FIELDS, ARCHITECTURE, "Llama")
+                f"cannot export as {architecture.name}: model option {name}={value!r} (a Llama needs "
+                f"{name}={wanted!r}); a GPT-2-shaped model (learned positions, LayerNorm, GeLU, biases) exports as "
+                f"GPT2LMHeadModel")
+    if model.add_qkv_bias != architecture.qkv_bias:
+        other = QWEN2.name if model.add_qkv_bias else f"{LLAMA.name} or {MISTRAL.name}"
+        raise CheckpointError(f"cannot export as {architecture.name}: model option add_qkv_bias={model.add_qkv_bias} "
+                              f"(exports as {other})")
+    if architecture is QWEN2 and model.head_dim * model.num_attention_heads != model.hidden_size:
+        raise CheckpointError(f"cannot export as {architecture.name}: kv_channels {model.head_dim} is not hidden size / "
+                              f"heads (Qwen2's config has no head_dim; export as {LLAMA.name})")
+    check_options_mapped(model, _MAPPED_FIELDS, architecture.name, "Llama")
 
 
-def to_hf(tensors: dict[str, torch.Tensor], model: ModelConfig) -> dict[str, torch.Tensor]:
-    """Canonical megalite tensors -> HF Llama state dict (names, fused weights cut); checks every shape."""
-    check_exportable(model)
+def to_hf(tensors: dict[str, torch.Tensor], model: ModelConfig,
+          architecture: Architecture = LLAMA) -> dict[str, torch.Tensor]:
+    """Canonical megalite tensors -> HF state dict (names, fused weights cut); checks every shape."""
+    check_exportable(model, architecture)
     expected = name_map(model)
     extra = sorted(set(tensors) - {m for m, _ in expected})
     if extra:
-        raise CheckpointError(f"cannot export as {ARCHITECTURE}: it has no counterpart of {extra[0]}")
+        raise CheckpointError(f"cannot export as {architecture.name}: it has no counterpart of {extra[0]}")
     shapes = _hf_shapes(model)
     result = {}
     for megalite_name, hf_names in expected:
         if megalite_name not in tensors:
-            raise CheckpointError(f"cannot export as {ARCHITECTURE}: the checkpoint has no {megalite_name}")
+            raise CheckpointError(f"cannot export as {architecture.name}: the checkpoint has no {megalite_name}")
         tensor = tensors[megalite_name]
         rows = [shapes[_suffix(h)][0] for h in hf_names]   # a fused tensor's blocks, in stacking order
         if tensor.shape[0] != sum(rows):
@@ -115,8 +175,9 @@ def to_hf(tensors: dict[str, torch.Tensor], model: ModelConfig) -> dict[str, tor
     return result
 
 
-def from_hf(tensors: dict[str, torch.Tensor], model: ModelConfig) -> dict[str, torch.Tensor]:
-    """HF Llama state dict (with or without the ``model.`` prefix) -> canonical megalite tensors, for the model
+def from_hf(tensors: dict[str, torch.Tensor], model: ModelConfig,
+            architecture: Architecture = LLAMA) -> dict[str, torch.Tensor]:
+    """HF state dict (with or without the ``model.`` prefix) -> canonical megalite tensors, for the model
     :func:`model_config_from` made of its config."""
     named = {}
     for name, tensor in tensors.items():
@@ -133,7 +194,7 @@ def from_hf(tensors: dict[str, torch.Tensor], model: ModelConfig) -> dict[str, t
             " (the config says tie_word_embeddings=false)" if missing[0] == "lm_head.weight" else ""))
     unexpected = sorted(set(named) - {h for _, hf_names in expected for h in hf_names})
     if unexpected:
-        raise CheckpointError(f"unexpected tensor {unexpected[0]} for {ARCHITECTURE}")
+        raise CheckpointError(f"unexpected tensor {unexpected[0]} for {architecture.name}")
     _check_shapes(named, model, "input")
     return {m: torch.cat([named[h] for h in hf_names]).contiguous() for m, hf_names in expected}
 
@@ -151,7 +212,8 @@ def _hf_shapes(model: ModelConfig) -> dict[str, tuple[int, ...]]:
             "input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
             "self_attn.q_proj.weight": (q, h), "self_attn.k_proj.weight": (kv, h), "self_attn.v_proj.weight": (kv, h),
             "self_attn.o_proj.weight": (h, q), "mlp.gate_proj.weight": (ffn, h), "mlp.up_proj.weight": (ffn, h),
-            "mlp.down_proj.weight": (h, ffn)}
+            "mlp.down_proj.weight": (h, ffn), "self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,),
+            "self_attn.v_proj.bias": (kv,)}
 
 
 def _check_shapes(tensors: dict[str, torch.Tensor], model: ModelConfig, what: str) -> None:
@@ -162,30 +224,66 @@ def _check_shapes(tensors: dict[str, torch.Tensor], model: ModelConfig, what: st
             raise CheckpointError(f"{what} tensor {name} is {list(tensor.shape)}, the config says {list(want)}")
 
 
-def _rope_theta(hf: dict[str, Any]) -> float:
-    """The rotary base of either config format, refusing any rope scaling."""
-    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}   # v5 / before v5
-    kind = rope.get("rope_type", rope.get("type", "default"))
-    if kind != "default":
-        raise CheckpointError(f"rope scaling {kind!r} is not supported (megalite computes plain rotary embeddings): "
-                              f"rope_scaling/rope_parameters must be unset or of rope_type 'default'")
-    theta = rope.get("rope_theta", hf["rope_theta"])
+def _rope(hf: dict[str, Any]) -> dict[str, Any]:
+    """The rotary options (base, llama3 scaling) of either config format, refusing other rope scalings."""
+    rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})   # v5 / before v5
+    kind = rope.pop("rope_type", rope.pop("type", "default"))
+    if kind not in ("default", "llama3"):
+        raise CheckpointError(f"rope scaling {kind!r} is not supported (megalite computes plain rotary embeddings "
+                              f"or Llama 3's scaling): rope_scaling/rope_parameters must be unset or of rope_type "
+                              f"'default' or 'llama3'")
+    theta = rope.pop("rope_theta", None) or hf["rope_theta"]
     if float(theta) != int(theta):
         raise CheckpointError(f"rope_theta {theta} is not supported (megalite's rotary base is an integer)")
-    return theta
+    options: dict[str, Any] = {"rotary_base": int(theta)}
+    if kind == "llama3":
+        missing = [key for key in _LLAMA3_KEYS if rope.get(key) is None]
+        if missing:
+            raise CheckpointError(f"rope scaling 'llama3' without {missing[0]}")
+        options.update(use_rope_scaling=True, **{option: rope.pop(key) for key, option in _LLAMA3_KEYS.items()})
+        options["rope_scaling_original_max_position_embeddings"] = int(
+            options["rope_scaling_original_max_position_embeddings"])
+    unknown = sorted(key for key, value in rope.items() if value is not None and key not in _LLAMA3_KEYS)
+    if unknown:
+        raise CheckpointError(f"rope parameter {unknown[0]}={rope[unknown[0]]!r} is not supported (rope_type "
+                              f"{kind!r})")
+    return options
+
+
+def _check_attention_window(hf: dict[str, Any], architecture: Architecture) -> None:
+    """Refuse a sliding window shorter than the context: megalite attends to every earlier position."""
+    window = hf.get("sliding_window")
+    if architecture is QWEN2:
+        layer_types = hf.get("layer_types") or [
+            "sliding_attention" if i >= hf["max_window_layers"] else "full_attention"
+            for i in range(hf["num_hidden_layers"])]
+        if not hf["use_sliding_window"] or "sliding_attention" not in layer_types:
+            return
+        setting = f"use_sliding_window with sliding_window {window}"
+    elif architecture is MISTRAL:
+        setting = f"sliding_window {window}"
+    else:
+        return
+    if window is not None and window < hf["max_position_embeddings"]:
+        raise CheckpointError(f"{setting} is not supported: it is shorter than max_position_embeddings "
+                              f"{hf['max_position_embeddings']} (megalite attends to the whole context)")
 
 
 def model_config_from(hf: dict[str, Any]) -> ModelConfig:
-    """The megalite ModelConfig of an HF Llama config.json (refusing what megalite would compute differently)."""
-    if hf.get("model_type") != "llama":
-        raise CheckpointError(f"model_type {hf.get('model_type')!r}: not a {ARCHITECTURE} (llama)")
-    hf = {**_HF_DEFAULTS, **{k: v for k, v in hf.items() if v is not None}}
-    theta = _rope_theta(hf)
+    """The megalite ModelConfig of an HF Llama, Mistral or Qwen2 config.json (refusing what megalite would compute
+    differently)."""
+    architecture = BY_MODEL_TYPE.get(hf.get("model_type"))
+    if architecture is None:
+        raise CheckpointError(f"model_type {hf.get('model_type')!r}: not one of {', '.join(BY_MODEL_TYPE)}")
+    hf = {**architecture.defaults, **hf}   # an explicit null stays null (Mistral's sliding_window: none)
+    rope = _rope(hf)
     if hf["hidden_act"] not in SILU:
         raise CheckpointError(f"hidden_act {hf['hidden_act']!r} is not supported (megalite's SwiGLU uses silu)")
     for key in ("attention_bias", "mlp_bias"):
-        if hf[key]:
-            raise CheckpointError(f"{key}={hf[key]} is not supported (megalite's Llama has no biases)")
+        if hf.get(key):
+            raise CheckpointError(f"{key}={hf[key]} is not supported (megalite's {architecture.name} has no "
+                                  f"biases there)")
+    _check_attention_window(hf, architecture)
     hidden, heads = hf["hidden_size"], hf["num_attention_heads"]
     # head_dim other than hidden / heads (Qwen3-style): megalite's --kv-channels.
     kv_channels = hf["head_dim"] if hf["head_dim"] is not None and hf["head_dim"] * heads != hidden else None
@@ -200,30 +298,41 @@ def model_config_from(hf: dict[str, Any]) -> ModelConfig:
                        init_method_std=hf["initializer_range"], hidden_dropout=0.0,
                        attention_dropout=hf["attention_dropout"], layernorm_epsilon=hf["rms_norm_eps"],
                        untie_embeddings_and_output_weights=not hf["tie_word_embeddings"],
-                       position_embedding_type="rope", rotary_base=int(theta), normalization="RMSNorm",
-                       swiglu=True, group_query_attention=grouped, num_query_groups=groups if grouped else 1,
-                       disable_bias_linear=True, kv_channels=kv_channels)
+                       position_embedding_type="rope", normalization="RMSNorm", swiglu=True,
+                       group_query_attention=grouped, num_query_groups=groups if grouped else 1,
+                       disable_bias_linear=True, add_qkv_bias=architecture.qkv_bias, kv_channels=kv_channels, **rope)
 
 
-def hf_config_from(model: ModelConfig, eod: int | None = None, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
-    """The ``LlamaConfig`` keyword arguments of the HF Llama equal to a megalite model."""
-    return {"architectures": [ARCHITECTURE], "vocab_size": model.vocab_size, "hidden_size": model.hidden_size,
-            "intermediate_size": model.ffn_size, "num_hidden_layers": model.num_layers,
-            "num_attention_heads": model.num_attention_heads, "num_key_value_heads": model.query_groups,
-            "head_dim": model.head_dim, "hidden_act": "silu", "max_position_embeddings": model.max_positions,
-            "initializer_range": model.init_method_std, "rms_norm_eps": model.layernorm_epsilon,
-            "tie_word_embeddings": not model.untie_embeddings_and_output_weights,
-            "rope_theta": float(model.rotary_base), "attention_bias": False, "mlp_bias": False,
-            "attention_dropout": model.attention_dropout, "bos_token_id": eod, "eos_token_id": eod,
-            "dtype": str(dtype).removeprefix("torch.")}
+def hf_config_from(model: ModelConfig, eod: int | None = None, dtype: torch.dtype = torch.float32,
+                   architecture: Architecture = LLAMA) -> dict[str, Any]:
+    """The keyword arguments of the config class of ``architecture`` equal to a megalite model."""
+    config = {"architectures": [architecture.name], "vocab_size": model.vocab_size, "hidden_size": model.hidden_size,
+              "intermediate_size": model.ffn_size, "num_hidden_layers": model.num_layers,
+              "num_attention_heads": model.num_attention_heads, "num_key_value_heads": model.query_groups,
+              "hidden_act": "silu", "max_position_embeddings": model.max_positions,
+              "initializer_range": model.init_method_std, "rms_norm_eps": model.layernorm_epsilon,
+              "tie_word_embeddings": not model.untie_embeddings_and_output_weights,
+              "rope_theta": float(model.rotary_base), "attention_dropout": model.attention_dropout,
+              "bos_token_id": eod, "eos_token_id": eod, "dtype": str(dtype).removeprefix("torch.")}
+    if model.use_rope_scaling:
+        config["rope_scaling"] = {"rope_type": "llama3", **{key: getattr(model, option)
+                                                            for key, option in _LLAMA3_KEYS.items()}}
+    if architecture is LLAMA:
+        config.update(head_dim=model.head_dim, attention_bias=False, mlp_bias=False)
+    elif architecture is MISTRAL:
+        config.update(head_dim=model.head_dim, sliding_window=None)
+    else:
+        config.update(use_sliding_window=False, sliding_window=None)
+    return config
 
 
 def write_hf_config(model: ModelConfig, directory: str | os.PathLike, eod: int | None = None,
-                    dtype: torch.dtype = torch.float32) -> None:
-    """Write ``directory/config.json`` with transformers' LlamaConfig (the only use of transformers here)."""
+                    dtype: torch.dtype = torch.float32, architecture: Architecture = LLAMA) -> None:
+    """Write ``directory/config.json`` with transformers' config class (the only use of transformers here)."""
     try:
-        from transformers import LlamaConfig
+        import transformers
     except ImportError:
-        raise CheckpointError(f"exporting as {ARCHITECTURE} needs the transformers package: "
+        raise CheckpointError(f"exporting as {architecture.name} needs the transformers package: "
                               f"pip install transformers") from None
-    LlamaConfig(**hf_config_from(model, eod, dtype)).save_pretrained(directory)
+    config_class = getattr(transformers, architecture.config_class)
+    config_class(**hf_config_from(model, eod, dtype, architecture)).save_pretrained(directory)

@@ -26,7 +26,8 @@ from megalite.checkpoint.errors import CheckpointError
 from megalite.config import MegaliteConfig, ModelConfig
 from megalite.config.flags import FLAG
 from megalite.data.errors import DataError
-from megalite.data.tokenizer import Tokenizer, build_tokenizer
+from megalite.checkpoint.tokenizer import saved_tokenizer
+from megalite.data.tokenizer import Tokenizer, tokenizer_options_for
 
 # Model options that change how a model trains, not the function its weights compute.
 TRAINING_ONLY = frozenset({"hidden_dropout", "attention_dropout", "init_method_std", "seq_length",
@@ -47,15 +48,12 @@ def model_identity(model: ModelConfig) -> dict[str, object]:
     return identity
 
 
-def saved_tokenizer_source(checkpoint: Checkpoint) -> tuple[str, Optional[str]]:
-    """(tokenizer type, the model path ``build_tokenizer`` takes) of the checkpoint's tokenizer: its one stored file,
-    or the checkpoint directory when it stored several, or None when it stored none (its files checked first)."""
+def _saved_tokenizer_files(checkpoint: Checkpoint) -> list[str]:
+    """The names of the tokenizer's files stored in the checkpoint, checked against their digests."""
     info = checkpoint.manifest.tokenizer
-    files = info.get("files", [info["file"]] if "file" in info else [])
+    files = list(info.get("files", [info["file"]] if "file" in info else []))
     checkpoint.verify_files(files)
-    if len(files) > 1:
-        return info["type"], str(checkpoint.path)
-    return info["type"], str(checkpoint.path / files[0]) if files else None
+    return files
 
 
 def _saved_fingerprint(checkpoint: Checkpoint) -> Optional[str]:
@@ -63,9 +61,9 @@ def _saved_fingerprint(checkpoint: Checkpoint) -> Optional[str]:
     info = checkpoint.manifest.tokenizer
     if "fingerprint" in info:
         return info["fingerprint"]
-    vocab_size = info.get("vocab_size", checkpoint.manifest.config.get("model", {}).get("vocab_size"))
+    _saved_tokenizer_files(checkpoint)
     try:
-        return build_tokenizer(*saved_tokenizer_source(checkpoint), vocab_size).fingerprint()
+        return saved_tokenizer(checkpoint).fingerprint()
     except DataError:
         return None
 
@@ -112,10 +110,13 @@ def use_checkpoint_args(cfg: MegaliteConfig) -> tuple[MegaliteConfig, list[str]]
     changed = [f"{getattr(FLAG, name)} {value}" for name, value in taken.items() if getattr(cfg.model, name) != value]
     data = cfg.data
     if checkpoint.manifest.tokenizer is not None and data.data_path is not None and not data.mock_data:
-        kind, source = saved_tokenizer_source(checkpoint)
-        if (kind, source) != (data.tokenizer_type, data.tokenizer_model):
-            data = dataclasses.replace(data, tokenizer_type=kind, tokenizer_model=source)
-            changed.append(f"{FLAG.tokenizer_type} {kind} {FLAG.tokenizer_model} {source}")
+        _saved_tokenizer_files(checkpoint)
+        options = tokenizer_options_for(checkpoint.manifest.tokenizer["type"], checkpoint.path)
+        if any(getattr(data, name) != value for name, value in options.items()):
+            data = dataclasses.replace(data, **options)
+            changed.append(" ".join(f"{getattr(FLAG, name)} {value}" for name, value in options.items()
+                                    if value is not None and name in ("tokenizer_type", "tokenizer_model",
+                                                                      "vocab_file", "merge_file")))
     note = (f"{FLAG.use_checkpoint_args}: the model options of {checkpoint.path}" +
             (f" ({', '.join(changed)})" if changed else " (the same as the command line's)"))
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **taken), data=data), [note]

@@ -1,7 +1,8 @@
 """``megalite.load_pretrained(dir)``: a checkpoint as one single-process model, whatever layout it was saved at.
 
 The model is a whole :class:`GPTModel` (every layer, tensor-parallel size 1) in eval mode, wrapped so that calling it
-on token ids [batch, seq] returns logits [batch, seq, vocab] with the vocabulary padding removed. Megalite's layers
+on token ids [batch, seq] returns logits [batch, seq, vocab] with the vocabulary padding removed; ``generate``
+continues a prompt with a KV cache, ``tokenizer()`` is the checkpoint's tokenizer. Megalite's layers
 ask the registered layout for their tensor-parallel group; when no layout is registered (a plain script or notebook),
 a 1x1x1 one is registered just for the construction and for each call, so loading leaves no global state behind.
 """
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Iterator, Optional
+from typing import Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -21,8 +22,10 @@ from megalite.checkpoint.contents import Checkpoint, open_checkpoint
 from megalite.checkpoint.load import load_weights
 from megalite.checkpoint.model_specs import check_fits
 from megalite.config import MegaliteConfig
-from megalite.data.tokenizer import Tokenizer, build_tokenizer
-from megalite.model import GPTModel
+from megalite.checkpoint.tokenizer import saved_tokenizer
+from megalite.data.tokenizer import NullTokenizer, Tokenizer
+from megalite.generation import generate
+from megalite.model import GPTModel, KVCache
 from megalite.tensor_parallel import TensorParallelRNG
 
 
@@ -53,22 +56,30 @@ class PretrainedGPT(nn.Module):
         self.vocab_size = config.model.vocab_size
         self.iteration = checkpoint.manifest.iteration
         self._tokenizer_info = checkpoint.manifest.tokenizer
-        self._path = checkpoint.path
+        self._checkpoint = checkpoint
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, cache: Optional[KVCache] = None) -> torch.Tensor:
+        """Logits [batch, seq, vocab]; with a ``cache``, ``tokens`` continue the cached ones (see KVCache)."""
         with single_process_layout():
-            return self.gpt.full_logits(tokens)
+            return self.gpt.full_logits(tokens, cache)
 
     def tokenizer(self) -> Tokenizer:
-        """The tokenizer the checkpoint was trained with (a copy of its model is in the checkpoint); token ids as
-        text (NullTokenizer) when it was trained on mock data or imported without one."""
-        info = self._tokenizer_info or {"type": "NullTokenizer"}
-        model_file = str(self._path / info["file"]) if "file" in info else None
-        return build_tokenizer(info["type"], model_file, self.vocab_size)
+        """The tokenizer the checkpoint was trained with (its files are in the checkpoint); token ids as text
+        (NullTokenizer) when it was trained on mock data or imported without one."""
+        return saved_tokenizer(self._checkpoint) or NullTokenizer(self.vocab_size)
 
     @property
     def eod(self) -> Optional[int]:
         return (self._tokenizer_info or {}).get("eod")
+
+    def generate(self, prompt: Sequence[int], max_new_tokens: int, temperature: float = 0.0, top_k: int = 0,
+                 top_p: float = 1.0, seed: int = 0, use_cache: bool = True) -> list[int]:
+        """Token ids continuing ``prompt`` (ids), greedy by default, stopping after EOD; with a KV cache unless
+        ``use_cache`` is False (the same tokens, each costing the whole context)."""
+        device = next(self.gpt.parameters()).device
+        with single_process_layout():   # once, not per token
+            return generate(self, prompt, max_new_tokens, self.config.model.max_positions, temperature, top_k,
+                            top_p, eod=self.eod, seed=seed, use_cache=use_cache, device=device)
 
 
 def load_pretrained(directory: str | os.PathLike, dtype: torch.dtype = torch.float32,

@@ -5,11 +5,11 @@ line (``megalite.config.cli``) and the DeepSpeed translation (``megalite.config.
 loads neither Hydra nor OmegaConf.
 """
 
-from megalite.config.schema import (CheckpointConfig, ConfigError, DataConfig, KernelConfig, LoggingConfig,
-                                    MegaliteConfig, ModelConfig, OptimizerConfig, ParallelConfig, TrainingConfig,
-                                    from_dict, option, sections, to_dict)
+from megalite.config.schema import (TOKENIZER_TYPES, CheckpointConfig, ConfigError, DataConfig, KernelConfig,
+                                    LoggingConfig, MegaliteConfig, ModelConfig, OptimizerConfig, ParallelConfig,
+                                    TrainingConfig, from_dict, option, sections, to_dict)
 from megalite.config.validate import validate
 
-__all__ = ["CheckpointConfig", "ConfigError", "DataConfig", "KernelConfig", "LoggingConfig", "MegaliteConfig",
-           "ModelConfig", "OptimizerConfig", "ParallelConfig", "TrainingConfig", "from_dict", "option", "sections",
-           "to_dict", "validate"]
+__all__ = ["TOKENIZER_TYPES", "CheckpointConfig", "ConfigError", "DataConfig", "KernelConfig", "LoggingConfig",
+           "MegaliteConfig", "ModelConfig", "OptimizerConfig", "ParallelConfig", "TrainingConfig", "from_dict", "option",
+           "sections", "to_dict", "validate"]

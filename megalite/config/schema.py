@@ -18,6 +18,12 @@ class ConfigError(ValueError):
     """A bad option value or combination; reported as one line on every rank, exit code 2."""
 
 
+# The values of --tokenizer-type, each the name of a tokenizer class in megalite.data.tokenizer (which checks that
+# every one of them has its class): add a name here and its class there.
+TOKENIZER_TYPES = ("SentencePieceTokenizer", "HuggingFaceTokenizer", "GPT2BPETokenizer", "NullTokenizer",
+                   "GPTSentencePieceTokenizer", "Llama2Tokenizer", "TikTokenizer")
+
+
 def option(default, help: str, **kwargs):
     """A dataclass field with its one-line description (shown by ``--help``)."""
     return dataclasses.field(default=default, metadata={"help": help, **kwargs})
@@ -57,13 +63,30 @@ class ModelConfig:
     kv_channels: Optional[int] = option(
         None, "Head dimension of queries, keys and values; default hidden size / attention heads (Qwen3 and Gemma use "
               "another: the attention projections are then heads x this wide).")
+    use_rope_scaling: bool = option(
+        False, "With rope: Llama 3.1's rope scaling (Hugging Face rope_type llama3): frequencies whose wavelength "
+               "exceeds the original context / the low-frequency factor are divided by --rope-scaling-factor, those "
+               "below it / the high-frequency factor kept, those between interpolated smoothly.")
+    rope_scaling_factor: float = option(8.0, "With --use-rope-scaling: divisor of the low frequencies (Llama 3.1: 8, "
+                                             "Llama 3.2: 32).")
+    rope_scaling_low_freq_factor: float = option(1.0, "With --use-rope-scaling: the low-frequency factor (Llama 3: 1).")
+    rope_scaling_high_freq_factor: float = option(
+        4.0, "With --use-rope-scaling: the high-frequency factor (Llama 3: 4).")
+    rope_scaling_original_max_position_embeddings: int = option(
+        8192, "With --use-rope-scaling: the context length the model was pretrained at before scaling (Llama 3: "
+              "8192).")
     normalization: str = option("LayerNorm", "LayerNorm or RMSNorm (a learned scale only: no bias, no centering).")
     swiglu: bool = option(
         False, "SwiGLU MLP: down(silu(gate(x)) * up(x)), gate and up each of --ffn-hidden-size (Llama's MLP).")
+    openai_gelu: bool = option(
+        False, "The GeLU MLP uses the tanh approximation of GeLU (OpenAI's GPT-2, Hugging Face gelu_new, Megatron's "
+               "--openai-gelu) instead of the exact erf form.")
     group_query_attention: bool = option(
         False, "Grouped-query attention: the query heads share --num-query-groups key/value heads.")
     num_query_groups: int = option(1, "With --group-query-attention: number of key/value heads (1: multi-query).")
     disable_bias_linear: bool = option(False, "No biases in the attention and MLP linear layers.")
+    add_qkv_bias: bool = option(
+        False, "A bias on the query/key/value projection even with --disable-bias-linear (Qwen2's attention).")
     recompute_granularity: Optional[str] = option(
         None, "Activation recompute: full (keep each recomputed group's input only, rerun it in backward) or "
               "selective (rerun only the attention core: softmax, dropout and the two attention products).")
@@ -221,9 +244,17 @@ class DataConfig:
     data_cache_path: Optional[str] = option(
         None, "Directory for the cached sample/shuffle/blending indices; default megalite-cache/ beside the data.")
     tokenizer_type: str = option(
-        "SentencePieceTokenizer", "SentencePieceTokenizer (needs --tokenizer-model) or NullTokenizer (token ids "
-                                  "below --vocab-size, EOD = vocab size - 1).")
-    tokenizer_model: Optional[str] = option(None, "SentencePiece model file of the data given by --data-path.")
+        "SentencePieceTokenizer", "SentencePieceTokenizer (--tokenizer-model FILE), HuggingFaceTokenizer "
+                                  "(--tokenizer-model DIR holding tokenizer.json), GPT2BPETokenizer (--vocab-file "
+                                  "and --merge-file), NullTokenizer (token ids below --vocab-size, EOD = vocab size "
+                                  "- 1), or Megatron's Llama2Tokenizer, GPTSentencePieceTokenizer (SentencePiece "
+                                  "models) and TikTokenizer (--tokenizer-model FILE, --tiktoken-pattern). With --load "
+                                  "and none of these options, the checkpoint's tokenizer.")
+    tokenizer_model: Optional[str] = option(
+        None, "The tokenizer of the data given by --data-path: a SentencePiece model file, a Hugging Face "
+              "tokenizer's directory (tokenizer.json, tokenizer_config.json) or a TikTokenizer's JSON file.")
+    vocab_file: Optional[str] = option(None, "GPT2BPETokenizer: the vocabulary (vocab.json, token -> id).")
+    merge_file: Optional[str] = option(None, "GPT2BPETokenizer: the BPE merges (merges.txt).")
     tiktoken_pattern: Optional[str] = option(
         None, "With --tokenizer-type TikTokenizer: the pre-tokenization regex, v1 or v2 (Megatron's two patterns; v2 "
               "also splits a word where lower case turns to upper).")
@@ -251,6 +282,11 @@ class DataConfig:
                "next document's first token), as Megatron.")
     eval_interval: int = option(1000, "Compute the validation loss every this many iterations; 0 disables it.")
     eval_iters: int = option(100, "Global batches per validation-loss evaluation.")
+
+    def tokenizer_given(self) -> bool:
+        """Whether any tokenizer option differs from its default (else: the built-in corpus's, or --load's)."""
+        return (self.tokenizer_type != "SentencePieceTokenizer" or self.tokenizer_model is not None
+                or self.vocab_file is not None or self.merge_file is not None)
 
     def blend(self) -> tuple[list[str], Optional[list[float]]]:
         """(prefixes, weights) of data_path: 'A B' -> ([A, B], None), '0.3 A 0.7 B' -> ([A, B], [0.3, 0.7])."""

@@ -7,7 +7,7 @@ from typing import Any, Iterable
 
 from megalite.config.batches import batch_schedule
 from megalite.config.flags import FLAG
-from megalite.config.schema import ConfigError, MegaliteConfig
+from megalite.config.schema import TOKENIZER_TYPES, ConfigError, MegaliteConfig
 
 
 # Megatron's tokenizer names that megalite.data.tokenizer serves beside its SentencePiece and Null tokenizers.
@@ -169,6 +169,16 @@ def _check_architecture(cfg: MegaliteConfig) -> None:
              f"{m.head_dim} x {FLAG.rotary_percent} {m.rotary_percent:g} = {m.rotary_dim}")
     _at_least(1, [("rotary_base", m.rotary_base)])
     _one_of("attention_backend", m.attention_backend, ("auto", "flash", "fused", "unfused", "local"))
+    if m.use_rope_scaling:
+        _require(m.position_embedding_type == "rope",
+                 f"{FLAG.use_rope_scaling} needs {FLAG.position_embedding_type} rope")
+        _require(m.rope_scaling_factor >= 1, f"{FLAG.rope_scaling_factor} must be >= 1, got {m.rope_scaling_factor}")
+        _require(0 < m.rope_scaling_low_freq_factor < m.rope_scaling_high_freq_factor,
+                 f"need 0 < {FLAG.rope_scaling_low_freq_factor} < {FLAG.rope_scaling_high_freq_factor}, got "
+                 f"{m.rope_scaling_low_freq_factor} and {m.rope_scaling_high_freq_factor}")
+        _at_least(1, [("rope_scaling_original_max_position_embeddings",
+                       m.rope_scaling_original_max_position_embeddings)])
+    _require(not m.openai_gelu or not m.swiglu, f"{FLAG.openai_gelu} is for the GeLU MLP, not {FLAG.swiglu}")
     _one_of("normalization", m.normalization, ("LayerNorm", "RMSNorm"))
     if m.group_query_attention:
         g, heads = m.num_query_groups, m.num_attention_heads
@@ -356,7 +366,7 @@ def _check_data(cfg: MegaliteConfig) -> None:
     """The data options alone (no file is opened here: megalite.data.check_data_files does that)."""
     d = cfg.data
     d.split_fractions()
-    _one_of("tokenizer_type", d.tokenizer_type, ("SentencePieceTokenizer", "NullTokenizer", *MEGATRON_TOKENIZERS))
+    _one_of("tokenizer_type", d.tokenizer_type, TOKENIZER_TYPES)
     _check_megatron_tokenizer(cfg)
     _at_least(0, [("eval_interval", d.eval_interval), ("eval_iters", d.eval_iters)])
     if d.mock_data:
@@ -367,10 +377,17 @@ def _check_data(cfg: MegaliteConfig) -> None:
                               f"samples hold no end-of-document token)")
         return
     if d.data_path is None:  # the built-in corpus, which brings its own tokenizer
-        _require(d.tokenizer_model is None and d.tokenizer_type == "SentencePieceTokenizer",
-                 f"{FLAG.tokenizer_type}/{FLAG.tokenizer_model} need {FLAG.data_path} (the built-in corpus has its "
-                 f"own tokenizer)")
+        _require(not d.tokenizer_given(),
+                 f"{FLAG.tokenizer_type}/{FLAG.tokenizer_model}/{FLAG.vocab_file}/{FLAG.merge_file} need "
+                 f"{FLAG.data_path} (the built-in corpus has its own tokenizer)")
         return
     d.blend()
-    _require(d.tokenizer_type != "SentencePieceTokenizer" or d.tokenizer_model is not None,
-             f"{FLAG.data_path} needs {FLAG.tokenizer_model} (or {FLAG.tokenizer_type} NullTokenizer)")
+    if not d.tokenizer_given():
+        _require(cfg.checkpoint.load is not None,
+                 f"{FLAG.data_path} needs {FLAG.tokenizer_model} (or {FLAG.tokenizer_type} NullTokenizer, or a "
+                 f"{FLAG.load} checkpoint that holds a tokenizer)")
+        return
+    files = {"SentencePieceTokenizer": ["tokenizer_model"], "HuggingFaceTokenizer": ["tokenizer_model"],
+             "GPT2BPETokenizer": ["vocab_file", "merge_file"]}.get(d.tokenizer_type, [])
+    for name in files:
+        _require(getattr(d, name) is not None, f"{FLAG.tokenizer_type} {d.tokenizer_type} needs {getattr(FLAG, name)}")

@@ -1,6 +1,6 @@
 """From the data options to the train/valid/test datasets: the one entry point the trainer calls.
 
-Which data: ``--mock-data`` -> synthetic samples; ``--data-path`` -> those prefixes with ``--tokenizer-model``; neither
+Which data: ``--mock-data`` -> synthetic samples; ``--data-path`` -> those prefixes with the tokenizer options; neither
 -> the built-in corpus (built on first use). Each prefix's documents are cut into train/valid/test ranges by
 ``--split``; with several prefixes every split is a blend of the prefixes' same split, by the given weights or, with
 none given, by each prefix's number of tokens in that split.
@@ -25,7 +25,7 @@ from megalite.data.errors import DataError
 from megalite.data.gpt_dataset import SPLIT_NAMES, GPTDataset, split_documents
 from megalite.data.indexed_dataset import IndexedDataset, check_token_range
 from megalite.data.mock import MockGPTDataset
-from megalite.data.tokenizer import Tokenizer, build_tokenizer
+from megalite.data.tokenizer import Tokenizer, build_tokenizer, configured_tokenizer
 
 CACHE_DIR_NAME = "megalite-cache"
 # Mock valid/test samples come from other seeds than train's, so evaluating never scores training samples.
@@ -58,15 +58,14 @@ class _Sources:
 
 
 def run_tokenizer(cfg: MegaliteConfig) -> Optional[Tokenizer]:
-    """The tokenizer the run reads its data with: --tokenizer-model's, the built-in corpus's, or None (mock data)."""
+    """The tokenizer the run reads its data with: the tokenizer options', the built-in corpus's, or None (mock
+    data)."""
     d = cfg.data
     if d.mock_data:
         return None
     if d.data_path is None:
         return build_tokenizer("SentencePieceTokenizer", ensure_default_corpus().tokenizer_model, cfg.model.vocab_size)
-    return build_tokenizer(d.tokenizer_type, d.tokenizer_model, cfg.model.vocab_size,
-                           tiktoken_pattern=d.tiktoken_pattern, tiktoken_num_special_tokens=d.tiktoken_num_special_tokens,
-                           tiktoken_special_tokens=d.tiktoken_special_tokens)
+    return configured_tokenizer(d, cfg.model.vocab_size)
 
 
 def run_vocab_size(cfg: MegaliteConfig) -> int:

@@ -49,25 +49,26 @@ def scaled_masked_softmax(x: torch.Tensor, scale: float, ops: Ops = torch_ops) -
 
 class _BiasGelu(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, bias, ops):
-        ctx.ops, ctx.bias_dtype = ops, bias.dtype
+    def forward(ctx, x, bias, ops, tanh):
+        ctx.ops, ctx.bias_dtype, ctx.tanh = ops, bias.dtype, tanh
         bias = _in_dtype_of(bias, x, ops)
         ctx.save_for_backward(x, bias)
-        return ops.bias_gelu_forward(x, bias)
+        return ops.bias_gelu_forward(x, bias, tanh)
 
     @staticmethod
     def backward(ctx, grad_y):
         x, bias = ctx.saved_tensors
-        grad_x = ctx.ops.bias_gelu_backward(grad_y, x, bias)
+        grad_x = ctx.ops.bias_gelu_backward(grad_y, x, bias, ctx.tanh)
         grad_bias = None
         if ctx.needs_input_grad[1]:   # summed over tokens in fp32, then rounded once
             grad_bias = grad_x.reshape(-1, x.shape[-1]).sum(dim=0, dtype=torch.float32).to(ctx.bias_dtype)
-        return grad_x, grad_bias, None
+        return grad_x, grad_bias, None, None
 
 
-def bias_gelu(x: torch.Tensor, bias: torch.Tensor, ops: Ops = torch_ops) -> torch.Tensor:
-    """gelu(x + bias), the exact GeLU, bias [n] broadcast over x [..., n]."""
-    return _BiasGelu.apply(x, bias, ops)
+def bias_gelu(x: torch.Tensor, bias: torch.Tensor, ops: Ops = torch_ops, tanh: bool = False) -> torch.Tensor:
+    """gelu(x + bias), bias [n] broadcast over x [..., n]: the exact GeLU, or with ``tanh`` its tanh approximation
+    (``F.gelu(approximate="tanh")``, Megatron's fused bias-GeLU)."""
+    return _BiasGelu.apply(x, bias, ops, tanh)
 
 
 class _LayerNorm(torch.autograd.Function):

@@ -30,17 +30,26 @@ def masked_softmax_backward(grad_y: torch.Tensor, y: torch.Tensor, scale: float)
     return (scale * p * (g - (g * p).sum(dim=-1, keepdim=True))).to(y.dtype)
 
 
-# ---- bias + exact GeLU: x [..., n], bias [n] ----
+# ---- bias + GeLU, exact (erf) or tanh approximation: x [..., n], bias [n] ----
 
-def bias_gelu_forward(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    return torch.nn.functional.gelu(x.float() + bias.float()).to(x.dtype)
+_SQRT_2_OVER_PI = (2.0 / torch.pi) ** 0.5
+_TANH_CUBIC = 0.044715
 
 
-def bias_gelu_backward(grad_y: torch.Tensor, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+def bias_gelu_forward(x: torch.Tensor, bias: torch.Tensor, tanh: bool = False) -> torch.Tensor:
+    return torch.nn.functional.gelu(x.float() + bias.float(), approximate="tanh" if tanh else "none").to(x.dtype)
+
+
+def bias_gelu_backward(grad_y: torch.Tensor, x: torch.Tensor, bias: torch.Tensor, tanh: bool = False) -> torch.Tensor:
     u = x.float() + bias.float()
-    cdf = 0.5 * (1.0 + torch.erf(u * 0.5**0.5))
-    pdf = torch.exp(-0.5 * u * u) * (2.0 * torch.pi) ** -0.5
-    return (grad_y.float() * (cdf + u * pdf)).to(x.dtype)
+    if tanh:   # d/du of u/2 (1 + tanh(k (u + c u^3))): (1 + t)/2 + u/2 (1 - t^2) k (1 + 3 c u^2)
+        t = torch.tanh(_SQRT_2_OVER_PI * (u + _TANH_CUBIC * u * u * u))
+        derivative = 0.5 * (1.0 + t) + 0.5 * u * (1.0 - t * t) * _SQRT_2_OVER_PI * (1.0 + 3.0 * _TANH_CUBIC * u * u)
+    else:      # Phi(u) + u phi(u)
+        cdf = 0.5 * (1.0 + torch.erf(u * 0.5**0.5))
+        pdf = torch.exp(-0.5 * u * u) * (2.0 * torch.pi) ** -0.5
+        derivative = cdf + u * pdf
+    return (grad_y.float() * derivative).to(x.dtype)
 
 
 # ---- LayerNorm and RMSNorm over the last dimension; statistics [..., 1] fp32, parameter gradients fp32 ----

@@ -14,6 +14,8 @@ the blocks are unequal: [heads x head_dim; G x head_dim; G x head_dim]. The head
 Rotary embeddings, when configured, rotate q and k; attention runs on this rank's heads through torch's
 scaled_dot_product_attention (the "core", which selective recompute reruns in backward instead of keeping its
 seq x seq intermediates); a row-parallel projection sums the heads' contributions back into the residual stream.
+With a KV cache (generation) the new tokens are rotated at their positions and attend to the cached keys and values
+too (megalite.model.kv_cache). ``--add-qkv-bias`` gives the q/k/v projection a bias under ``--disable-bias-linear``.
 
 With ``--use-fused-kernels on`` (and not ``--no-masked-softmax-fusion``) the core on CUDA is instead Megatron's
 unfused attention with the fused causal softmax: q k^T, the scaled upper-triangular masked softmax kernel, dropout,
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -40,7 +43,8 @@ from megalite.kernels import DEFAULT_POLICY, KernelPolicy
 from megalite.kernels.fused import scaled_masked_softmax
 from megalite.kernels.policy import MASKED_SOFTMAX
 from megalite.model.context_parallel import SequenceShard, context_parallel_attention
-from megalite.model.rotary import RotaryEmbedding
+from megalite.model.kv_cache import LayerCache
+from megalite.model.rotary import RopeScaling, RotaryEmbedding
 from megalite.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, TensorParallelRNG,
                                       all_gather_tensor_parallel, recompute)
 
@@ -61,7 +65,7 @@ class SelfAttention(nn.Module):
         self.dropout = cfg.attention_dropout
         self.rng = rng
         self.recompute_core = cfg.recompute_granularity == "selective"
-        self.rotary = (RotaryEmbedding(cfg.rotary_dim, cfg.rotary_base, kernels)
+        self.rotary = (RotaryEmbedding(cfg.rotary_dim, cfg.rotary_base, kernels, RopeScaling.of(cfg))
                        if cfg.position_embedding_type == "rope" else None)
         bias = not cfg.disable_bias_linear
         kv_size = groups * head_dim
@@ -69,12 +73,15 @@ class SelfAttention(nn.Module):
         fused = 3 if groups == heads else (cfg.query_size, kv_size, kv_size)
         output_std = cfg.init_method_std / math.sqrt(2.0 * cfg.num_layers)   # Megatron's scaled init of outputs
         self.linear_qkv = ColumnParallelLinear(cfg.hidden_size, cfg.query_size + 2 * kv_size, fused=fused,
-                                               bias=bias, init_std=cfg.init_method_std,
+                                               bias=bias or cfg.add_qkv_bias, init_std=cfg.init_method_std,
                                                sequence_parallel=sequence_parallel)
         self.linear_proj = RowParallelLinear(cfg.query_size, cfg.hidden_size, bias=bias, init_std=output_std,
                                              sequence_parallel=sequence_parallel)
 
-    def forward(self, x: torch.Tensor, shard: SequenceShard | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, shard: SequenceShard | None = None,
+                cache: Optional[LayerCache] = None) -> torch.Tensor:
+        """With a ``cache`` (generation, one process), ``x`` holds the tokens after the cached ones, which it attends
+        to too; with a ``shard`` (context parallelism, packed documents), the positions and mask it describes."""
         qkv = self.linear_qkv(x)                 # the whole (local) sequence, also under sequence parallelism
         batch, seq, _ = qkv.shape
         q, k, v = qkv.split([self.heads * self.head_dim, self.kv_channels, self.kv_channels], dim=-1)
@@ -84,8 +91,13 @@ class SelfAttention(nn.Module):
         k, v = (t.view(batch, seq, self.kv_heads, self.head_dim).transpose(1, 2) for t in (k, v))
         if self.rotary is not None:
             positions = None if shard is None else shard.moved_positions
-            q, k = self.rotary(q, k, *((positions, shard.length) if positions is not None else ()))
-        if self.recompute_core and self.training and torch.is_grad_enabled():
+            if positions is not None:
+                q, k = self.rotary(q, k, positions, shard.length)
+            else:
+                q, k = self.rotary(q, k, offset=0 if cache is None else cache.offset)
+        if cache is not None:
+            context = cache.attend(q, k, v)
+        elif self.recompute_core and self.training and torch.is_grad_enabled():
             context = recompute(lambda *qkv: self._attend(*qkv, shard), self.rng, q, k, v)
         else:
             context = self._attend(q, k, v, shard)

@@ -31,6 +31,7 @@ from megalite import parallel_state
 from megalite.config import ModelConfig
 from megalite.kernels import DEFAULT_POLICY, KernelPolicy
 from megalite.model.context_parallel import SequenceShard
+from megalite.model.kv_cache import KVCache
 from megalite.model.norms import norm, position_embedding
 from megalite.model.transformer import TransformerLayer, run_layers
 from megalite.tensor_parallel import (ColumnParallelLinear, TensorParallelRNG, VocabParallelEmbedding,
@@ -55,12 +56,13 @@ class GPTEmbedding(nn.Module):
         self.dropout = nn.Dropout(cfg.hidden_dropout)
         self.rng, self.sequence_parallel = rng, sequence_parallel
 
-    def forward(self, tokens: torch.Tensor, shard: SequenceShard | None = None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, shard: SequenceShard | None = None,
+                first_position: int = 0) -> torch.Tensor:
         embeddings = self.word(tokens)
         split = self.sequence_parallel and parallel_state.get_tensor_model_parallel_world_size() > 1
         if self.position is not None:
             local = embeddings.shape[1]
-            first = parallel_state.get_tensor_model_parallel_rank() * local if split else 0
+            first = first_position + (parallel_state.get_tensor_model_parallel_rank() * local if split else 0)
             positions = None if shard is None else shard.moved_positions
             if positions is None:
                 positions = torch.arange(first, first + local, device=tokens.device)
@@ -133,16 +135,20 @@ class GPTModel(nn.Module):
         return [self.output_layer.weight] if self.post_process else []
 
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None,
-                shard: SequenceShard | None = None) -> torch.Tensor:
+                shard: SequenceShard | None = None, cache: KVCache | None = None) -> torch.Tensor:
         """Per-token loss [batch, seq] when ``labels`` are given, else this rank's vocabulary slice of the logits.
         A chunk without the embedding takes the previous stage's hidden states as ``tokens``; one without the
         output layer returns its hidden states. ``shard`` (megalite.model.context_parallel) says which tokens of
         the samples these are and which documents they belong to; without one, tokens 0, 1, ... of one document
-        each (which context parallelism cannot do without)."""
+        each (which context parallelism cannot do without). With a ``cache`` (generation, one process), ``tokens``
+        continue the cached ones and are added to it."""
         if shard is None and parallel_state.get_context_parallel_world_size() > 1:
             raise ValueError("under context parallelism the model needs the SequenceShard of its tokens")
-        hidden = self.embedding(tokens, shard) if self.pre_process else tokens
-        hidden = run_layers(self.layers, hidden, self.cfg, self.rng, shard)
+        first_position = 0 if cache is None else cache.length
+        hidden = self.embedding(tokens, shard, first_position) if self.pre_process else tokens
+        hidden = run_layers(self.layers, hidden, self.cfg, self.rng, shard, cache, self.layer_offset)
+        if cache is not None:
+            cache.advance(tokens.shape[1])
         if not self.post_process:
             return hidden
         logits = self.output_layer(self.final_norm(hidden), self.output_weight())
@@ -150,6 +156,6 @@ class GPTModel(nn.Module):
             return logits
         return vocab_parallel_cross_entropy(logits, labels, self.cfg.vocab_size, self.kernels)
 
-    def full_logits(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Logits over the whole, unpadded vocabulary (gathered over TP): for evaluation and tests."""
-        return gather_from_tensor_parallel(self(tokens))[..., : self.cfg.vocab_size]
+    def full_logits(self, tokens: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        """Logits over the whole, unpadded vocabulary (gathered over TP): for evaluation, generation and tests."""
+        return gather_from_tensor_parallel(self(tokens, cache=cache))[..., : self.cfg.vocab_size]

@@ -1,11 +1,13 @@
 """The transformer MLP: h -> ffn column-parallel, activation on this rank's slice, ffn -> h row-parallel.
 
-The activation is GeLU, or SwiGLU (Shazeer 2020): silu(x W_gate) * (x W_up). SwiGLU's first weight is the stack
+The activation is GeLU (exact, or with ``--openai-gelu`` its tanh approximation, as OpenAI's GPT-2), or SwiGLU
+(Shazeer 2020): silu(x W_gate) * (x W_up). SwiGLU's first weight is the stack
 [W_gate; W_up] (Hugging Face's gate_proj above up_proj), each block split over TP separately so a rank holds the
 gate and up rows of the same ffn channels and the product needs no communication.
 
 With GeLU and biases, on CUDA tensors the first linear skips its bias add and a fused kernel computes gelu(y + bias)
-when the kernel policy says so (``--no-bias-gelu-fusion`` turns it off): one pass over the ffn activations, not two.
+when the kernel policy says so (``--no-bias-gelu-fusion`` turns it off): one pass over the ffn activations, not two;
+the kernel computes the same GeLU (exact or tanh) as the torch path.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ class MLP(nn.Module):
         output_std = cfg.init_method_std / math.sqrt(2.0 * cfg.num_layers)
         bias = not cfg.disable_bias_linear
         self.swiglu = cfg.swiglu
+        self.gelu_approximation = "tanh" if cfg.openai_gelu else "none"   # F.gelu's names
         fc1_size = 2 * cfg.ffn_size if cfg.swiglu else cfg.ffn_size
         self.linear_fc1 = ColumnParallelLinear(cfg.hidden_size, fc1_size, fused=2 if cfg.swiglu else 1, bias=bias,
                                                init_std=cfg.init_method_std, sequence_parallel=sequence_parallel)
@@ -39,9 +42,10 @@ class MLP(nn.Module):
         bias = self.linear_fc1.bias
         ops = None if self.swiglu or bias is None else self.kernels.ops(BIAS_GELU, x)
         if ops is not None:
-            return self.linear_fc2(fused.bias_gelu(self.linear_fc1(x, skip_bias_add=True), bias, ops))
+            return self.linear_fc2(fused.bias_gelu(self.linear_fc1(x, skip_bias_add=True), bias, ops,
+                                                   tanh=self.gelu_approximation == "tanh"))
         y = self.linear_fc1(x)
         if self.swiglu:
             gate, up = y.chunk(2, dim=-1)
             return self.linear_fc2(F.silu(gate) * up)
-        return self.linear_fc2(F.gelu(y))
+        return self.linear_fc2(F.gelu(y, approximate=self.gelu_approximation))

@@ -8,6 +8,7 @@ gather the sequence on entry and reduce-scatter it on exit.
 from __future__ import annotations
 
 import contextlib
+from typing import Optional
 
 import torch
 from torch import nn
@@ -16,6 +17,7 @@ from megalite.config import ModelConfig
 from megalite.kernels import DEFAULT_POLICY, KernelPolicy
 from megalite.model.attention import SelfAttention
 from megalite.model.context_parallel import SequenceShard
+from megalite.model.kv_cache import KVCache, LayerCache
 from megalite.model.mlp import MLP
 from megalite.model.norms import norm
 from megalite.tensor_parallel import TensorParallelRNG, recompute
@@ -40,8 +42,9 @@ class TransformerLayer(nn.Module):
         with self.rng.fork() if split else contextlib.nullcontext():
             return self.dropout(x)
 
-    def forward(self, x: torch.Tensor, shard: SequenceShard | None = None) -> torch.Tensor:
-        x = x + self._dropout(self.self_attention(self.input_norm(x), shard))
+    def forward(self, x: torch.Tensor, shard: SequenceShard | None = None,
+                cache: Optional[LayerCache] = None) -> torch.Tensor:
+        x = x + self._dropout(self.self_attention(self.input_norm(x), shard, cache))
         return x + self._dropout(self.mlp(self.pre_mlp_norm(x)))
 
 
@@ -51,12 +54,18 @@ def _run(layers: nn.ModuleList, hidden: torch.Tensor, shard: SequenceShard | Non
     return hidden
 
 
-def run_layers(layers: nn.ModuleList, hidden: torch.Tensor, cfg: ModelConfig,
-               rng: TensorParallelRNG | None, shard: SequenceShard | None = None) -> torch.Tensor:
-    """The layers in order. With full recompute (while training), Megatron's two methods: ``uniform`` keeps only the
-    input of each group of ``recompute_num_layers`` layers and reruns the group in backward; ``block`` does so for
-    each of the first ``recompute_num_layers`` layers alone and runs the others normally (memory left over after
-    recomputing some layers is better spent not recomputing the rest)."""
+def run_layers(layers: nn.ModuleList, hidden: torch.Tensor, cfg: ModelConfig, rng: TensorParallelRNG | None,
+               shard: SequenceShard | None = None, cache: Optional[KVCache] = None,
+               layer_offset: int = 0) -> torch.Tensor:
+    """The layers in order (with a ``cache``, each with its slot, numbered from ``layer_offset``). With full
+    recompute (while training), Megatron's two methods: ``uniform`` keeps only the input of each group of
+    ``recompute_num_layers`` layers and reruns the group in backward; ``block`` does so for each of the first
+    ``recompute_num_layers`` layers alone and runs the others normally (memory left over after recomputing some
+    layers is better spent not recomputing the rest)."""
+    if cache is not None:
+        for index, layer in enumerate(layers):
+            hidden = layer(hidden, shard, cache.layer(layer_offset + index))
+        return hidden
     training = len(layers) > 0 and layers[0].training and torch.is_grad_enabled()
     if cfg.recompute_granularity != "full" or not training:
         return _run(layers, hidden, shard)

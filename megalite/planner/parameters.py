@@ -9,7 +9,8 @@ built on the ``meta`` device, for every config in ``configs/model``, at several 
 - per layer: two norms (LayerNorm: weight and bias, 2h; RMSNorm: h), the fused QKV projection h x (h + 2 G d)
   (G key/value heads of dimension d; G = heads without grouped-query attention) with its bias, the output projection
   h x h with a replicated bias, the MLP's h x f (SwiGLU: h x 2f, gate and up) and f x h with biases, unless
-  ``disable_bias_linear``; every matrix split over TP, the row-parallel biases replicated;
+  ``disable_bias_linear`` (``add_qkv_bias`` keeps the QKV one); every matrix split over TP, the row-parallel biases
+  replicated;
 - final norm, and the output layer (padded vocabulary x h over TP) unless it is tied to the word embedding; tied and
   on another pipeline stage, the last stage holds a copy of the embedding (real memory, not a new parameter).
 
@@ -63,13 +64,13 @@ def layer_tensors(cfg: ModelConfig, tp: int, index: int) -> list[Tensor]:
     bias = not cfg.disable_bias_linear
     p = f"layers.{index}"
 
-    def column(name: str, rows: int) -> list[Tensor]:   # weight, then its bias split like its rows
-        return [_column(f"{name}.weight", rows, h, tp)] + ([_column(f"{name}.bias", rows, 1, tp)] if bias else [])
+    def column(name: str, rows: int, biased: bool = bias) -> list[Tensor]:   # weight, then its bias split like its rows
+        return [_column(f"{name}.weight", rows, h, tp)] + ([_column(f"{name}.bias", rows, 1, tp)] if biased else [])
 
     def row(name: str, cols: int) -> list[Tensor]:      # weight, then its replicated bias
         return [_row(f"{name}.weight", h, cols, tp)] + ([Tensor(f"{name}.bias", h, h)] if bias else [])
 
-    return (_norm(cfg, f"{p}.input_norm") + column(f"{p}.self_attention.linear_qkv", qkv)
+    return (_norm(cfg, f"{p}.input_norm") + column(f"{p}.self_attention.linear_qkv", qkv, bias or cfg.add_qkv_bias)
             + row(f"{p}.self_attention.linear_proj", cfg.query_size) + _norm(cfg, f"{p}.pre_mlp_norm")
             + column(f"{p}.mlp.linear_fc1", fc1) + row(f"{p}.mlp.linear_fc2", f))
 

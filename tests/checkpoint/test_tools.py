@@ -1,15 +1,22 @@
-"""tools/convert_checkpoint.py and tools/generate.py as scripts use them, and the sampling rules of generation."""
+"""tools/convert_checkpoint.py, generate.py and preprocess_data.py as scripts use them (an imported model's tokenizer
+carried through preprocessing, training, generation and export), and the rules of generation."""
 
 from __future__ import annotations
 
 import importlib.util
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
 import pretrain_gpt
+from megalite import load_pretrained
+from megalite.checkpoint.convert import export_hf, import_hf
 from megalite.generation import generate, next_token
+
+from ..data.helpers import HF_VOCAB_SIZE, MULTILINGUAL, generated_documents, write_jsonl
+from .helpers import RTOL, perturb_and_save, random_tokens, relative
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 
@@ -37,17 +44,95 @@ def test_convert_errors_are_one_line(tmp_path, capsys):
     assert err.startswith("convert_checkpoint: error:") and "no checkpoint there" in err and "\n" not in err
 
 
-def test_import_hf_then_pretrain_gpt_finetunes_it(tmp_path, capsys):
+def _hf_gpt2_with_tokenizer(directory: Path, tokenizer_dir: Path, files: tuple[str, ...]):
+    """A random GPT2LMHeadModel (OpenAI's tanh GeLU) over the test tokenizer's vocabulary, saved in ``directory``
+    with the tokenizer ``files``."""
     transformers = pytest.importorskip("transformers")
-    config = transformers.GPT2Config(vocab_size=301, n_positions=32, n_embd=64, n_layer=2, n_head=4,
-                                     activation_function="gelu", bos_token_id=0, eos_token_id=0)
-    transformers.GPT2LMHeadModel(config).save_pretrained(tmp_path / "hf")
+    torch.manual_seed(5)
+    config = transformers.GPT2Config(vocab_size=HF_VOCAB_SIZE, n_positions=32, n_embd=64, n_layer=2, n_head=4,
+                                     bos_token_id=0, eos_token_id=0)
+    model = perturb_and_save(transformers.GPT2LMHeadModel(config).eval(), directory)
+    for name in files:
+        shutil.copy(tokenizer_dir / name, directory / name)
+    return model
+
+
+def test_imported_model_trains_and_generates_with_its_tokenizer_then_exports_for_transformers(
+        hf_tokenizer_dir, tmp_path, capsys):
+    """import-hf takes the tokenizer from the HF folder; preprocess_data tokenizes with it, pretrain_gpt.py trains
+    with it (no tokenizer flag: the --load checkpoint's), generate.py continues text with it, and export-hf writes it
+    so that AutoTokenizer + AutoModelForCausalLM give the same ids and logits."""
+    transformers = pytest.importorskip("transformers")
+    _hf_gpt2_with_tokenizer(tmp_path / "hf", hf_tokenizer_dir, ("tokenizer.json", "tokenizer_config.json"))
     convert = _tool("convert_checkpoint")
-    assert convert.main(["import-hf", "--input", str(tmp_path / "hf"), "--save", str(tmp_path / "ckpt")]) == 0
-    assert pretrain_gpt.main(["data=mock", "--num-layers", "2", "--hidden-size", "64", "--seq-length", "32",
-                              "--vocab-size", "301", "--train-iters", "2", "--eval-interval", "0", "--finetune",
-                              "--load", str(tmp_path / "ckpt")]) == 0
-    assert "--finetune: model weights only" in capsys.readouterr().out
+    assert convert.main(["import-hf", "--input", str(tmp_path / "hf"), "--save", str(tmp_path / "imported")]) == 0
+    assert f"tokenizer HuggingFaceTokenizer, {HF_VOCAB_SIZE} ids" in capsys.readouterr().out
+    write_jsonl(tmp_path / "docs.jsonl", generated_documents(60, seed=6) + [MULTILINGUAL])
+    assert _tool("preprocess_data").main(["--input", str(tmp_path / "docs.jsonl"), "--output-prefix",
+                                          str(tmp_path / "docs"), "--tokenizer-type", "HuggingFaceTokenizer",
+                                          "--tokenizer-model", str(tmp_path / "hf"), "--append-eod", "--quiet"]) == 0
+    assert pretrain_gpt.main(["--data-path", str(tmp_path / "docs"), "--num-layers", "2", "--hidden-size", "64",
+                              "--num-attention-heads", "4", "--seq-length", "32", "--openai-gelu",
+                              "--train-iters", "2", "--eval-interval", "0", "--load", str(tmp_path / "imported"),
+                              "--finetune", "--save", str(tmp_path / "trained")]) == 0
+    assert f"vocabulary {HF_VOCAB_SIZE}" in capsys.readouterr().out
+    assert _tool("generate").main(["--load", str(tmp_path / "trained"), "--prompt", "the quick brown",
+                                   "--max-new-tokens", "8"]) == 0
+    continuation = capsys.readouterr().out.removesuffix("\n")
+    assert convert.main(["export-hf", "--load", str(tmp_path / "trained"), "--output", str(tmp_path / "out")]) == 0
+    assert "a tokenizer for AutoTokenizer" in capsys.readouterr().out
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "out")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    model = load_pretrained(tmp_path / "trained")
+    ids = model.tokenizer().encode(MULTILINGUAL)
+    assert tokenizer.encode(MULTILINGUAL) == ids and model.tokenizer().fingerprint() == \
+        load_pretrained(tmp_path / "imported").tokenizer().fingerprint()
+    with torch.no_grad():
+        tokens = torch.tensor([ids[:32]])
+        assert relative(hf(tokens).logits, model(tokens)) < RTOL
+    prompt = tokenizer("the quick brown", return_tensors="pt")
+    generated = hf.generate(**prompt, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    assert tokenizer.decode(generated[0, prompt["input_ids"].shape[1]:]) == continuation
+
+
+def test_gpt2_bpe_files_import_and_export(hf_tokenizer_dir, tmp_path):
+    """An HF folder with vocab.json and merges.txt (no tokenizer.json) imports as GPT2BPETokenizer and exports so that
+    AutoTokenizer reads it with the same ids."""
+    transformers = pytest.importorskip("transformers")
+    _hf_gpt2_with_tokenizer(tmp_path / "hf", hf_tokenizer_dir, ("vocab.json", "merges.txt"))
+    import_hf(tmp_path / "hf", tmp_path / "ckpt")
+    tokenizer = load_pretrained(tmp_path / "ckpt").tokenizer()
+    assert type(tokenizer).__name__ == "GPT2BPETokenizer"
+    export_hf(tmp_path / "ckpt", tmp_path / "out")
+    assert transformers.AutoTokenizer.from_pretrained(tmp_path / "out").encode(MULTILINGUAL) == \
+        tokenizer.encode(MULTILINGUAL)
+
+
+def test_a_model_padding_its_vocabulary_keeps_the_tokenizers_rows(hf_tokenizer_dir, tmp_path):
+    """A Qwen2 whose embedding has more rows than its tokenizer has ids imports with the tokenizer's vocabulary
+    (Megatron's true vocabulary size): the logits of those ids are transformers'."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(6)
+    config = transformers.Qwen2Config(vocab_size=HF_VOCAB_SIZE + 14, hidden_size=64, intermediate_size=128,
+                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                      max_position_embeddings=32, tie_word_embeddings=True)
+    hf = perturb_and_save(transformers.Qwen2ForCausalLM(config).eval(), tmp_path / "hf")
+    shutil.copy(hf_tokenizer_dir / "tokenizer.json", tmp_path / "hf")
+    shutil.copy(hf_tokenizer_dir / "tokenizer_config.json", tmp_path / "hf")
+    import_hf(tmp_path / "hf", tmp_path / "ckpt")
+    model = load_pretrained(tmp_path / "ckpt")
+    assert model.vocab_size == HF_VOCAB_SIZE
+    tokens = random_tokens(2, HF_VOCAB_SIZE)
+    with torch.no_grad():
+        assert relative(model(tokens), hf(tokens).logits[..., :HF_VOCAB_SIZE]) < RTOL
+
+
+def test_training_on_data_without_a_tokenizer_needs_one_in_the_checkpoint(saved, corpus, capsys):
+    """--data-path with no tokenizer option takes --load's tokenizer; a checkpoint of mock data has none: one line."""
+    assert pretrain_gpt.main(["--data-path", str(corpus.prefix), "model=gpt_tiny", "--load", str(saved),
+                              "--train-iters", "1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("megalite: error: --data-path needs --tokenizer-type") and "holds no tokenizer" in err
 
 
 def test_generate_with_the_checkpoints_tokenizer(corpus, tmp_path, capsys):
@@ -63,6 +148,9 @@ def test_generate_with_the_checkpoints_tokenizer(corpus, tmp_path, capsys):
     assert generate_tool.main(["--load", str(ckpt), "--prompt", "the quick", "--max-new-tokens", "5",
                                "--temperature", "0.8", "--top-k", "20", "--top-p", "0.9"]) == 0
     assert greedy.strip() and capsys.readouterr().out.strip()
+    (ckpt / "iter_0000002" / "tokenizer.model").unlink()
+    assert generate_tool.main(["--load", str(ckpt), "--prompt", "the quick"]) == 2
+    assert "incomplete checkpoint: its tokenizer file tokenizer.model is missing" in capsys.readouterr().err
 
 
 def test_generate_with_token_ids_when_there_is_no_tokenizer(saved, capsys):
@@ -80,9 +168,17 @@ def test_sampling_rules():
     assert {next_token(logits, 5.0, top_k=2, generator=generator) for _ in range(50)} == {1, 2}
     calls = []
 
-    def model(tokens):
+    def model(tokens, cache=None):
         calls.append(tokens.shape[1])
+        if cache is not None:
+            cache.advance(tokens.shape[1])
         return torch.nn.functional.one_hot(torch.full(tokens.shape, 7), 10).float()
 
     assert generate(model, [1, 2, 3], max_new_tokens=5, max_positions=4, eod=7) == [7]
-    assert generate(model, [1, 2, 3], max_new_tokens=3, max_positions=4) == [7, 7, 7] and max(calls) == 4
+    # Without a cache the cropped context each time; with it, the prompt, then one token until the cache is full,
+    # then the cropped context again.
+    calls.clear()
+    assert generate(model, [1, 2, 3], max_new_tokens=3, max_positions=4, use_cache=False) == [7, 7, 7]
+    assert calls == [3, 4, 4]
+    calls.clear()
+    assert generate(model, [1, 2, 3], max_new_tokens=4, max_positions=4) == [7, 7, 7, 7] and calls == [3, 1, 4, 4]

@@ -41,7 +41,7 @@ def test_tiny_config_is_valid_on_several_world_sizes():
     (tiny_config(data={"data_path": "a"}), 1, "--mock-data and --data-path exclude each other"),
     (tiny_config(data={"mock_data": False, "data_path": "a"}), 1, "--data-path needs --tokenizer-model"),
     (tiny_config(data={"mock_data": False, "tokenizer_model": "t.model"}), 1,
-     "--tokenizer-type/--tokenizer-model need --data-path"),
+     "--tokenizer-type/--tokenizer-model/--vocab-file/--merge-file need --data-path"),
     (tiny_config(data={"mock_data": False, "data_path": "0.3 a 0.7", "tokenizer_model": "t"}), 1,
      "weights and prefixes must come in pairs"),
     (tiny_config(data={"mock_data": False, "data_path": "0.3 a x b", "tokenizer_model": "t"}), 1, "bad weight"),
@@ -50,7 +50,22 @@ def test_tiny_config_is_valid_on_several_world_sizes():
     (tiny_config(data={"mock_data": False, "data_path": " ", "tokenizer_model": "t"}), 1, "--data-path is empty"),
     (tiny_config(data={"split": "90,10,0,1"}), 1, "--split '90,10,0,1' must be up to three proportions"),
     (tiny_config(data={"split": "a,b"}), 1, "--split 'a,b'"),
-    (tiny_config(data={"tokenizer_type": "GPT2BPETokenizer"}), 1, "--tokenizer-type must be SentencePieceTokenizer"),
+    (tiny_config(data={"tokenizer_type": "WordPiece"}), 1,
+     "--tokenizer-type must be SentencePieceTokenizer, HuggingFaceTokenizer, GPT2BPETokenizer, NullTokenizer, "
+     "GPTSentencePieceTokenizer, Llama2Tokenizer or TikTokenizer"),
+    (tiny_config(data={"mock_data": False, "data_path": "a", "tokenizer_type": "HuggingFaceTokenizer"}), 1,
+     "--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model"),
+    (tiny_config(data={"mock_data": False, "data_path": "a", "tokenizer_type": "GPT2BPETokenizer",
+                       "vocab_file": "vocab.json"}), 1, "--tokenizer-type GPT2BPETokenizer needs --merge-file"),
+    (tiny_config(data={"mock_data": False, "vocab_file": "vocab.json"}), 1,
+     "/--vocab-file/--merge-file need --data-path"),
+    (tiny_config(model={"use_rope_scaling": True}), 1, "--use-rope-scaling needs --position-embedding-type rope"),
+    (tiny_config(model={"position_embedding_type": "rope", "use_rope_scaling": True, "rope_scaling_factor": 0.5}), 1,
+     "--rope-scaling-factor must be >= 1, got 0.5"),
+    (tiny_config(model={"position_embedding_type": "rope", "use_rope_scaling": True,
+                        "rope_scaling_low_freq_factor": 4.0}), 1,
+     "need 0 < --rope-scaling-low-freq-factor < --rope-scaling-high-freq-factor, got 4.0 and 4.0"),
+    (tiny_config(model={"swiglu": True, "openai_gelu": True}), 1, "--openai-gelu is for the GeLU MLP, not --swiglu"),
     (tiny_config(data={"eval_iters": -1}), 1, "--eval-iters must be >= 0"),
     (tiny_config(tp=2, model={"hidden_size": 96, "num_attention_heads": 12, "group_query_attention": True,
                               "num_query_groups": 3}), 2,
@@ -150,6 +165,10 @@ def test_data_options():
     validate(tiny_config(data={"mock_data": False}), 1)   # no data options at all: the built-in corpus
     validate(tiny_config(data={"mock_data": False, "data_path": "a b", "tokenizer_model": "t.model"}), 1)
     validate(tiny_config(data={"mock_data": False, "data_path": "a", "tokenizer_type": "NullTokenizer"}), 1)
+    validate(tiny_config(data={"mock_data": False, "data_path": "a", "tokenizer_type": "GPT2BPETokenizer",
+                               "vocab_file": "v.json", "merge_file": "m.txt"}), 1)
+    # No tokenizer option with --load: the checkpoint's tokenizer (megalite.checkpoint.with_checkpoint_tokenizer).
+    validate(tiny_config(data={"mock_data": False, "data_path": "a"}, checkpoint={"load": "ckpt"}), 1)
     data = tiny_config(data={"data_path": "0.3 a 0.7 b", "split": "99,1"}).data
     assert data.blend() == (["a", "b"], [0.3, 0.7]) and data.split_fractions() == [0.99, 0.01, 0.0]
     assert tiny_config(data={"data_path": "a  b"}).data.blend() == (["a", "b"], None)

@@ -82,3 +82,32 @@ def write_progressions(prefix: Path, count: int, vocab_size: int, seed: int = 0)
         for _ in range(count):
             start, stride, length = rng.randrange(eod), rng.randint(1, 7), rng.randint(3, 30)
             writer.add_document([(start + stride * i) % eod for i in range(length)] + [eod])
+# Text a tokenizer must split as Hugging Face's does: several scripts, whitespace runs, digits, emoji (with a
+# modifier), an end-of-text marker written out, and a final newline run.
+MULTILINGUAL = ("Grüße aus Köln, naïve café — ¿qué tal? Привет, мир! 你好，世界。 こんにちは 안녕하세요 مرحبا שלום\n"
+                "    def f(x):\t\treturn x**2  # indented\n\n\n   spaces   and\ttabs \t \n1234567890 3.14159 "
+                "+1-555-0100 1e-9 🦊🚀👍🏽 🇫🇷 <|endoftext|> trailing   \n\n")
+HF_VOCAB_SIZE = 397   # odd
+HF_EOD = "<|endoftext|>"
+
+
+def build_hf_tokenizer(directory: Path) -> Path:
+    """A byte-level BPE (GPT-2's kind) trained with the tokenizers library on generated documents, written as a
+    Hugging Face tokenizer (tokenizer.json, tokenizer_config.json) and as GPT-2's vocab.json + merges.txt; the
+    directory."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(vocab_size=HF_VOCAB_SIZE, special_tokens=[HF_EOD], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator(generated_documents(200, seed=1) + [MULTILINGUAL[:80]], trainer)
+    directory.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(directory / "tokenizer.json"))
+    tokenizer.model.save(str(directory))   # vocab.json, merges.txt
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": HF_EOD, "eos_token": HF_EOD,
+              "unk_token": HF_EOD}
+    (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return directory

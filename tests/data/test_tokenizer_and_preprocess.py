@@ -1,9 +1,12 @@
-"""Tokenizer training and preprocessing: exact round trips, blank input skipped, the tools' command lines."""
+"""Tokenizers and preprocessing: exact round trips, blank input skipped, the tools' command lines; Hugging Face and
+GPT-2 BPE tokenizers give the ids of transformers' AutoTokenizer (and of tiktoken, an independent BPE)."""
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import pickle
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -13,9 +16,11 @@ from megalite.data import DataError
 from megalite.data.documents import iter_documents
 from megalite.data.indexed_dataset import IndexedDataset
 from megalite.data.preprocess import preprocess
-from megalite.data.tokenizer import NullTokenizer, SentencePieceTokenizer, build_tokenizer
+from megalite.config import TOKENIZER_TYPES
+from megalite.data.tokenizer import (TOKENIZERS, GPT2BPETokenizer, HuggingFaceTokenizer, NullTokenizer,
+                                     SentencePieceTokenizer, build_tokenizer, tokenizer_from_files)
 
-from .helpers import VOCAB_SIZE, generated_documents
+from .helpers import HF_VOCAB_SIZE, MULTILINGUAL, VOCAB_SIZE, generated_documents, write_jsonl
 
 TOOLS = Path(__file__).resolve().parents[2] / "tools"
 
@@ -128,3 +133,119 @@ def test_tools_end_to_end(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"train_tokenizer: error: {tmp_path / 'none'}: input not found",
                    f"preprocess_data: error: {tmp_path / 'none.model'}: tokenizer model not found"]
+
+
+def _library_tokenizers(directory: Path) -> tuple[HuggingFaceTokenizer, GPT2BPETokenizer]:
+    return (build_tokenizer("HuggingFaceTokenizer", str(directory)),
+            build_tokenizer("GPT2BPETokenizer", vocab_file=str(directory / "vocab.json"),
+                            merge_file=str(directory / "merges.txt")))
+
+
+def _tiktoken_ids(directory: Path, text: str) -> list[int]:
+    """The ids of tiktoken (its own BPE, GPT-2's split pattern) with the ranks of vocab.json: a reference that shares
+    no code with the tokenizers library."""
+    tiktoken = pytest.importorskip("tiktoken")
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    byte_of = {chr(c): b for b, c in zip(printable + others, printable + [256 + i for i in range(len(others))])}
+    vocab = json.loads((directory / "vocab.json").read_text())
+    ranks = {bytes(byte_of[c] for c in token): i for token, i in vocab.items() if token != "<|endoftext|>"}
+    pattern = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""   # GPT-2's
+    encoding = tiktoken.Encoding("tiny", pat_str=pattern, mergeable_ranks=ranks,
+                                 special_tokens={"<|endoftext|>": vocab["<|endoftext|>"]})
+    return encoding.encode(text, allowed_special="all")
+
+
+def test_hugging_face_and_gpt2_bpe_ids_equal_transformers_and_tiktoken(hf_tokenizer_dir, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    hf, gpt2 = _library_tokenizers(hf_tokenizer_dir)
+    assert hf.vocab_size == gpt2.vocab_size == HF_VOCAB_SIZE and hf.eod == gpt2.eod == 0
+    reference = transformers.AutoTokenizer.from_pretrained(hf_tokenizer_dir)
+    # GPT-2's files as an export writes them (vocab.json, merges.txt, tokenizer_config.json), read by AutoTokenizer.
+    (tmp_path / "gpt2").mkdir()
+    for name, contents in gpt2.export_files().items():
+        (tmp_path / "gpt2" / name).write_bytes(contents)
+    gpt2_reference = transformers.AutoTokenizer.from_pretrained(tmp_path / "gpt2")
+    for text in [MULTILINGUAL, *generated_documents(10, seed=5)]:
+        ids = reference.encode(text)
+        assert hf.encode(text) == ids and gpt2.encode(text) == ids and gpt2_reference.encode(text) == ids
+        assert _tiktoken_ids(hf_tokenizer_dir, text) == ids
+        assert hf.decode(ids) == gpt2.decode(ids) == reference.decode(ids) == text
+    assert hf.encode("a<|endoftext|>b")[1] == hf.eod   # the special token written out is one id
+
+
+def test_the_post_processor_adds_special_tokens_as_transformers_does(hf_tokenizer_dir, tmp_path):
+    """A tokenizer.json whose post-processor prepends a BOS (as Llama 3's does): the same ids as AutoTokenizer."""
+    transformers = pytest.importorskip("transformers")
+    shutil.copytree(hf_tokenizer_dir, tmp_path / "bos")
+    spec = json.loads((tmp_path / "bos" / "tokenizer.json").read_text())
+    spec["post_processor"] = {"type": "TemplateProcessing", "single": [{"SpecialToken": {"id": "<|endoftext|>",
+                                                                                        "type_id": 0}},
+                                                                       {"Sequence": {"id": "A", "type_id": 0}}],
+                              "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B",
+                                                                                               "type_id": 1}}],
+                              "special_tokens": {"<|endoftext|>": {"id": "<|endoftext|>", "ids": [0],
+                                                                   "tokens": ["<|endoftext|>"]}}}
+    (tmp_path / "bos" / "tokenizer.json").write_text(json.dumps(spec))
+    ids = build_tokenizer("HuggingFaceTokenizer", str(tmp_path / "bos")).encode(MULTILINGUAL)
+    assert ids[0] == 0 and ids == transformers.AutoTokenizer.from_pretrained(tmp_path / "bos").encode(MULTILINGUAL)
+
+
+def test_library_tokenizers_come_back_from_their_files_and_pickle(hf_tokenizer_dir):
+    for tokenizer in _library_tokenizers(hf_tokenizer_dir):
+        clone = tokenizer_from_files(type(tokenizer).__name__, tokenizer.files(), 0)
+        assert clone.fingerprint() == tokenizer.fingerprint()
+        assert clone.encode(MULTILINGUAL) == pickle.loads(pickle.dumps(tokenizer)).encode(MULTILINGUAL) == \
+            tokenizer.encode(MULTILINGUAL)
+    hf, gpt2 = _library_tokenizers(hf_tokenizer_dir)
+    assert sorted(hf.files()) == ["tokenizer.json", "tokenizer_config.json"]
+    assert sorted(gpt2.files()) == ["merges.txt", "vocab.json"] and hf.fingerprint() != gpt2.fingerprint()
+
+
+def test_tokenizer_types_are_one_list_and_errors_are_one_line(hf_tokenizer_dir, tmp_path):
+    assert set(TOKENIZERS) == set(TOKENIZER_TYPES)
+    with pytest.raises(DataError, match="unknown tokenizer type 'WordPiece' .*HuggingFaceTokenizer, GPT2BPETokenizer"):
+        build_tokenizer("WordPiece")
+    with pytest.raises(DataError, match="no tokenizer.json"):
+        build_tokenizer("HuggingFaceTokenizer", str(tmp_path))
+    shutil.copy(hf_tokenizer_dir / "tokenizer.json", tmp_path / "tokenizer.json")
+    with pytest.raises(DataError, match="no end-of-document token: neither tokenizer_config.json nor"):
+        build_tokenizer("HuggingFaceTokenizer", str(tmp_path))
+    # A model's folder naming its EOS in config.json only (OpenAI's GPT-2): the tokenizer's files then say it too.
+    (tmp_path / "config.json").write_text('{"model_type": "gpt2", "eos_token_id": 0}')
+    tokenizer = build_tokenizer("HuggingFaceTokenizer", str(tmp_path))
+    assert tokenizer.eod == 0 and tokenizer_from_files("HuggingFaceTokenizer", tokenizer.files(), 0).eod == 0
+    exported = tokenizer.export_files()   # AutoTokenizer told to read tokenizer.json as it is
+    assert json.loads(exported["tokenizer_config.json"]) == {"tokenizer_class": "PreTrainedTokenizerFast"}
+    assert json.loads(exported["special_tokens_map.json"]) == {"eos_token": "<|endoftext|>"}
+    (tmp_path / "config.json").unlink()
+    (tmp_path / "tokenizer_config.json").write_text('{"eos_token": "<|end|>"}')
+    with pytest.raises(DataError, match="the end-of-document token '<\\|end\\|>' is not in the vocabulary"):
+        build_tokenizer("HuggingFaceTokenizer", str(tmp_path))
+    (tmp_path / "tokenizer.json").write_text("{not json")
+    with pytest.raises(DataError, match="not a Hugging Face tokenizer.json"):
+        build_tokenizer("HuggingFaceTokenizer", str(tmp_path))
+    (tmp_path / "merges.txt").write_text("#version: 0.2\na b c\n")
+    with pytest.raises(DataError, match="merges.txt line 2 is not two tokens"):
+        build_tokenizer("GPT2BPETokenizer", vocab_file=str(hf_tokenizer_dir / "vocab.json"),
+                        merge_file=str(tmp_path / "merges.txt"))
+    with pytest.raises(DataError, match="GPT2BPETokenizer needs --vocab-file and --merge-file"):
+        build_tokenizer("GPT2BPETokenizer", vocab_file=str(hf_tokenizer_dir / "vocab.json"))
+    with pytest.raises(DataError, match="missing.json: GPT-2 BPE vocab.json not found"):
+        build_tokenizer("GPT2BPETokenizer", vocab_file=str(tmp_path / "missing.json"),
+                        merge_file=str(tmp_path / "merges.txt"))
+
+
+@pytest.mark.parametrize("tokenizer_type", ["HuggingFaceTokenizer", "GPT2BPETokenizer"])
+def test_preprocess_data_with_hugging_face_tokenizers(hf_tokenizer_dir, tmp_path, tokenizer_type):
+    documents = generated_documents(30, seed=4) + [MULTILINGUAL]
+    write_jsonl(tmp_path / "docs.jsonl", documents)
+    options = (["--tokenizer-model", str(hf_tokenizer_dir)] if tokenizer_type == "HuggingFaceTokenizer" else
+               ["--vocab-file", str(hf_tokenizer_dir / "vocab.json"), "--merge-file",
+                str(hf_tokenizer_dir / "merges.txt")])
+    assert load_tool("preprocess_data").main(["--input", str(tmp_path / "docs.jsonl"), "--output-prefix",
+                                              str(tmp_path / "out"), "--tokenizer-type", tokenizer_type, *options,
+                                              "--workers", "2", "--append-eod", "--quiet"]) == 0
+    dataset, tokenizer = IndexedDataset(tmp_path / "out"), _library_tokenizers(hf_tokenizer_dir)[0]
+    assert [tokenizer.decode(dataset[i][:-1].tolist()) for i in range(len(dataset))] == documents
+    assert {int(dataset[i][-1]) for i in range(len(dataset))} == {tokenizer.eod}

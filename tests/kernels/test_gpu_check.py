@@ -27,9 +27,9 @@ def test_cpu_dry_run_passes_and_prints_the_table_last():
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     table = result.stdout[result.stdout.index("gpu_check summary"):]
-    for op in ("masked softmax", "bias + GeLU", "LayerNorm", "RMSNorm", "rotary", "cross entropy"):
+    for op in ("masked softmax", "bias + GeLU", "bias + tanh GeLU", "LayerNorm", "RMSNorm", "rotary", "cross entropy"):
         for dtype in ("fp32", "bf16", "fp16"):
             assert any(line.startswith(f" {op} ") and f"| {dtype} " in line and "PASS" in line
                        for line in table.splitlines()), (op, dtype)
     assert "attention core" in table and "torch ops (off)" in table and "fused kernels (auto)" in table
-    assert result.stdout.rstrip().splitlines()[-1].startswith("PASS: 19/19 kernel checks passed")
+    assert result.stdout.rstrip().splitlines()[-1].startswith("PASS: 22/22 kernel checks passed")

@@ -55,14 +55,16 @@ def _loss_and_grads(model_cfg, kernels: KernelPolicy):
     return loss.detach(), {name: p.grad for name, p in model.named_parameters()}
 
 
-GPT2 = {}
 LLAMA = dict(position_embedding_type="rope", normalization="RMSNorm", swiglu=True, disable_bias_linear=True,
              group_query_attention=True, num_query_groups=2)
+ARCHITECTURES = {"gpt2": {}, "gpt2_tanh_gelu": {"openai_gelu": True}, "llama": LLAMA,
+                 "qwen2_rope_scaling": {**LLAMA, "add_qkv_bias": True, "use_rope_scaling": True,
+                                        "rope_scaling_original_max_position_embeddings": 16}}
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
 def test_default_policy_on_cpu_is_the_torch_path_bit_for_bit(arch):
-    cfg = tiny_config(model=GPT2 if arch == "gpt2" else LLAMA).model
+    cfg = tiny_config(model=ARCHITECTURES[arch]).model
     loss, grads = _loss_and_grads(cfg, KernelPolicy())
     off_loss, off_grads = _loss_and_grads(cfg, KernelPolicy("off"))
     assert torch.equal(loss, off_loss)
@@ -71,10 +73,12 @@ def test_default_policy_on_cpu_is_the_torch_path_bit_for_bit(arch):
 
 @pytest.mark.parametrize("arch, expected", [
     ("gpt2", {"layer_norm", "bias_gelu", "masked_softmax", "cross_entropy"}),
+    ("gpt2_tanh_gelu", {"layer_norm", "bias_gelu", "masked_softmax", "cross_entropy"}),
     ("llama", {"rms_norm", "rope", "masked_softmax", "cross_entropy"}),
+    ("qwen2_rope_scaling", {"rms_norm", "rope", "masked_softmax", "cross_entropy"}),
 ])
 def test_fused_paths_compute_what_the_torch_path_computes(arch, expected):
-    cfg = tiny_config(model=GPT2 if arch == "gpt2" else LLAMA).model
+    cfg = tiny_config(model=ARCHITECTURES[arch]).model
     loss, grads = _loss_and_grads(cfg, KernelPolicy("off"))
     fused_policy = CPUKernelPolicy("on")
     fused_loss, fused_grads = _loss_and_grads(cfg, fused_policy)

@@ -49,9 +49,12 @@ def test_masked_softmax_is_a_causal_softmax_of_the_scaled_scores():
     assert torch.equal(y.triu(1), torch.zeros_like(y))   # exactly zero above the diagonal
 
 
-def test_bias_gelu_is_gelu_of_the_sum():
+@pytest.mark.parametrize("tanh", [False, True])
+def test_bias_gelu_is_gelu_of_the_sum(tanh):
     x, bias = torch.randn(3, 5, 24) * 3, torch.randn(24)
-    _compare(lambda x, b: fused.bias_gelu(x, b), lambda x, b: F.gelu(x + b), [x, bias])
+    approximate = "tanh" if tanh else "none"
+    _compare(lambda x, b: fused.bias_gelu(x, b, tanh=tanh), lambda x, b: F.gelu(x + b, approximate=approximate),
+             [x, bias])
 
 
 def test_layer_norm_is_torch_layer_norm():
@@ -97,7 +100,8 @@ def test_cross_entropy_stats_of_a_slice_without_the_target_or_any_valid_column()
     assert torch.equal(row_max, torch.full((4,), float("-inf"))) and torch.equal(sum_exp, torch.zeros(4))
 
 
-@pytest.mark.parametrize("name", ["masked_softmax", "bias_gelu", "layer_norm", "rms_norm", "rotary", "cross_entropy"])
+@pytest.mark.parametrize("name", ["masked_softmax", "bias_gelu", "bias_tanh_gelu", "layer_norm", "rms_norm", "rotary",
+                                  "cross_entropy"])
 def test_bf16_inputs_compute_in_fp32_and_return_bf16(name):
     """bf16 in, bf16 out, within bf16 rounding (rtol 1e-2) of the fp32 composition on the same bf16 values."""
     torch.manual_seed(0)
@@ -110,6 +114,8 @@ def test_bf16_inputs_compute_in_fp32_and_return_bf16(name):
                            lambda x: torch.softmax((x * 0.25).masked_fill(torch.ones(16, 16).bool().triu(1),
                                                                            float("-inf")), dim=-1)),
         "bias_gelu": (lambda x: fused.bias_gelu(x, b), lambda x: F.gelu(x + b.float())),
+        "bias_tanh_gelu": (lambda x: fused.bias_gelu(x, b, tanh=True),
+                           lambda x: F.gelu(x + b.float(), approximate="tanh")),
         "layer_norm": (lambda x: fused.layer_norm(x, w, b, 1e-5),
                        lambda x: F.layer_norm(x, (16,), w.float(), b.float(), 1e-5)),
         "rms_norm": (lambda x: fused.rms_norm(x, w, 1e-5), lambda x: F.rms_norm(x, (16,), w.float(), 1e-5)),

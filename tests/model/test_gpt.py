@@ -124,7 +124,7 @@ def test_recompute_with_dropout_gives_identical_losses_and_gradients(recompute):
 
 @pytest.mark.parametrize("config, billions", [
     ("gpt2_small", 0.124), ("gpt2_medium", 0.355), ("gpt2_large", 0.774), ("gpt2_xl", 1.56), ("gpt_1_3b", 1.32),
-    ("llama3_1b", 1.24), ("llama2_7b", 6.74), ("llama2_13b", 13.0),
+    ("llama3_1b", 1.24), ("llama3_8b", 8.03), ("llama2_7b", 6.74), ("llama2_13b", 13.0),
 ])
 def test_model_configs_have_their_sizes(config, billions):
     from megalite.config.cli import parse_args

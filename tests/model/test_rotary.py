@@ -1,10 +1,13 @@
-"""Rotary embeddings: the rotate-half pairing (channel i with i + d/2), relative positions, no state."""
+"""Rotary embeddings: the rotate-half pairing (channel i with i + d/2), relative positions, no state; Llama 3's
+frequency scaling; positions after an offset (generation with a KV cache)."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-from megalite.model.rotary import RotaryEmbedding
+from megalite.model.rotary import RopeScaling, RotaryEmbedding, inverse_frequencies
 
 
 def test_rotate_half_pairs_channel_i_with_i_plus_half():
@@ -36,3 +39,35 @@ def test_no_parameters_and_nothing_in_the_state_dict():
     assert not list(rope.parameters()) and not rope.state_dict()
     rope.to(torch.bfloat16)
     assert rope.cos_sin(4, torch.device("cpu"))[0].dtype == torch.float32   # cast only when applied
+
+
+def test_llama3_scaling_keeps_high_divides_low_and_blends_between():
+    """Llama 3.2's factors (32, 1, 4, 8192) at head dimension 64: every regime occurs; equal to Hugging Face's
+    llama3 rope bit for bit when transformers is installed."""
+    scaling = RopeScaling(32.0, 1.0, 4.0, 8192)
+    plain, scaled = inverse_frequencies(64, 500000), inverse_frequencies(64, 500000, scaling)
+    wavelength = 2 * math.pi / plain.double()
+    high, low = wavelength < 8192 / 4, wavelength > 8192 / 1
+    assert high.any() and low.any() and (~high & ~low).any()
+    assert torch.equal(scaled[high], plain[high])
+    torch.testing.assert_close(scaled[low], plain[low] / 32)
+    between = ~high & ~low
+    blend = (8192 / wavelength[between] - 1) / (4 - 1)
+    torch.testing.assert_close(scaled[between].double(), (1 - blend) * plain[between] / 32 + blend * plain[between])
+    try:
+        from transformers import LlamaConfig
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    except ImportError:
+        return
+    config = LlamaConfig(hidden_size=256, num_attention_heads=4, rope_theta=500000.0,
+                         rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                                       "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
+    assert torch.equal(scaled, ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")[0])
+
+
+def test_an_offset_rotates_the_later_positions():
+    rope = RotaryEmbedding(16, 10000, scaling=RopeScaling(8.0, 1.0, 4.0, 4))
+    q = torch.randn(1, 2, 10, 16)
+    whole, _ = rope(q, q)
+    later, _ = rope(q[:, :, 6:], q[:, :, 6:], offset=6)
+    assert torch.equal(later, whole[:, :, 6:])

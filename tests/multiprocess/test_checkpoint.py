@@ -97,20 +97,20 @@ def test_reshard_to_other_layouts(directory):
 
 
 def test_imported_hugging_face_model_loads_at_a_parallel_layout(directory):
-    """An import-hf checkpoint (one process, iteration 0, weights only) fine-tuned at TP=2 x PP=2 with --finetune
-    matches the same fine-tuning in one process."""
+    """An import-hf checkpoint (one process, iteration 0, weights only; GPT-2 as published, with the tanh GeLU)
+    fine-tuned at TP=2 x PP=2 with --finetune matches the same fine-tuning in one process."""
     transformers = pytest.importorskip("transformers")
     from megalite.checkpoint.convert import import_hf
 
     if dist.get_rank() == 0:
         config = transformers.GPT2Config(vocab_size=301, n_positions=32, n_embd=64, n_layer=4, n_head=4,
-                                         activation_function="gelu", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                                         bos_token_id=0, eos_token_id=0)
+                                         activation_function="gelu_new", resid_pdrop=0.0, embd_pdrop=0.0,
+                                         attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
         torch_model = transformers.GPT2LMHeadModel(config)
         torch_model.save_pretrained(f"{directory}/hf")
         import_hf(f"{directory}/hf", f"{directory}/ckpt")
     dist.barrier()
-    cfg = with_checkpoint(tiny_config(model={"num_layers": 4}, training={"train_iters": 2},
+    cfg = with_checkpoint(tiny_config(model={"num_layers": 4, "openai_gelu": True}, training={"train_iters": 2},
                                        data={"eval_interval": 0}), load=f"{directory}/ckpt", finetune=True)
     with layout(1, 1, ranks=[dist.get_rank()]):
         expected = losses(Trainer(cfg, CPU).train())

@@ -7,11 +7,12 @@ within 1e-5):
 - Llama-like (rotary positions, RMSNorm, SwiGLU, grouped-query attention with 2 key/value heads, no biases, untied
   output layer) at TP=2 x PP=2: one key/value head per TP rank;
 - the same with sequence parallelism and selective recompute at TP=2 x PP=2: pipeline stages send sequence shards;
-- GPT-2-style with sequence parallelism and full recompute (block) at TP=2 x DP=2 with ZeRO-2, overlapped, small
-  buckets: the sequence-parallel gradients (norms, biases, position table) are summed over TP on DP shards;
-- the Llama-like model at TP=4, where each of its 2 key/value heads is split over 2 TP ranks which all-gather it
-  (multi-query attention, 1 head over 4 ranks, takes the same path), with sequence parallelism and full recompute
-  (uniform).
+- GPT-2-style with the tanh GeLU, sequence parallelism and full recompute (block) at TP=2 x DP=2 with ZeRO-2,
+  overlapped, small buckets: the sequence-parallel gradients (norms, biases, position table) are summed over TP on DP
+  shards;
+- the Llama-like model with Qwen2's q/k/v biases and Llama 3's rope scaling at TP=4, where each of its 2 key/value
+  heads (and their biases) is split over 2 TP ranks which all-gather it (multi-query attention, 1 head over 4 ranks,
+  takes the same path), with sequence parallelism and full recompute (uniform).
 
 With dropout on, full and selective recompute at TP=2 x PP=2 (1F1B, so other micro-batches' forwards run between a
 forward and its recompute) give exactly the losses, gradient norms and weights of the run without recompute.
@@ -32,14 +33,17 @@ FULL_BLOCK = {"recompute_granularity": "full", "recompute_method": "block", "rec
 FULL_UNIFORM = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 2}
 SELECTIVE = {"recompute_granularity": "selective"}
 ZERO2 = {"use_distributed_optimizer": True, "zero_stage": 2, "overlap_grad_reduce": True, "ddp_bucket_size": 4000}
+QWEN2_ROPE_SCALING = {"add_qkv_bias": True, "use_rope_scaling": True, "rope_scaling_factor": 4.0,
+                      "rope_scaling_original_max_position_embeddings": 16}
 
 
 @pytest.mark.parametrize("label, tp, pp, model, parallel, optimizer", [
     ("llama-like TP=2 x PP=2", 2, 2, LLAMA, {}, {}),
     ("llama-like + sequence parallel + selective recompute TP=2 x PP=2", 2, 2, {**LLAMA, **SELECTIVE}, SP, {}),
-    ("GPT + sequence parallel + full block recompute TP=2 x DP=2 ZeRO-2", 2, 1, FULL_BLOCK, SP, ZERO2),
-    ("llama-like (key/value heads split over 2 ranks) + sequence parallel + full uniform recompute TP=4", 4, 1,
-     {**LLAMA, **FULL_UNIFORM}, SP, {}),
+    ("GPT + tanh GeLU + sequence parallel + full block recompute TP=2 x DP=2 ZeRO-2", 2, 1,
+     {**FULL_BLOCK, "openai_gelu": True}, SP, ZERO2),
+    ("llama-like + q/k/v biases + rope scaling (key/value heads split over 2 ranks) + sequence parallel + full "
+     "uniform recompute TP=4", 4, 1, {**LLAMA, **QWEN2_ROPE_SCALING, **FULL_UNIFORM}, SP, {}),
 ])
 def test_matches_single_process(label, tp, pp, model, parallel, optimizer):
     # 4 layers where the pipeline needs them (2 per stage), else 2; micro-batches of 2 samples: 4 micro-batches.

@@ -58,6 +58,15 @@ def test_interleaved_stages_count_their_chunks():
         assert count_parameters(model, 2, 2, 2).per_stage[pp_rank] == sum(p.numel() for _, p in real)
 
 
+def test_qkv_biases_are_counted():
+    """--add-qkv-bias (Qwen2) on a model without biases: the QKV projection's bias, split over TP, and no other."""
+    model = load_model_config("llama_tiny", add_qkv_bias=True)
+    real = _real_stage(model, 2, 1, 0)
+    planned = [t for chunk in rank_tensors(model, 2, 1, 1, 0) for t in chunk]
+    assert [(n, p.numel()) for n, p in real] == [(t.name, t.numel) for t in planned]
+    assert sum(name.endswith("bias") for name, _ in real) == model.num_layers
+
+
 def test_gpt_layers_are_12h2_plus_13h():
     model = load_model_config("gpt2_medium")
     h = model.hidden_size

@@ -1,0 +1,66 @@
+"""A key/value cache for generation: each layer keeps the keys and values of the tokens seen so far, so a new token
+costs one position's work instead of rerunning the whole context.
+
+``KVCache(max_length)`` goes through the model's forward (``GPTModel(tokens, cache=cache)``): the first call (the
+prompt) fills positions 0 .. n-1, each later call appends its tokens after them; rotary and learned positions start
+at ``cache.length``. Buffers are allocated on first use per layer, [batch, key/value heads, max_length, head dim] in
+the keys' dtype and device. Inference only (no dropout, no autograd through the cache), at any tensor-parallel size:
+each rank caches its own heads. Attention over the cache runs through scaled_dot_product_attention whatever the
+kernel policy (the fused masked softmax is square: every query sees only the keys up to its own position).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+class KVCache:
+    def __init__(self, max_length: int):
+        self.max_length = max_length
+        self.length = 0   # tokens cached so far: the position of the next token
+        self._buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def layer(self, index: int) -> LayerCache:
+        return LayerCache(self, index)
+
+    def store(self, index: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write layer ``index``'s new keys and values [batch, heads, new, d] after the cached ones; return all of
+        them, [batch, heads, length + new, d]."""
+        start, end = self.length, self.length + k.shape[-2]
+        if end > self.max_length:
+            raise ValueError(f"the KV cache holds {self.max_length} positions, {end} asked for")
+        if index not in self._buffers:
+            shape = (*k.shape[:-2], self.max_length, k.shape[-1])
+            self._buffers[index] = (k.new_empty(shape), v.new_empty(shape))
+        keys, values = self._buffers[index]
+        keys[..., start:end, :] = k
+        values[..., start:end, :] = v
+        return keys[..., :end, :], values[..., :end, :]
+
+    def advance(self, tokens: int) -> None:
+        """After a forward pass over ``tokens`` new positions (every layer has stored them)."""
+        self.length += tokens
+
+
+class LayerCache:
+    """One layer's view of a :class:`KVCache`."""
+
+    def __init__(self, cache: KVCache, index: int):
+        self.cache, self.index = cache, index
+
+    @property
+    def offset(self) -> int:
+        return self.cache.length
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Store the new k and v, then causal attention of the new queries [batch, heads, new, d] (the last
+        positions) over every cached key; heads merged: [batch, new, heads x d]."""
+        keys, values = self.cache.store(self.index, k, v)
+        new, total = q.shape[-2], keys.shape[-2]
+        # Query i (position total - new + i) sees keys 0 .. total - new + i; one new token sees them all.
+        mask = None if new == 1 else torch.ones(new, total, dtype=torch.bool, device=q.device).tril(total - new)
+        context = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
+                                                 enable_gqa=keys.shape[1] != q.shape[1])
+        batch, heads, _, head_dim = context.shape
+        return context.transpose(1, 2).reshape(batch, new, heads * head_dim)

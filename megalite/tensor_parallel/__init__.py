@@ -1,5 +1,5 @@
 """Tensor parallelism: communication ops, parallel layers, vocab-parallel loss, dropout RNG, sharding specs,
-sequence-parallel mappings and activation recompute."""
+sequence-parallel mappings, activation recompute and deferred weight gradients."""
 
 from megalite.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megalite.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
@@ -10,11 +10,13 @@ from megalite.tensor_parallel.mappings import (all_gather_tensor_parallel, copy_
 from megalite.tensor_parallel.partition import Partition, initialize_parameters, shard, unshard
 from megalite.tensor_parallel.random import TensorParallelRNG
 from megalite.tensor_parallel.recompute import recompute
+from megalite.tensor_parallel.weight_grad import WeightGradStore, attach_weight_grad_store, weight_gradient
 
 __all__ = [
     "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "vocab_parallel_cross_entropy",
     "mark_sequence_parallel", "copy_to_tensor_parallel", "reduce_from_tensor_parallel", "scatter_to_tensor_parallel",
     "gather_from_tensor_parallel", "all_gather_tensor_parallel", "reduce_scatter_to_sequence_parallel", "Partition",
     "initialize_parameters",
-    "shard", "unshard", "TensorParallelRNG", "recompute",
+    "shard", "unshard", "TensorParallelRNG", "recompute", "WeightGradStore", "attach_weight_grad_store",
+    "weight_gradient",
 ]

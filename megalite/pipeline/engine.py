@@ -1,10 +1,10 @@
 """Running a schedule: forward, backward and weight-gradient steps on this rank's model chunks, with the transfers.
 
 ``forward_step(chunk, micro_batch, input_tensor)`` is the caller's: it returns the chunk's output activation, or on
-the last virtual stage the loss to backpropagate. The engine follows a :class:`~megalite.pipeline.transfers.RankPlan`:
-before each step it posts the receives the plan names (the step's own input, and the next step's when that is
-safe, so the transfer runs during this step's compute), together with the previous step's send; it waits only for
-the message the step needs. Each micro-batch's input and output are kept until its backward; an output's data is
+the last virtual stage the loss to backpropagate. The engine follows a :class:`~megalite.pipeline.transfers.RankPlan`
+round by round: it posts the round's batch (the send of what the previous step produced, the receives of what the
+neighbours produced meanwhile) and runs the round's step, waiting only for the message that step needs; receives
+posted rounds ahead of their step transfer during the compute in between. Each micro-batch's input and output are kept until its backward; an output's data is
 freed once it has been sent (the next stage has it; the backward needs only its graph). Where the schedule has W
 steps, each B runs inside ``weight_grads.deferring`` and each W runs the weight gradients its B left
 (megalite.tensor_parallel.weight_grad). Consecutive stages on one rank (the bottom of the v-shape) hand over
@@ -110,15 +110,16 @@ def run_schedule(plan: RankPlan, forward_step: ForwardStep, links: PipelineLinks
     outputs: dict[tuple[int, int], torch.Tensor] = {}
     held: set[tuple[int, int]] = set()
     local: dict = {}   # hand-overs between this rank's own chunks
-    pending_sends: list[tuple[int, torch.Tensor, bool]] = []
+    outbox: dict = {}  # message -> (destination rank, tensor, free once sent), posted in the next round
 
     def body() -> None:
-        nonlocal pending_sends
-        for step, receives in zip(plan.steps, plan.receives):
+        for round_ in plan.rounds:
+            if round_.sends or round_.receives:
+                links.post([outbox.pop(m) for m in round_.sends], list(round_.receives))
+            step = round_.step
+            if step is None:
+                continue
             needs, sends = plan.messages(step)
-            if receives or pending_sends:
-                links.post(pending_sends, list(receives))
-                pending_sends = []
             received = None
             if needs is not None:
                 received = local.pop(needs) if plan.link(needs)[0] == plan.rank else links.take(needs)
@@ -147,12 +148,10 @@ def run_schedule(plan: RankPlan, forward_step: ForwardStep, links: PipelineLinks
                     local[sends] = produced.detach()
                 else:   # a forward's output is freed once sent, unless it is a view of something else
                     free = step.kind == "F" and not forward_only and produced._base is None
-                    pending_sends.append((destination, produced, free))
+                    outbox[sends] = (destination, produced, free)
             if after_step is not None:
                 after_step(step)
         if links is not None:
-            if pending_sends:
-                links.post(pending_sends, [])
             links.finish()
 
     freed_before = links.freed_bytes if links is not None else 0

@@ -1,41 +1,48 @@
-"""When each pipeline rank posts each receive: a pure plan derived from every rank's schedule.
+"""When each pipeline rank sends and receives each message: a pure plan derived from every rank's schedule.
 
-Messages on one link (sending rank -> receiving rank) are matched in the order they are sent: NCCL matches
-point-to-point operations between two ranks in order, and so does gloo without tags. A schedule may consume them in
-another order (ZB-V and the interleaved zero-bubble order do where activations and gradients share a link), so a
-receiver posts its receives in the sender's order and keeps early arrivals until their step needs them.
+The plan comes from running all ranks' steps in lockstep rounds: in each round a rank runs its next step if that
+step's input was produced in an earlier round. In round t every rank posts one batch holding the sends of what
+its step of round t-1 produced and the receives of what its neighbours produced in round t-1, then runs its step of
+round t (if it has one), waiting only for that step's own input.
 
-Before step i a rank posts, in one batch with the send of step i-1's output:
-
-- the receive of the message step i needs, after those sent before it on the same link;
-- the receive step i+1 needs (also in link order) when its sender does not depend on this rank's step i or any
-  later one, so that the transfer runs during step i's compute (Megatron overlaps its p2p the same way). A receive
-  posted any earlier could deadlock under NCCL, whose point-to-point operations run one batch after the other: it
-  would wait for a message that needs this rank's next send, queued behind it.
-
-The dependencies come from one pass over all ranks' steps in an order they can run in: each step records, for every
-rank, the last step of that rank it depends on, directly or through messages (program order makes that one number
-per rank). The pass also proves the schedules can run at all (every needed message sent, no cycle).
+Why rounds: point-to-point messages between two ranks are matched in the order they are posted (NCCL, and gloo
+without tags), and NCCL runs a rank's batches one after another, a send completing only with its receive. With
+rounds, every operation in a rank's round-t batch is matched by one in its neighbour's round-t batch, so once all
+batches of round t-1 have completed every batch of round t can run: no cycle of ranks waiting on each other
+whatever the schedule, and each link carries its messages in the order they are produced. A message is received
+in the round after it is produced, which may be well before the step that needs it: the receive is posted before
+the compute of the steps in between and its transfer overlaps them (ZB-V and the interleaved zero-bubble order
+consume some messages in another order than their link delivers them, and keep the early ones until needed). The
+same run proves the schedules can finish (every needed message sent, no cycle of steps).
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
 from dataclasses import dataclass
 
 from megalite.pipeline.schedules import Message, Step, message_link, step_messages
 
 
 @dataclass(frozen=True)
+class Round:
+    """One round of one rank: the batch it posts, then the step it runs (None: it only exchanges)."""
+    sends: tuple[Message, ...]                    # produced by this rank's step of the previous round
+    receives: tuple[tuple[int, Message], ...]     # (source rank, message) produced by a neighbour last round
+    step: Step | None
+
+
+@dataclass(frozen=True)
 class RankPlan:
-    """What one pipeline rank runs: its steps and, per step, the receives (source rank, message) to post just
-    before it."""
-    steps: tuple[Step, ...]
-    receives: tuple[tuple[tuple[int, Message], ...], ...]
+    """What one pipeline rank runs, round by round (rounds with nothing to do are left out)."""
+    rounds: tuple[Round, ...]
     pp: int
     rank: int
     virtual_stages: int
     placement: str
+
+    @property
+    def steps(self) -> list[Step]:
+        return [r.step for r in self.rounds if r.step is not None]
 
     def messages(self, step: Step) -> tuple[Message | None, Message | None]:
         return step_messages(step, self.pp, self.virtual_stages, self.rank, self.placement)
@@ -44,75 +51,41 @@ class RankPlan:
         return message_link(message, self.pp, self.placement)
 
 
-def dependencies(schedules: list[list[Step]], pp: int, virtual_stages: int,
-                 placement: str) -> tuple[list[list[tuple[int, ...]]], dict[Message, tuple[int, int]]]:
-    """(per rank and step, the last step of every rank it depends on (-1: none); the (rank, step) sending each
-    message). Raises ValueError when the schedules cannot run to the end."""
-    producers: dict[Message, tuple[int, int]] = {}
-    for rank, steps in enumerate(schedules):
-        for index, step in enumerate(steps):
-            sends = step_messages(step, pp, virtual_stages, rank, placement)[1]
-            if sends is not None:
-                producers[sends] = (rank, index)
-    depends: list[list] = [[None] * len(steps) for steps in schedules]
-    position = [0] * pp
-    progressed = True
-    while progressed:
-        progressed = False
-        for rank, steps in enumerate(schedules):
-            while position[rank] < len(steps):
-                index = position[rank]
-                needs = step_messages(steps[index], pp, virtual_stages, rank, placement)[0]
-                frontier = list(depends[rank][index - 1]) if index else [-1] * pp
-                if needs is not None:
-                    if needs not in producers:
-                        raise ValueError(f"rank {rank} step {index} ({steps[index]}) needs {needs}, which no step sends")
-                    source = depends[producers[needs][0]][producers[needs][1]]
-                    if source is None:
-                        break
-                    frontier = [max(a, b) for a, b in zip(frontier, source)]
-                frontier[rank] = index
-                depends[rank][index] = tuple(frontier)
-                position[rank] += 1
-                progressed = True
-    if any(position[r] < len(schedules[r]) for r in range(pp)):
-        raise ValueError(f"the schedules deadlock: ranks stop at steps {position} of "
-                         f"{[len(s) for s in schedules]}")
-    return depends, producers
-
-
 def plan_transfers(schedules: list[list[Step]], pp: int, virtual_stages: int,
                    placement: str = "round-robin") -> list[RankPlan]:
-    """Every rank's :class:`RankPlan` for ``schedules`` (one list of steps per rank; see the module docstring)."""
-    depends, producers = dependencies(schedules, pp, virtual_stages, placement)
-    link_order: dict[tuple[int, int], list[Message]] = defaultdict(list)
-    for rank, steps in enumerate(schedules):
-        for step in steps:
+    """Every rank's :class:`RankPlan` for ``schedules`` (one list of steps per rank; see the module docstring).
+    Raises ValueError when the schedules cannot run to the end."""
+    produced: dict[Message, int] = {}                                  # message -> round it was produced in
+    position = [0] * pp
+    rounds: list[list[Round]] = [[] for _ in range(pp)]
+    sending: list[list[Message]] = [[] for _ in range(pp)]              # produced last round, to send now
+    arriving: list[list[tuple[int, Message]]] = [[] for _ in range(pp)]
+    now = 0
+    while any(position[r] < len(schedules[r]) for r in range(pp)) or any(sending):
+        ran = []
+        for rank in range(pp):
+            step = schedules[rank][position[rank]] if position[rank] < len(schedules[rank]) else None
+            if step is not None:
+                needs = step_messages(step, pp, virtual_stages, rank, placement)[0]
+                if needs is not None and produced.get(needs, now) >= now:
+                    step = None   # its input is not there yet
+            rounds[rank].append(Round(tuple(sending[rank]), tuple(arriving[rank]), step))
+            ran.append(step)
+        sending, arriving = [[] for _ in range(pp)], [[] for _ in range(pp)]
+        for rank, step in enumerate(ran):
+            if step is None:
+                continue
+            position[rank] += 1
             sends = step_messages(step, pp, virtual_stages, rank, placement)[1]
-            if sends is not None and message_link(sends, pp, placement)[1] != rank:
-                link_order[message_link(sends, pp, placement)].append(sends)
-    place_on_link = {m: k for order in link_order.values() for k, m in enumerate(order)}
-
-    plans = []
-    for rank, steps in enumerate(schedules):
-        posted: dict[tuple[int, int], int] = defaultdict(int)   # link -> how many of its messages are posted
-
-        def drain(message: Message | None) -> list[tuple[int, Message]]:
-            """The receives up to ``message`` on its link not yet posted (none for a local hand-over)."""
-            if message is None or message_link(message, pp, placement)[0] == rank:
-                return []
-            link = message_link(message, pp, placement)
-            start, end = posted[link], place_on_link[message] + 1
-            posted[link] = max(start, end)
-            return [(link[0], m) for m in link_order[link][start:end]]
-
-        receives = []
-        for index, step in enumerate(steps):
-            posts = drain(step_messages(step, pp, virtual_stages, rank, placement)[0])
-            if index + 1 < len(steps):
-                ahead = step_messages(steps[index + 1], pp, virtual_stages, rank, placement)[0]
-                if ahead is not None and depends[producers[ahead][0]][producers[ahead][1]][rank] < index:
-                    posts += drain(ahead)
-            receives.append(tuple(posts))
-        plans.append(RankPlan(tuple(steps), tuple(receives), pp, rank, virtual_stages, placement))
-    return plans
+            if sends is not None:
+                produced[sends] = now
+                destination = message_link(sends, pp, placement)[1]
+                if destination != rank:   # not a hand-over between two chunks of this rank
+                    sending[rank].append(sends)
+                    arriving[destination].append((rank, sends))
+        if all(step is None for step in ran) and any(position[r] < len(schedules[r]) for r in range(pp)):
+            raise ValueError(f"the schedules deadlock: ranks stop at steps {position} of "
+                             f"{[len(s) for s in schedules]}")
+        now += 1
+    return [RankPlan(tuple(r for r in rank_rounds if r.sends or r.receives or r.step is not None), pp, rank,
+                     virtual_stages, placement) for rank, rank_rounds in enumerate(rounds)]

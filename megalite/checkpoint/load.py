@@ -103,8 +103,10 @@ def _loads_optimizer(cfg: MegaliteConfig, manifest: Manifest) -> bool:
 
 
 def _same_ranks(a: SavedLayout, b: SavedLayout) -> bool:
-    """RNG states belong to (pp, tp, dp) ranks running the same chunks: the optimizer's sharding does not matter."""
-    return (a.tp, a.pp, a.virtual_stages, a.dp) == (b.tp, b.pp, b.virtual_stages, b.dp)
+    """RNG states belong to (pp, tp, dp) ranks running the same chunks in the same order (the schedule): the
+    optimizer's sharding does not matter."""
+    return ((a.tp, a.pp, a.virtual_stages, a.dp, a.pipeline_schedule)
+            == (b.tp, b.pp, b.virtual_stages, b.dp, b.pipeline_schedule))
 
 
 def _loads_rng(cfg: MegaliteConfig, manifest: Manifest, layout: SavedLayout, cuda: bool) -> bool:

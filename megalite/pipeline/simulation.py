@@ -71,10 +71,10 @@ def simulate(schedules: list[list[Step]], pp: int, virtual_stages: int, placemen
 
 
 def bubble_formula(schedule: str, pp: int, num_micro_batches: int, virtual_stages: int = 1) -> float:
-    """The papers' bubble at equal step costs (see the module docstring); exact for M >= PP."""
+    """The papers' bubble at equal step costs (see the module docstring); exact for M >= PP (zbv: V = 2)."""
     if pp == 1:
         return 0.0
-    v, m = virtual_stages, num_micro_batches
+    v, m = (2 if schedule == "zbv" else virtual_stages), num_micro_batches
     return (pp - 1) / (v * m) if schedule == "1f1b" else (pp - 1) / (3 * v * m)
 
 
@@ -83,5 +83,6 @@ def schedule_bubble(schedule: str, pp: int, num_micro_batches: int, virtual_stag
     """The bubble of ``schedule`` at unit step costs: the formula where it holds (M >= PP), else simulated."""
     if num_micro_batches >= pp:
         return bubble_formula(schedule, pp, num_micro_batches, virtual_stages)
-    steps = [build_schedule(pp, r, num_micro_batches, virtual_stages, schedule) for r in range(pp)]
-    return simulate(steps, pp, virtual_stages, placement_of(schedule)).bubble
+    v = 2 if schedule == "zbv" else virtual_stages
+    steps = [build_schedule(pp, r, num_micro_batches, v, schedule) for r in range(pp)]
+    return simulate(steps, pp, v, placement_of(schedule)).bubble

@@ -444,16 +444,17 @@ def peak_in_flight_bytes(pp: int, rank: int, num_micro_batches: int, virtual_sta
 
 
 def activation_bytes(model: ModelConfig, layout: Layout, pp_rank: int, num_micro_batches: int,
-                     numerics: Numerics) -> float:
+                     numerics: Numerics, transients: bool = True) -> float:
     """Peak activation bytes of one rank of pipeline stage ``pp_rank``: the in-flight micro-batches' kept bytes
-    (those waiting for a deferred W step holding what it needs) plus the largest transient (a recomputed group's
-    backward, or the logits on the last stage)."""
+    (those waiting for a deferred W step holding what it needs) plus, with ``transients``, the largest transient (a
+    recomputed group's backward, or the logits on the last stage)."""
     chunks = chunks_of_rank(model.num_layers, layout.pp, layout.virtual_stages, pp_rank, layout.placement)
     kept, transient = zip(*(_chunk_activation_bytes(model, layout, c.num_layers, c.is_first, c.is_last, numerics)
                             for c in chunks))
     deferred = tuple(weight_gradient_bytes(model, layout, c.num_layers, c.is_last, numerics) for c in chunks)
-    return peak_in_flight_bytes(layout.pp, pp_rank, num_micro_batches, layout.virtual_stages, tuple(kept),
-                                layout.pipeline_schedule if layout.pp > 1 else "1f1b", deferred) + max(transient)
+    held = peak_in_flight_bytes(layout.pp, pp_rank, num_micro_batches, layout.virtual_stages, tuple(kept),
+                                layout.pipeline_schedule if layout.pp > 1 else "1f1b", deferred)
+    return held + (max(transient) if transients else 0.0)
 
 
 # ---- a whole stage --------------------------------------------------------------------------------------------------

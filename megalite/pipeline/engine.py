@@ -41,6 +41,7 @@ class ScheduleStats:
     total_s: Optional[float] = None   # wall time of the whole schedule
     peak_in_flight: int = 0           # most micro-batches whose activations were held at once
     freed_bytes: int = 0              # sent activations' data released before their backward
+    peak_output_bytes: int = 0        # most bytes of kept outputs' data at once (freed ones count 0)
 
     @property
     def idle_fraction(self) -> float:
@@ -149,6 +150,9 @@ def run_schedule(plan: RankPlan, forward_step: ForwardStep, links: PipelineLinks
                 else:   # a forward's output is freed once sent, unless it is a view of something else
                     free = step.kind == "F" and not forward_only and produced._base is None
                     outbox[sends] = (destination, produced, free)
+            if not forward_only:
+                stats.peak_output_bytes = max(stats.peak_output_bytes, sum(
+                    o.untyped_storage().nbytes() for o in outputs.values()))
             if after_step is not None:
                 after_step(step)
         if links is not None:

@@ -1,6 +1,6 @@
 """The zero-bubble schedules (``--pipeline-schedule zero-bubble|zbv``) train exactly like the single process.
 
-Each layout runs 10 iterations (fp32, dropout off, micro-batch 1 so several micro-batches accumulate) and is
+Each layout runs 6 iterations (fp32, dropout off, micro-batch 1 so several micro-batches accumulate) and is
 compared with the single-process run by ``check_against_reference``: losses, evaluation losses and gradient norms
 within 1e-5 relative, final weights within 1e-5. The layouts are those 1F1B is tested at (PP=2, PP=4, PP=2 x V=2,
 TP=2 x PP=2 x DP=2), with the distributed optimizer and the overlapped gradient reduction over small buckets, so a
@@ -36,10 +36,11 @@ OVERLAPPED = {"use_distributed_optimizer": True, "overlap_grad_reduce": True, "d
 
 
 def _config(tp, pp, schedule, v=None, layers=4, optimizer=OVERLAPPED, parallel=None):
+    """6 iterations, evaluated after 3 and 6 (check_against_reference wants two evaluations)."""
     return tiny_config(tp=tp, pp=pp, model={"num_layers": layers}, optimizer=optimizer,
                        parallel={"pipeline_schedule": schedule, "num_virtual_stages_per_pipeline_rank": v,
                                  **(parallel or {})},
-                       training={"micro_batch_size": 1})
+                       training={"micro_batch_size": 1, "train_iters": 6}, data={"eval_interval": 3})
 
 
 @requires_world(4)

@@ -62,13 +62,14 @@ def _seconds(value: float) -> str:
     return "-" if value == 0 else f"{value:.2g}"
 
 
-_HEADER = ("#", "TP", "PP", "V", "DP", "mbs", "optimizer", "SP", "recompute", "weights", "grads", "optim", "gather",
+_HEADER = ("#", "TP", "PP", "V", "schedule", "DP", "mbs", "optimizer", "SP", "recompute", "weights", "grads", "optim", "gather",
            "activ", "total", "TP s", "PP s", "DP s", "bubble", "step s", "tokens/s", "MFU")
 
 
 def _row(i: int, e: Estimate, plan: Plan) -> tuple[str, ...]:
     lay, peak, t = e.layout, e.peak, e.time
-    return (str(i), str(lay.tp), str(lay.pp), str(lay.virtual_stages), str(lay.dp), str(lay.micro_batch_size),
+    return (str(i), str(lay.tp), str(lay.pp), str(lay.virtual_stages), lay.pipeline_schedule if lay.pp > 1 else "-",
+            str(lay.dp), str(lay.micro_batch_size),
             lay.optimizer_name, "yes" if lay.sequence_parallel else "-", lay.recompute or "-", _g(peak.weights),
             _g(peak.gradients), _g(peak.optimizer), _g(peak.gathered) if peak.gathered else "-",
             _g(peak.activations), _g(peak.total), _seconds(t.tp),
@@ -78,7 +79,7 @@ def _row(i: int, e: Estimate, plan: Plan) -> tuple[str, ...]:
 
 def _table(rows: list[tuple[str, ...]]) -> list[str]:
     widths = [max(len(row[c]) for row in rows) for c in range(len(rows[0]))]
-    left = {6, 8}   # optimizer and recompute names read better left-aligned
+    left = {4, 7, 9}   # schedule, optimizer and recompute names read better left-aligned
     return ["  ".join(cell.ljust(w) if c in left else cell.rjust(w) for c, (cell, w) in enumerate(zip(row, widths)))
             for row in rows]
 

@@ -50,6 +50,17 @@ def train(cfg, ranks=None):
         return records, full_parameters(trainer)
 
 
+def resumed_losses(cfg, tp: int, pp: int, ranks, iteration: int):
+    """The losses of ``cfg`` resumed (its --load holds iteration ``iteration``) at TP x PP over ``ranks``; None on
+    ranks outside the layout."""
+    with layout(tp, pp, ranks=ranks) as member:
+        if not member:
+            return None
+        trainer = Trainer(cfg, CPU)
+        assert trainer.state.iteration == iteration
+        return [r["loss"] for r in trainer.train() if "loss" in r]
+
+
 def reference(cfg):
     """The single-process run: no parallelism, and the plain (unsharded, unoverlapped, on-device) optimizer."""
     optimizer = dataclasses.replace(cfg.optimizer, use_distributed_optimizer=False, zero_stage=1,

@@ -150,6 +150,8 @@ def run_schedule(plan: RankPlan, forward_step: ForwardStep, links: PipelineLinks
                 else:   # a forward's output is freed once sent, unless it is a view of something else
                     free = step.kind == "F" and not forward_only and produced._base is None
                     outbox[sends] = (destination, produced, free)
+            if links is not None:
+                links.reap_sends()   # free what has been sent meanwhile
             if not forward_only:
                 stats.peak_output_bytes = max(stats.peak_output_bytes, sum(
                     o.untyped_storage().nbytes() for o in outputs.values()))

@@ -41,7 +41,7 @@ class PipelineLinks:
 
     def post(self, sends: list[tuple[int, torch.Tensor, bool]], receives: list[tuple[int, Message]]) -> None:
         """Start sending each (pipeline rank, tensor, free_when_sent) and receiving each (pipeline rank, message)."""
-        self._reap_sends()
+        self.reap_sends()
         ops, freeing = [], []
         for peer, tensor, free_when_sent in sends:
             buffer = tensor.detach().to(self.dtype).contiguous()
@@ -69,10 +69,10 @@ class PipelineLinks:
             raise RuntimeError(f"no receive posted for {message}: the transfer plan and the schedule disagree")
         work, buffer = self._receiving.pop(message)
         work.wait()
-        self._reap_sends()
+        self.reap_sends()
         return buffer
 
-    def _reap_sends(self) -> None:
+    def reap_sends(self) -> None:
         """Forget completed sends, freeing what was to be freed once sent."""
         still = []
         for work, buffer, tensor in self._sending:
@@ -86,6 +86,6 @@ class PipelineLinks:
         """Wait for every send still in flight (their buffers must outlive the transfer)."""
         for work, _, _ in self._sending:
             work.wait()
-        self._reap_sends()
+        self.reap_sends()
         if self._receiving:
             raise RuntimeError(f"receives posted but never taken: {sorted(map(str, self._receiving))}")

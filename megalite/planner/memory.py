@@ -404,15 +404,15 @@ def weight_gradient_bytes(model: ModelConfig, layout: Layout, num_layers: int, i
     """Bytes a chunk's deferred W step holds per micro-batch between its B and its W (zero-bubble schedules): each
     linear layer's input, which the forward kept anyway, and the gradient of its output, which the B computed: per
     layer the QKV and fc1 inputs (norm outputs, a sequence shard under sequence parallelism), the projection and fc2
-    inputs and the QKV and fc1 output gradients (split over TP), and the projection and fc2 output gradients
-    (whole: the row-parallel linears' outputs are partial sums); on the last stage the output layer's input and the
-    logits' gradient."""
+    inputs and the QKV and fc1 output gradients (split over TP), and the projection and fc2 output gradients (whole,
+    the row-parallel linears' outputs being partial sums; a sequence shard under sequence parallelism, gathered
+    again in the W step); on the last stage the output layer's input and the logits' gradient."""
     tp, h, f = layout.tp, model.hidden_size, model.ffn_size
     p, sb = numerics.activation_bytes, model.seq_length * layout.micro_batch_size
     share = 1 / tp if layout.sequence_parallel else 1.0
     qkv = h + 2 * model.query_groups * model.head_dim
     inputs = 2 * h * share + h / tp + f / tp
-    grads = qkv / tp + 2 * h + f * (2 if model.swiglu else 1) / tp
+    grads = qkv / tp + 2 * h * share + f * (2 if model.swiglu else 1) / tp
     total = num_layers * p * sb * (inputs + grads)
     if is_last:
         total += p * sb * (h * share + model.padded_vocab_size(tp) / tp)

@@ -35,46 +35,54 @@ def _parameter(full_shape: tuple[int, ...], partition: Partition, init_fn) -> nn
 
 
 class _Linear(torch.autograd.Function):
-    """y = x A^T + b, with ``gather_sequence`` over the all-gather of x along the sequence, saving only this rank's
-    shard of x: backward gathers it again (Megatron's trade: one more all-gather instead of keeping TP times the
-    input for the weight gradient) and reduce-scatters the input's gradient. The weight gradient is
+    """y = x A^T + b under sequence parallelism's collectives, fused so that backward keeps shards only.
+
+    ``gather_input`` (column-parallel): x is this rank's sequence shard, all-gathered here; only the shard is saved
+    and backward gathers it again (Megatron's trade: one more all-gather instead of keeping TP times the input for
+    the weight gradient), reduce-scattering the input's gradient. ``scatter_output`` (row-parallel): the partial
+    product is reduce-scattered here; backward all-gathers the output gradient. The weight gradient is
     ``weight_gradient``'s, computed here or, inside a zero-bubble B step, deferred to ``store`` for the W step
-    (megalite.tensor_parallel.weight_grad)."""
+    (megalite.tensor_parallel.weight_grad) with the shards only: the W step gathers them again."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, gather_sequence: bool, store: WeightGradStore | None):
+    def forward(ctx, x, weight, bias, gather_input: bool, scatter_output: bool, store: WeightGradStore | None):
         ctx.save_for_backward(x, weight)
-        ctx.has_bias, ctx.gather_sequence, ctx.store = bias is not None, gather_sequence, store
-        return F.linear(all_gather(x, SEQUENCE_DIM) if gather_sequence else x, weight, bias)
+        ctx.has_bias, ctx.gather_input, ctx.scatter_output, ctx.store = (bias is not None, gather_input,
+                                                                         scatter_output, store)
+        y = F.linear(all_gather(x, SEQUENCE_DIM) if gather_input else x, weight, bias)
+        return reduce_scatter(y, SEQUENCE_DIM) if scatter_output else y
 
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
+        grad_output = all_gather(grad, SEQUENCE_DIM) if ctx.scatter_output else grad
         grad_input = grad_weight = grad_bias = None
         if ctx.needs_input_grad[0]:
-            grad_input = grad.matmul(weight)
-            if ctx.gather_sequence:
+            grad_input = grad_output.matmul(weight)
+            if ctx.gather_input:
                 grad_input = reduce_scatter(grad_input, SEQUENCE_DIM)
         if ctx.needs_input_grad[1]:
             if ctx.store is not None and ctx.store.defers(weight):
-                ctx.store.defer(weight, _weight_gradient, grad, x, ctx.gather_sequence)
+                ctx.store.defer(weight, _weight_gradient, grad, x, ctx.gather_input, ctx.scatter_output)
             else:
-                grad_weight = _weight_gradient(grad, x, ctx.gather_sequence)
+                grad_weight = _weight_gradient(grad_output, x, ctx.gather_input, False)
         if ctx.has_bias and ctx.needs_input_grad[2]:
-            grad_bias = grad.reshape(-1, grad.shape[-1]).sum(dim=0)
-        return grad_input, grad_weight, grad_bias, None, None
+            grad_bias = grad_output.reshape(-1, grad_output.shape[-1]).sum(dim=0)
+        return grad_input, grad_weight, grad_bias, None, None, None
 
 
-def _weight_gradient(grad: torch.Tensor, x: torch.Tensor, gather_sequence: bool) -> torch.Tensor:
-    return weight_gradient(grad, all_gather(x, SEQUENCE_DIM) if gather_sequence else x)
+def _weight_gradient(grad: torch.Tensor, x: torch.Tensor, gather_input: bool, gather_grad: bool) -> torch.Tensor:
+    return weight_gradient(all_gather(grad, SEQUENCE_DIM) if gather_grad else grad,
+                           all_gather(x, SEQUENCE_DIM) if gather_input else x)
 
 
-def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gather_sequence: bool,
-            store: WeightGradStore | None) -> torch.Tensor:
-    """Torch's own linear where nothing is gathered or deferred (its backward runs in C++), else ``_Linear``."""
-    if not gather_sequence and store is None:
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, store: WeightGradStore | None, *,
+            gather_input: bool = False, scatter_output: bool = False) -> torch.Tensor:
+    """Torch's own linear where nothing is gathered, scattered or deferred (its backward runs in C++), else
+    ``_Linear``."""
+    if not gather_input and not scatter_output and store is None:
         return F.linear(x, weight, bias)
-    return _Linear.apply(x, weight, bias, gather_sequence, store)
+    return _Linear.apply(x, weight, bias, gather_input, scatter_output, store)
 
 
 def mark_sequence_parallel(param: nn.Parameter | None) -> None:
@@ -112,9 +120,9 @@ class ColumnParallelLinear(nn.Module):
         weight = self.weight if weight is None else weight
         bias = None if skip_bias_add else self.bias
         if self.sequence_parallel and parallel_state.get_tensor_model_parallel_world_size() > 1:
-            y = _linear(x, weight, bias, True, self.weight_grad_store)
+            y = _linear(x, weight, bias, self.weight_grad_store, gather_input=True)
         else:
-            y = _linear(copy_to_tensor_parallel(x), weight, bias, False, self.weight_grad_store)
+            y = _linear(copy_to_tensor_parallel(x), weight, bias, self.weight_grad_store)
         return gather_from_tensor_parallel(y) if self.gather_output else y
 
 
@@ -136,12 +144,13 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if parallel_state.get_tensor_model_parallel_world_size() == 1:   # nothing to sum: the bias add fused in
-            return _linear(x, self.weight, self.bias, False, self.weight_grad_store)
+            return _linear(x, self.weight, self.bias, self.weight_grad_store)
         if not self.input_is_parallel:
             x = scatter_to_tensor_parallel(x)
-        partial = _linear(x, self.weight, None, False, self.weight_grad_store)
-        y = (reduce_scatter_to_sequence_parallel(partial) if self.sequence_parallel
-             else reduce_from_tensor_parallel(partial))
+        if self.sequence_parallel:   # the sum reduce-scattered inside, so a deferred W keeps the gradient's shard
+            y = _linear(x, self.weight, None, self.weight_grad_store, scatter_output=True)
+        else:
+            y = reduce_from_tensor_parallel(_linear(x, self.weight, None, self.weight_grad_store))
         return y + self.bias if self.bias is not None else y
 
 

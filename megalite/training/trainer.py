@@ -220,9 +220,9 @@ class Trainer:
         # along the pipeline so rank 0 can report it.
         loss = _sum_over_data_parallel(loss_sum) / global_tokens
         measured = stats.busy_s is not None
-        per_stage = _gather_over_pipeline(torch.tensor(
-            [float(loss), stats.busy_s if measured else -1.0, stats.total_s if measured else -1.0,
-             float(stats.peak_in_flight)], dtype=torch.float64, device=self.device))
+        schedule_stats = torch.tensor([stats.busy_s if measured else -1.0, stats.total_s if measured else -1.0,
+                                       float(stats.peak_in_flight)], dtype=torch.float64, device=self.device)
+        per_stage = _gather_over_pipeline(torch.cat([loss.double().reshape(1), schedule_stats]))
         self.state.iteration = iteration
         self.state.consumed_samples += self.cfg.training.global_batch_size
         record = {"iteration": iteration, "loss": float(per_stage[self.loss_rank][0]), "grad_norm": step["grad_norm"],

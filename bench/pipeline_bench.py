@@ -38,9 +38,10 @@ How it is timed
 
 Memory of sent outputs
     Our engine frees each sent activation's data once its send completes, keeping the graph for the backward. The
-    table shows, per rank and averaged over ranks, the activation bytes freed per step and the most output bytes
-    still held at once (sends not yet completed), against what keeping every output until its backward would hold
-    (the peak number of micro-batches in flight times one output).
+    table shows, per rank and averaged over ranks, the activation bytes freed per step and the output bytes still
+    held after a step (sends not yet completed), averaged over the steps and at their most, against what keeping
+    every output until its backward would hold. A send completes only once its receiver has taken the message, so
+    with more ranks than cores, where a rank waits for the CPU, outputs stay longer than on a GPU.
 
 The bubble
     Our ``ScheduleStats.idle_fraction`` is 1 - busy / total per rank (busy = time inside forward/backward compute,
@@ -285,7 +286,6 @@ def bench_layout(args, pp: int, v: int, schedule: str = "1f1b") -> dict:
     # Remaining warm-up, then timed iterations, alternating sides.
     times = {"ours": [], "torch": []}
     idle, idle_per_busy, memory = [], [], []
-    output_bytes = args.micro_batch_size * cfg.seq_length * cfg.hidden_size * 4
     budget_s, spent = getattr(args, "budget_s", None), 0.0   # run_all's time limit (same decision on every rank)
     for i in range(args.warmup - 1 + args.iters):
         if budget_s is not None and len(times["ours"]) >= 5 and spent > budget_s:
@@ -303,8 +303,9 @@ def bench_layout(args, pp: int, v: int, schedule: str = "1f1b") -> dict:
                 frac, per_busy = world_sum([1 - stats.busy_s / span, (span - stats.busy_s) / stats.busy_s])
                 idle.append(frac / world)
                 idle_per_busy.append(per_busy / world)
-                kept_all = stats.peak_in_flight * output_bytes if stats.freed_bytes else 0   # last stages send none
-                memory.append([x / world for x in world_sum([stats.freed_bytes, stats.peak_output_bytes, kept_all])])
+                held, kept = zip(*stats.output_bytes)
+                memory.append([x / world for x in world_sum([stats.freed_bytes, statistics.mean(held),
+                                                             statistics.mean(kept), max(held), max(kept)])])
 
     parallel_state.destroy_model_parallel()
     return {"pp": pp, "v": v, "dp": dp, "m": args.micro_batches, "schedule": schedule, "loss_ours": loss_ours,
@@ -312,9 +313,8 @@ def bench_layout(args, pp: int, v: int, schedule: str = "1f1b") -> dict:
             "torch_ms": [t * 1e3 for t in times["torch"]], "idle": statistics.mean(idle),
             "idle_per_busy": statistics.mean(idle_per_busy), "theory": schedule_bubble(schedule, pp,
                                                                                       args.micro_batches, v),
-            "freed_mib": statistics.mean(m[0] for m in memory) / 2**20,
-            "held_mib": statistics.mean(m[1] for m in memory) / 2**20,
-            "unfreed_mib": statistics.mean(m[2] for m in memory) / 2**20}
+            **{key: statistics.mean(m[i] for m in memory) / 2**20 for i, key in enumerate(
+                ("freed_mib", "held_mib", "kept_mib", "held_peak_mib", "kept_peak_mib"))}}
 
 
 def mean_std(values: list[float]) -> str:
@@ -353,7 +353,7 @@ def main() -> None:
               f"(both sides); ms: mean ± std over {args.iters} iterations after {args.warmup} warm-up")
         header = (f"{'schedule':>11} {'PP':>3} {'V':>2} {'DP':>3} {'M':>3} | {'ours ms/step':>15} | "
                   f"{'torch ms/step':>15} | {'ours/torch*':>11} | {'bubble idle/total':>17} {'idle/busy':>9} | "
-                  f"{'theory':>6} | {'freed MiB':>9} {'held MiB':>8} {'unfreed':>7}")
+                  f"{'theory':>6} | {'freed MiB':>9} {'held/kept MiB mean':>18} {'peak':>11}")
         print(header)
         print("-" * len(header))
         for r in results:
@@ -361,11 +361,12 @@ def main() -> None:
             print(f"{r['schedule']:>11} {r['pp']:>3} {r['v']:>2} {r['dp']:>3} {r['m']:>3} | "
                   f"{mean_std(r['ours_ms']):>15} | {mean_std(r['torch_ms']):>15} | {ratio:>11.3f} | "
                   f"{r['idle']:>17.3f} {r['idle_per_busy']:>9.3f} | {r['theory']:>6.3f} | {r['freed_mib']:>9.2f} "
-                  f"{r['held_mib']:>8.2f} {r['unfreed_mib']:>7.2f}")
+                  f"{r['held_mib']:>8.2f} / {r['kept_mib']:<7.2f} {r['held_peak_mib']:>5.2f} / {r['kept_peak_mib']:<5.2f}")
         print(f"* median of per-iteration ratios. Bubble: ours only (ScheduleStats), idle up to the slowest rank's "
               f"end, averaged over ranks; idle/busy is the measure comparable with the theory at equal F/B/W costs "
               f"((PP-1)/(V*M) for 1f1b, a third of it for zero-bubble, (PP-1)/(6M) for zbv). Memory of sent outputs "
-              f"per rank: freed per step, most held at once, and what keeping them until their backward would hold. "
+              f"per rank: freed per step; held after a step (mean over steps, and most) against what keeping each until its "
+              f"backward would hold. "
               f"DP>1 runs DP pipelines side by side (DP x the work per step). Load average at end "
               f"{os.getloadavg()[0]:.1f}.")
     dist.barrier()

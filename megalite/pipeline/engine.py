@@ -21,6 +21,7 @@ the bubble: idle over busy time up to the end of the slowest rank (megalite.pipe
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -41,7 +42,8 @@ class ScheduleStats:
     total_s: Optional[float] = None   # wall time of the whole schedule
     peak_in_flight: int = 0           # most micro-batches whose activations were held at once
     freed_bytes: int = 0              # sent activations' data released before their backward
-    peak_output_bytes: int = 0        # most bytes of kept outputs' data at once (freed ones count 0)
+    # After each step: (bytes of the kept outputs' data still allocated, bytes they would hold if never freed).
+    output_bytes: list[tuple[int, int]] = dataclasses.field(default_factory=list)
 
     @property
     def idle_fraction(self) -> float:
@@ -115,8 +117,10 @@ def run_schedule(plan: RankPlan, forward_step: ForwardStep, links: PipelineLinks
 
     def body() -> None:
         for round_ in plan.rounds:
+            if links is not None:   # what was sent two rounds ago has been received (or soon is): free it
+                links.reap_sends(wait_before_round=round_.index - 1)
             if round_.sends or round_.receives:
-                links.post([outbox.pop(m) for m in round_.sends], list(round_.receives))
+                links.post([outbox.pop(m) for m in round_.sends], list(round_.receives), round_.index)
             step = round_.step
             if step is None:
                 continue
@@ -151,10 +155,10 @@ def run_schedule(plan: RankPlan, forward_step: ForwardStep, links: PipelineLinks
                     free = step.kind == "F" and not forward_only and produced._base is None
                     outbox[sends] = (destination, produced, free)
             if links is not None:
-                links.reap_sends()   # free what has been sent meanwhile
+                links.reap_sends()   # free what has been sent meanwhile (where the backend can tell)
             if not forward_only:
-                stats.peak_output_bytes = max(stats.peak_output_bytes, sum(
-                    o.untyped_storage().nbytes() for o in outputs.values()))
+                stats.output_bytes.append((sum(o.untyped_storage().nbytes() for o in outputs.values()),
+                                           sum(o.numel() * o.element_size() for o in outputs.values())))
             if after_step is not None:
                 after_step(step)
         if links is not None:

@@ -34,14 +34,15 @@ def free_storage(tensor: torch.Tensor) -> int:
 class PipelineLinks:
     def __init__(self, group: GroupInfo, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device):
         self.group, self.shape, self.dtype, self.device = group, shape, dtype, device
-        # Sends in flight: (work, the buffer sent, the tensor to free once it completes or None).
-        self._sending: list[tuple[dist.Work, torch.Tensor, torch.Tensor | None]] = []
+        # Sends in flight: (round posted, work, the buffer sent, the tensor to free once it completes or None).
+        self._sending: list[tuple[int, dist.Work, torch.Tensor, torch.Tensor | None]] = []
         self._receiving: dict[Message, tuple[dist.Work, torch.Tensor]] = {}
         self.freed_bytes = 0
 
-    def post(self, sends: list[tuple[int, torch.Tensor, bool]], receives: list[tuple[int, Message]]) -> None:
-        """Start sending each (pipeline rank, tensor, free_when_sent) and receiving each (pipeline rank, message)."""
-        self.reap_sends()
+    def post(self, sends: list[tuple[int, torch.Tensor, bool]], receives: list[tuple[int, Message]],
+             round_index: int = 0) -> None:
+        """Start sending each (pipeline rank, tensor, free_when_sent) and receiving each (pipeline rank, message),
+        as round ``round_index`` of the transfer plan (megalite.pipeline.transfers)."""
         ops, freeing = [], []
         for peer, tensor, free_when_sent in sends:
             buffer = tensor.detach().to(self.dtype).contiguous()
@@ -59,7 +60,7 @@ class PipelineLinks:
             return
         works = dist.batch_isend_irecv(ops)
         for work, op, tensor in zip(works, ops, freeing):
-            self._sending.append((work, op.tensor, tensor))
+            self._sending.append((round_index, work, op.tensor, tensor))
         for work, (message, buffer) in zip(works[len(sends):], buffers):
             self._receiving[message] = (work, buffer)
 
@@ -72,19 +73,25 @@ class PipelineLinks:
         self.reap_sends()
         return buffer
 
-    def reap_sends(self) -> None:
-        """Forget completed sends, freeing what was to be freed once sent."""
+    def reap_sends(self, wait_before_round: int = 0) -> None:
+        """Forget completed sends, freeing what was to be freed once sent; first wait for those posted before
+        round ``wait_before_round`` (gloo reports a send completed only once waited for; NCCL's complete on their
+        own)."""
         still = []
-        for work, buffer, tensor in self._sending:
-            if not work.is_completed():
-                still.append((work, buffer, tensor))
-            elif tensor is not None:
+        for entry in self._sending:
+            round_index, work, _, tensor = entry
+            if round_index < wait_before_round:
+                work.wait()
+            elif not work.is_completed():
+                still.append(entry)
+                continue
+            if tensor is not None:
                 self.freed_bytes += free_storage(tensor)
         self._sending = still
 
     def finish(self) -> None:
         """Wait for every send still in flight (their buffers must outlive the transfer)."""
-        for work, _, _ in self._sending:
+        for _, work, _, _ in self._sending:
             work.wait()
         self.reap_sends()
         if self._receiving:

@@ -14,6 +14,11 @@ in the round after it is produced, which may be well before the step that needs 
 the compute of the steps in between and its transfer overlaps them (ZB-V and the interleaved zero-bubble order
 consume some messages in another order than their link delivers them, and keep the early ones until needed). The
 same run proves the schedules can finish (every needed message sent, no cycle of steps).
+
+A rank may also wait, at the start of round t, for its sends of an earlier round to complete (to free what they sent:
+gloo reports a send done only when waited for): their receives are in the receivers' batches of that same round,
+which every rank that has reached round t has posted, so the rank furthest behind never waits. The engine waits for
+those of round t-2 and earlier, leaving its neighbours a round of slack.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from megalite.pipeline.schedules import Message, Step, message_link, step_messag
 @dataclass(frozen=True)
 class Round:
     """One round of one rank: the batch it posts, then the step it runs (None: it only exchanges)."""
+    index: int                                    # the round's number, the same on every rank
     sends: tuple[Message, ...]                    # produced by this rank's step of the previous round
     receives: tuple[tuple[int, Message], ...]     # (source rank, message) produced by a neighbour last round
     step: Step | None
@@ -69,7 +75,7 @@ def plan_transfers(schedules: list[list[Step]], pp: int, virtual_stages: int,
                 needs = step_messages(step, pp, virtual_stages, rank, placement)[0]
                 if needs is not None and produced.get(needs, now) >= now:
                     step = None   # its input is not there yet
-            rounds[rank].append(Round(tuple(sending[rank]), tuple(arriving[rank]), step))
+            rounds[rank].append(Round(now, tuple(sending[rank]), tuple(arriving[rank]), step))
             ran.append(step)
         sending, arriving = [[] for _ in range(pp)], [[] for _ in range(pp)]
         for rank, step in enumerate(ran):

@@ -23,9 +23,9 @@ def plans(schedule, pp, v, m):
     return steps, plan_transfers(steps, pp, v, placement_of(schedule))
 
 
-def run_transfers(plans, nccl: bool) -> None:
-    """Execute every rank's plan as the engine does: each round, post the round's batch, then run its step once
-    the step's own input has arrived.
+def run_transfers(plans, nccl: bool, send_lag: int = 2) -> None:
+    """Execute every rank's plan as the engine does: each round, wait for its sends of ``send_lag`` or more rounds
+    ago (to free what they sent), post the round's batch, then run its step once the step's own input has arrived.
 
     Matching: the k-th receive posted on a link takes the k-th message sent on it, which must be the one it was
     posted for. gloo (``nccl=False``): posted operations progress independently. NCCL: a rank's batches run one
@@ -33,6 +33,7 @@ def run_transfers(plans, nccl: bool) -> None:
     once both their batches are running. Fails on a deadlock."""
     pp = len(plans)
     batches = [[] for _ in range(pp)]    # per rank: posted batches, each a list of [kind, link, message, done]
+    batch_round = [[] for _ in range(pp)]   # per rank: the round of each posted batch
     completed = [0] * pp                 # per rank: batches completed (in order)
     position = [0] * pp                  # per rank: next round
     posted = [False] * pp                # whether that round's batch is posted
@@ -46,11 +47,15 @@ def run_transfers(plans, nccl: bool) -> None:
         for r, plan in enumerate(plans):
             while position[r] < len(plan.rounds):
                 round_ = plan.rounds[position[r]]
+                if not posted[r] and any(not op[3] for b, index in zip(batches[r], batch_round[r])
+                                         if index <= round_.index - send_lag for op in b if op[0] == "send"):
+                    break   # waiting for an old send to complete
                 if not posted[r]:
                     batch = ([["send", plan.link(m), m, False] for m in round_.sends]
                              + [["recv", (source, r), m, False] for source, m in round_.receives])
                     if batch:
                         batches[r].append(batch)
+                        batch_round[r].append(round_.index)
                         for op in batch:
                             ops_on[op[1]][op[0]].append((r, len(batches[r]) - 1, op))
                     posted[r] = progressed = True
@@ -96,6 +101,8 @@ def test_transfers_complete_under_gloo_and_nccl_rules(schedule, pp, v, m):
     _, rank_plans = plans(schedule, pp, v, m)
     run_transfers(rank_plans, nccl=False)
     run_transfers(rank_plans, nccl=True)
+    run_transfers(rank_plans, nccl=True, send_lag=1)   # even waiting for last round's sends
+
     forward_only = plan_transfers([[s for s in p.steps if s.kind == "F"] for p in rank_plans], pp, v,
                                   placement_of(schedule))
     run_transfers(forward_only, nccl=True)

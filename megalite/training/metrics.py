@@ -2,7 +2,8 @@
 
 The metrics file is a contract for tools and tests: one JSON object per line, with at least ``iteration`` (1-based),
 ``loss`` (mean LM loss over the global batch), ``grad_norm``, ``lr``, ``consumed_samples``, ``elapsed_ms`` (per
-iteration, averaged over the log interval) and ``tokens_per_sec``; evaluations add objects with ``eval_loss``.
+iteration, averaged over the log interval) and ``tokens_per_sec``; evaluations add objects with ``eval_loss``. Lists
+(per pipeline stage, per MoE layer) become one TensorBoard scalar per entry.
 """
 
 from __future__ import annotations
@@ -30,9 +31,22 @@ class MetricsLogger:
             with open(self.metrics_path, "a") as f:
                 f.write(json.dumps(record) + "\n")
         if self.tensorboard is not None:
-            for key, value in record.items():
-                if key != "iteration" and isinstance(value, (int, float)):
-                    self.tensorboard.add_scalar(key, value, record["iteration"])
+            for key, value in self._scalars(record):
+                self.tensorboard.add_scalar(key, value, record["iteration"])
+
+    @staticmethod
+    def _scalars(record: dict):
+        """(tag, number) pairs of a record: its numbers, and each entry of its lists of numbers as ``key/i`` (an MoE
+        layer's ``key/layer_N``, N from ``moe_layers``)."""
+        for key, value in record.items():
+            if key in ("iteration", "moe_layers"):
+                continue
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                yield key, value
+            elif isinstance(value, list):
+                labels = ([f"layer_{n}" for n in record["moe_layers"]] if key.startswith("moe_")
+                          else [str(i) for i in range(len(value))])
+                yield from ((f"{key}/{label}", v) for label, v in zip(labels, value) if isinstance(v, (int, float)))
 
     def print(self, message: str) -> None:
         if self.enabled:
@@ -46,6 +60,11 @@ class MetricsLogger:
                          ("loss_scale", "{:.1f}"), ("pipeline_bubble", "{:.2f}"), ("eval_loss", "{:.6f}")]:
             if record.get(key) is not None:
                 parts.append(f"{key.replace('_', ' ')} {fmt.format(record[key])}")
+        if record.get("moe_aux_loss"):
+            parts.append(f"moe aux loss {sum(record['moe_aux_loss']):.4f}")
+        if record.get("moe_load_max"):   # the most loaded expert of any MoE layer, relative to the mean
+            parts.append(f"moe max load {max(m / a for m, a in zip(record['moe_load_max'], record['moe_load_mean'])):.2f}"
+                         f"x mean")
         if record.get("skipped"):
             parts.append("skipped (gradient overflow)")
         return " | ".join(parts)

@@ -11,6 +11,7 @@ whatever the DP size or micro-batch size, which is what the equivalence tests ch
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import time
 from dataclasses import dataclass
@@ -21,7 +22,7 @@ import torch.distributed as dist
 from megalite import checkpoint, parallel_state
 from megalite.config import MegaliteConfig
 from megalite.data import build_datasets, micro_batch_indices
-from megalite.distributed import DataParallel, DataParallelEngine, FullyShardedDataParallel
+from megalite.distributed import DataParallel, DataParallelEngine, EngineUnion, FullyShardedDataParallel, is_expert
 from megalite.kernels import KernelPolicy
 from megalite.model import GPTModel
 from megalite.model.flops import model_flops_per_iteration
@@ -30,6 +31,7 @@ from megalite.optimizer.clip_grads import counts_toward_norm
 from megalite.pipeline import PipelineLinks, build_schedule, chunks_of_rank, run_schedule
 from megalite.tensor_parallel import TensorParallelRNG
 from megalite.training.metrics import MetricsLogger
+from megalite.training.moe_statistics import MoEStatistics
 from megalite.training.stopping import StopRequests, check_finite
 from megalite.training.timers import Timers, peak_memory_gib, peak_tflops
 
@@ -90,16 +92,25 @@ class Trainer:
                       tensor_group=parallel_state.get_tensor_model_parallel_group(),
                       embedding_group=parallel_state.get_embedding_group(),
                       tied_params=[w for chunk in self.model for w in chunk.tied_embedding_weights()])
+        # Routed experts' gradients are summed over the ranks holding the same experts (megalite.distributed.
+        # expert_parallel): their own engine, or their own FSDP2 units.
+        expert_data = (parallel_state.get_expert_data_parallel_group()
+                       if any(is_expert(p) for p in self.model.parameters()) else None)
         self.engine: DataParallelEngine
         if o.zero_level == 3:   # FSDP2 keeps fp32 shards as main parameters and casts the gathered copies itself
             self.engine = FullyShardedDataParallel(list(self.model), **shared, compute_dtype=self.dtype,
-                                                   offload_params=o.offload_params)
+                                                   offload_params=o.offload_params, expert_group=expert_data)
         else:
             self.model.to(self.dtype)
-            self.engine = DataParallel(
-                list(self.model), **shared, bucket_size=o.ddp_bucket_size,
-                zero=o.zero_level,
-                overlap_grad_reduce=o.overlap_grad_reduce, overlap_param_gather=o.overlap_param_gather)
+            engine = functools.partial(DataParallel, list(self.model), bucket_size=o.ddp_bucket_size,
+                                       zero=o.zero_level, overlap_grad_reduce=o.overlap_grad_reduce,
+                                       overlap_param_gather=o.overlap_param_gather)
+            if expert_data is None:
+                self.engine = engine(**shared)
+            else:
+                self.engine = EngineUnion([
+                    engine(**shared, select=lambda p: not is_expert(p)),
+                    engine(data_group=expert_data, tensor_group=shared["tensor_group"], select=is_expert)])
         self.tied_embedding_weights = [w for chunk in self.model for w in chunk.tied_embedding_weights()]
         self.optimizer = MegaliteOptimizer(self.engine, o, cfg.training)
         self.state = TrainState()
@@ -120,6 +131,7 @@ class Trainer:
         self.timers = Timers(cfg.logging.timing_log_level, device)
         self.peak_tflops = peak_tflops(device, cfg.logging.peak_tflops)
         self.flops_per_iteration = model_flops_per_iteration(m, cfg.training.global_batch_size)
+        self.moe = MoEStatistics(self.model, m, cfg.training.micro_batch_size, cfg.training.global_batch_size)
 
     def describe(self) -> str:
         """One line for the start of a run: layout, schedule, model size, data."""
@@ -183,12 +195,14 @@ class Trainer:
         """One optimizer step over one global batch; returns the iteration's metrics."""
         self.model.train()
         self.engine.start_iteration(self.num_micro_batches)
+        self.moe.start(self.optimizer.loss_scale)
         with self.timers("forward-backward"):
             loss_sum, global_tokens, stats = self._run_global_batch(self.data.train, self.state.consumed_samples,
                                                                     forward_only=False)
         self.timers.add("pipeline-wait", stats.total_s - stats.busy_s)
         with self.timers("grads-reduce"):
             self.engine.finish_grad_sync()
+        moe_metrics = self.moe.finish(self.device)   # global loads and losses; expert biases updated
 
         iteration = self.state.iteration + 1
         lr = learning_rate(iteration, self.cfg.optimizer, self.cfg.training.train_iters)
@@ -208,6 +222,7 @@ class Trainer:
         self.state.consumed_samples += self.cfg.training.global_batch_size
         record = {"iteration": iteration, "loss": float(per_stage[-1][0]), "grad_norm": step["grad_norm"],
                   "lr": lr, "consumed_samples": self.state.consumed_samples}
+        record.update(moe_metrics)
         if step["skipped"]:
             record["skipped"] = True
         if "loss_scale" in step:

@@ -34,13 +34,14 @@ class SavedLayout:
     virtual_stages: int = 1
     dp: int = 1
     zero: int = 0      # OptimizerConfig.zero_level
+    ep: int = 1        # expert-parallel size (experts are stored by global name: any EP loads them)
 
     @classmethod
     def of(cls, cfg: MegaliteConfig, dp: int) -> "SavedLayout":
         """The layout ``cfg`` runs at this data-parallel size."""
         p = cfg.parallel
         return cls(p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
-                   p.virtual_stages(cfg.model.num_layers), dp, cfg.optimizer.zero_level)
+                   p.virtual_stages(cfg.model.num_layers), dp, cfg.optimizer.zero_level, p.expert_model_parallel_size)
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> "SavedLayout":
@@ -54,7 +55,7 @@ class SavedLayout:
         text = f"TP={self.tp} x PP={self.pp}"
         if self.virtual_stages > 1:
             text += f" (V={self.virtual_stages})"
-        text += f" x DP={self.dp}"
+        text += f" x DP={self.dp}" + (f" (EP={self.ep})" if self.ep > 1 else "")
         if self.zero == 3:
             text += ", fully sharded (ZeRO-3)"
         elif self.zero:
@@ -73,6 +74,7 @@ class TensorSpec:
     partition: Partition
     slices: int
     dtype: str
+    optimized: bool = True   # the checkpoint holds its optimizer states (if it holds any); False for an expert bias
 
     def slice_shapes(self) -> list[tuple[int, ...]]:
         """Shape of each stored slice (computed on the meta device, so it follows ``shard`` exactly)."""
@@ -84,8 +86,9 @@ class TensorSpec:
         return getattr(torch, self.dtype)
 
     def to_json(self) -> dict:
-        return {"full_shape": list(self.full_shape), "partition": dataclasses.asdict(self.partition),
+        data = {"full_shape": list(self.full_shape), "partition": dataclasses.asdict(self.partition),
                 "slices": self.slices, "dtype": self.dtype}
+        return data if self.optimized else {**data, "optimized": False}
 
     @classmethod
     def from_json(cls, data: dict) -> "TensorSpec":
@@ -94,7 +97,8 @@ class TensorSpec:
         dtype = data["dtype"]
         if not isinstance(getattr(torch, dtype, None), torch.dtype):
             raise ValueError(f"unknown dtype {dtype!r}")
-        return cls(tuple(int(x) for x in data["full_shape"]), Partition(**partition), int(data["slices"]), dtype)
+        return cls(tuple(int(x) for x in data["full_shape"]), Partition(**partition), int(data["slices"]), dtype,
+                   bool(data.get("optimized", True)))
 
 
 @dataclass

@@ -24,6 +24,7 @@ from megalite.tensor_parallel import Partition
 class ParameterSpec:
     full_shape: tuple[int, ...]
     partition: Partition      # at the registered tensor-parallel size
+    optimized: bool = True    # stepped by the optimizer (False: state kept like a parameter, e.g. an expert bias)
 
 
 def model_parameters(model: ModelConfig) -> dict[str, ParameterSpec]:
@@ -34,7 +35,8 @@ def model_parameters(model: ModelConfig) -> dict[str, ParameterSpec]:
     with parallel_state.simulated_layout(tp, etp=experts_tp):   # no group is used
         with torch.random.fork_rng(devices=[]), torch.device("meta"):   # nothing drawn, nothing allocated
             gpt = GPTModel(model)
-    return {name: ParameterSpec(tuple(p.full_shape), p.partition) for name, p in gpt.canonical_named_parameters()}
+    return {name: ParameterSpec(tuple(p.full_shape), p.partition, isinstance(p, torch.nn.Parameter))
+            for name, p in gpt.canonical_named_parameters()}
 
 
 def check_fits(manifest: Manifest, model: ModelConfig, where: Path) -> None:

@@ -183,7 +183,9 @@ def _specs(cfg: MegaliteConfig, parameters) -> dict[str, TensorSpec]:
     for name, param in parameters:   # the meta model must describe the real one
         if name not in specs or specs[name].full_shape != tuple(param.full_shape):
             raise RuntimeError(f"parameter {name} {list(param.full_shape)} is not in the model's description")
-    return {name: TensorSpec(spec.full_shape, spec.partition, slice_of(spec.partition, 0, tp)[0], dtype)
+    # State that is not optimized (an expert bias) stays fp32 whatever the model dtype, and has no Adam states.
+    return {name: TensorSpec(spec.full_shape, spec.partition, slice_of(spec.partition, 0, tp)[0],
+                             dtype if spec.optimized else "float32", spec.optimized)
             for name, spec in specs.items()}
 
 

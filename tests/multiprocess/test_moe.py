@@ -9,11 +9,15 @@ with both dispatchers and with the distributed optimizer.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
-from ..helpers import TINY_MOE, tiny_config
-from .equivalence import check_against_reference
-from .groups import requires_world
+from megalite.training import Trainer
+
+from ..helpers import TINY_MOE, losses, max_relative_difference, tiny_config, with_checkpoint
+from .equivalence import CPU, check_against_reference
+from .groups import layout, requires_world
 
 # DeepSeek-V3's router (sigmoid scores, auxiliary-loss-free expert bias, per-sequence balancing loss) with a gated
 # shared expert, Llama-style layers and grouped expert products.
@@ -54,5 +58,32 @@ def test_capacity_factor_drops_the_tokens_of_the_single_process():
 
 @requires_world(8)
 def test_expert_parallel_with_pipeline_matches_single_process():
-    cfg = moe_config(pp=2, ep=2, optimizer={"use_distributed_optimizer": True, "overlap_grad_reduce": True})
+    cfg = moe_config(pp=2, ep=2, model=DEEPSEEK_LIKE,
+                     optimizer={"use_distributed_optimizer": True, "overlap_grad_reduce": True})
     check_against_reference(cfg, label="moe ep=2 pp=2 dp=4")
+
+
+@requires_world(4)
+def test_checkpoint_saved_at_ep2_resumes_at_ep1_and_ep4(directory):
+    """Experts are stored by global name with their optimizer states (sharded over the expert-data-parallel ranks
+    at save) and the expert biases: saved at EP=2 x EDP=2 after 4 of 6 iterations, resumed at EP=1 and EP=4 (DP=4),
+    iterations 5-6 equal the uninterrupted run's."""
+    cfg = moe_config(ep=2, model={"moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True},
+                     optimizer={"use_distributed_optimizer": True, "adam_eps": 1e-5},
+                     data={"eval_interval": 0})
+    cfg = dataclasses.replace(cfg, training=dataclasses.replace(cfg.training, train_iters=6))
+    with layout(ep=2):
+        uninterrupted = losses(Trainer(with_checkpoint(cfg, save=directory, save_interval=4), CPU).train())
+    for ep, distributed in [(1, False), (4, True)]:
+        resumed_cfg = dataclasses.replace(
+            with_checkpoint(cfg, load=f"{directory}/iter_0000004"),
+            parallel=dataclasses.replace(cfg.parallel, expert_model_parallel_size=ep),
+            optimizer=dataclasses.replace(cfg.optimizer, use_distributed_optimizer=distributed))
+        with layout(ep=ep):
+            trainer = Trainer(resumed_cfg, CPU)
+            assert trainer.state.iteration == 4
+            resumed = losses(trainer.train())
+        difference = max_relative_difference(resumed, uninterrupted[4:])
+        print(f"MoE saved at EP=2 x EDP=2 (ZeRO-1) after 4 iterations, resumed at EP={ep}: iterations 5-6 max rel "
+              f"loss diff {difference:.1e}")
+        assert len(resumed) == 2 and difference < 1e-5

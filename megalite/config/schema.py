@@ -29,6 +29,9 @@ class ModelConfig:
     hidden_size: int = option(128, "Transformer hidden size.")
     ffn_hidden_size: Optional[int] = option(None, "MLP hidden size; default 4 x hidden size.")
     num_attention_heads: int = option(4, "Number of attention heads.")
+    kv_channels: Optional[int] = option(
+        None, "Channels of each attention head (queries, keys and values); default hidden size / heads (Qwen3 uses "
+              "128 whatever the hidden size).")
     seq_length: int = option(64, "Tokens per training sample.")
     max_position_embeddings: Optional[int] = option(None, "Size of the position table; default seq length.")
     vocab_size: int = option(1000, "Vocabulary size (of the tokenizer, or of the mock data).")
@@ -116,7 +119,12 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
+
+    @property
+    def query_size(self) -> int:
+        """Channels of all query heads together (the hidden size unless --kv-channels says otherwise)."""
+        return self.num_attention_heads * self.head_dim
 
     @property
     def query_groups(self) -> int:

@@ -49,7 +49,8 @@ def validate(cfg: MegaliteConfig, world_size: int) -> None:
              f"{FLAG.pipeline_model_parallel_size} {pp} = {tp * cp * pp}")
     dp = world_size // (tp * cp * pp)
     _check_pipeline(cfg, dp)
-    _require(m.hidden_size % m.num_attention_heads == 0,
+    _at_least(1, [("kv_channels", m.kv_channels)])
+    _require(m.kv_channels is not None or m.hidden_size % m.num_attention_heads == 0,
              f"{FLAG.hidden_size} {m.hidden_size} is not divisible by {FLAG.num_attention_heads} "
              f"{m.num_attention_heads}")
     for name, value in [("num_attention_heads", m.num_attention_heads), ("ffn_hidden_size", m.ffn_size)]:

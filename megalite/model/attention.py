@@ -3,7 +3,8 @@
 One column-parallel projection makes q, k and v together. Its weight is the stack [Wq; Wk; Wv] (Hugging Face's
 q_proj, k_proj, v_proj one above the other), each block split over TP separately, so a rank gets the q of its query
 heads and the k and v of the key/value heads they use. With grouped-query attention (G key/value heads, G < heads)
-the blocks are unequal: [hidden; G x head_dim; G x head_dim].
+the blocks are unequal: [heads x head_dim; G x head_dim; G x head_dim] (heads x head_dim is the hidden size unless
+``--kv-channels`` sets the head dimension).
 
 - G >= TP (G divisible by TP): each rank holds G/TP whole key/value heads, those of its query heads.
 - G < TP (TP divisible by G): a key/value head serves the query heads of TP/G ranks. Each of them computes 1/(TP/G)
@@ -72,13 +73,13 @@ class SelfAttention(nn.Module):
         if cfg.qk_layernorm:   # one norm over the head dimension, shared by every head
             self.q_layernorm, self.k_layernorm = (_head_norm(cfg, kernels) for _ in range(2))
         bias = not cfg.disable_bias_linear
-        kv_size = groups * head_dim
-        fused = 3 if groups == heads else (cfg.hidden_size, kv_size, kv_size)
+        kv_size, q_size = groups * head_dim, cfg.query_size
+        fused = 3 if groups == heads else (q_size, kv_size, kv_size)
         output_std = cfg.init_method_std / math.sqrt(2.0 * cfg.num_layers)   # Megatron's scaled init of outputs
-        self.linear_qkv = ColumnParallelLinear(cfg.hidden_size, cfg.hidden_size + 2 * kv_size, fused=fused,
+        self.linear_qkv = ColumnParallelLinear(cfg.hidden_size, q_size + 2 * kv_size, fused=fused,
                                                bias=bias, init_std=cfg.init_method_std,
                                                sequence_parallel=sequence_parallel)
-        self.linear_proj = RowParallelLinear(cfg.hidden_size, cfg.hidden_size, bias=bias, init_std=output_std,
+        self.linear_proj = RowParallelLinear(q_size, cfg.hidden_size, bias=bias, init_std=output_std,
                                              sequence_parallel=sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -27,6 +27,18 @@ class Layout:
     recompute: Optional[str] = None      # None | "selective" | "full" (full: uniform, one layer per group)
     optimizer_cpu_offload: bool = False  # main params and Adam states on the host (never proposed by the search)
     offload_params: bool = False         # ZeRO-3 with the above: parameter and gradient shards on the host too
+    ep: int = 1                          # expert-parallel size (carved from DP): E / EP experts per rank
+    experts_split: bool = True           # routed experts split over TP (--expert-tensor-parallel-size TP), or whole
+
+    @property
+    def expert_tp(self) -> int:
+        """The routed experts' tensor-parallel size."""
+        return self.tp if self.experts_split else 1
+
+    @property
+    def expert_dp(self) -> int:
+        """The ranks holding the same experts, over which their gradients are reduced and their states sharded."""
+        return self.dp // self.ep
 
     @property
     def world_size(self) -> int:
@@ -42,7 +54,7 @@ class Layout:
         return global_batch_size // (self.micro_batch_size * self.dp)
 
     def describe(self) -> str:
-        parts = [f"TP={self.tp} x PP={self.pp} x DP={self.dp}"]
+        parts = [f"TP={self.tp} x PP={self.pp} x DP={self.dp}" + (f" (EP={self.ep})" if self.ep > 1 else "")]
         if self.virtual_stages > 1:
             parts.append(f"V={self.virtual_stages}")
         parts.append(f"micro-batch {self.micro_batch_size}")
@@ -64,6 +76,7 @@ class Layout:
         parallel = dataclasses.replace(
             cfg.parallel, tensor_model_parallel_size=self.tp, pipeline_model_parallel_size=self.pp,
             sequence_parallel=self.sequence_parallel, num_layers_per_virtual_pipeline_stage=None,
+            expert_model_parallel_size=self.ep, expert_tensor_parallel_size=None if self.experts_split else 1,
             num_virtual_stages_per_pipeline_rank=self.virtual_stages if self.virtual_stages > 1 else None)
         # Overlap whatever our engine can: ZeRO-3 refuses these options (FSDP2 overlaps its own gathers and
         # reductions), and there is nothing to reduce without data parallelism.
@@ -87,4 +100,6 @@ class Layout:
         return cls(tp=tp, pp=pp, dp=world_size // (tp * pp), virtual_stages=p.virtual_stages(cfg.model.num_layers),
                    micro_batch_size=cfg.training.micro_batch_size, zero=o.zero_level,
                    sequence_parallel=p.sequence_parallel, recompute=cfg.model.recompute_granularity,
-                   optimizer_cpu_offload=o.optimizer_cpu_offload, offload_params=o.offload_params)
+                   optimizer_cpu_offload=o.optimizer_cpu_offload, offload_params=o.offload_params,
+                   ep=p.expert_model_parallel_size,
+                   experts_split=p.expert_tensor_parallel_size in (None, tp))

@@ -13,10 +13,12 @@ Search space (each candidate is also passed through megalite.config.validate, so
   memory buys something (no TP or PP, a larger micro-batch, no recompute) and its traffic hides behind compute: fast
   links, large micro-batches;
 - sequence parallelism whenever TP > 1 (it only saves memory; its extra all-gather is counted);
-- recompute none, selective or full (uniform, one layer per group).
+- recompute none, selective or full (uniform, one layer per group);
+- for a mixture of experts, EP in powers of two dividing DP and the number of experts (the experts' memory shrinks
+  by EP and their gradient reduction runs over DP / EP ranks; the tokens' all-to-alls grow with it).
 
 A layout fits when its most loaded GPU's estimate stays under the device memory minus the headroom. Ranking: step
-time; layouts within 0.5% of each other count as tied and the simpler wins (no recompute, then smaller TP, PP and V,
+time; layouts within 0.5% of each other count as tied and the simpler wins (no recompute, then smaller TP, PP, V and EP,
 then the larger micro-batch, less communication, less memory). The table keeps the best variant of each (TP, PP, V).
 """
 
@@ -68,7 +70,7 @@ class Estimate:
         lay = self.layout
         communication = self.time.tp + self.time.pp + self.time.dp
         return (math.floor(math.log(self.time.step) / math.log(_TIE)), RECOMPUTE.index(lay.recompute), lay.tp,
-                lay.pp, lay.virtual_stages, -lay.micro_batch_size, communication, self.peak.total)
+                lay.pp, lay.virtual_stages, lay.ep, -lay.micro_batch_size, communication, self.peak.total)
 
 
 @dataclass(frozen=True)
@@ -117,16 +119,20 @@ def _powers_of_two(limit: int) -> list[int]:
     return [1 << k for k in range(limit.bit_length()) if 1 << k <= limit]
 
 
-def _variants(tp: int, pp: int, v: int, dp: int, global_batch_size: int):
-    """Every micro-batch size, optimizer sharding and recompute option of one (TP, PP, V) shape."""
+def _variants(tp: int, pp: int, v: int, dp: int, global_batch_size: int, num_experts: Optional[int] = None):
+    """Every micro-batch size, optimizer sharding, recompute option and (for a mixture of experts) expert-parallel
+    size of one (TP, PP, V) shape."""
     per_replica = global_batch_size // dp
+    expert_parallel = [ep for ep in _powers_of_two(dp) if dp % ep == 0 and num_experts % ep == 0] if num_experts \
+        else [1]
     for mbs in MICRO_BATCH_SIZES:
         if per_replica % mbs or (v > 1 and (per_replica // mbs) % pp):
             continue
         for zero in ((0, 1, 2) + ((3,) if pp == 1 else ()) if dp > 1 else (0,)):
             for recompute in RECOMPUTE:
-                yield Layout(tp=tp, pp=pp, dp=dp, virtual_stages=v, micro_batch_size=mbs, zero=zero,
-                             sequence_parallel=tp > 1, recompute=recompute)
+                for ep in expert_parallel:
+                    yield Layout(tp=tp, pp=pp, dp=dp, virtual_stages=v, micro_batch_size=mbs, zero=zero,
+                                 sequence_parallel=tp > 1, recompute=recompute, ep=ep)
 
 
 def search(model: ModelConfig, hardware: Hardware, global_batch_size: int, *, model_name: Optional[str] = None,
@@ -151,7 +157,7 @@ def search(model: ModelConfig, hardware: Hardware, global_batch_size: int, *, mo
                 error, smallest = None, None
                 run = MegaliteConfig(model=model, training=TrainingConfig(global_batch_size=global_batch_size,
                                                                           bf16=dtype_bytes == 2))
-                for layout in _variants(tp, pp, v, dp, global_batch_size):
+                for layout in _variants(tp, pp, v, dp, global_batch_size, model.num_experts):
                     try:
                         validate(layout.apply(run), n)
                     except ConfigError as e:

@@ -19,7 +19,7 @@ from typing import Optional
 
 import torch
 
-from megalite.checkpoint import hf_gpt2, hf_llama
+from megalite.checkpoint import hf_gpt2, hf_llama, hf_moe
 from megalite.checkpoint.contents import Checkpoint, open_checkpoint
 from megalite.checkpoint.errors import CheckpointError
 from megalite.checkpoint.keys import model_key
@@ -55,8 +55,11 @@ def _safetensors():
 
 
 def hf_architecture(model: ModelConfig):
-    """The conversion module of the HF architecture a megalite model exports as: ``hf_llama`` if it uses any Llama
-    option (it must then be a whole Llama), else ``hf_gpt2``."""
+    """The conversion module of the HF architecture a megalite model exports as: ``hf_moe`` for a mixture of experts
+    (Mixtral, Qwen2-MoE or Qwen3-MoE), ``hf_llama`` if it uses any Llama option (it must then be a whole Llama),
+    else ``hf_gpt2``."""
+    if model.num_experts is not None:
+        return hf_moe
     return hf_llama if hf_llama.is_llama_shaped(model) else hf_gpt2
 
 
@@ -74,8 +77,8 @@ def export_hf(load: str | os.PathLike, output: str | os.PathLike, dtype: Optiona
     eod = (checkpoint.manifest.tokenizer or {}).get("eod")
     out = Path(output)
     out.mkdir(parents=True, exist_ok=True)
-    if architecture is hf_llama:
-        hf_llama.write_hf_config(config.model, out, eod, dtype)
+    if architecture is not hf_gpt2:
+        architecture.write_hf_config(config.model, out, eod, dtype)
     else:
         (out / HF_CONFIG).write_text(json.dumps(hf_gpt2.hf_config_from(config.model, eod, dtype), indent=2) + "\n")
     _safetensors().save_file(tensors, str(out / HF_WEIGHTS), metadata={"format": "pt"})
@@ -114,9 +117,13 @@ def import_hf(source: str | os.PathLike, save: str | os.PathLike, allow_approxim
     elif model_type == "gpt2":
         model = hf_gpt2.model_config_from(hf, allow_approximate_gelu)
         canonical = hf_gpt2.from_hf(read_hf_tensors(directory), model)
+    elif model_type in hf_moe.MODEL_TYPES:
+        model = hf_moe.model_config_from(hf)
+        canonical = hf_moe.from_hf(read_hf_tensors(directory), model)
     else:
-        raise CheckpointError(f"model_type {model_type!r}: only {hf_gpt2.ARCHITECTURE} (gpt2) and "
-                              f"{hf_llama.ARCHITECTURE} (llama) can be imported")
+        raise CheckpointError(f"model_type {model_type!r}: only {hf_gpt2.ARCHITECTURE} (gpt2), "
+                              f"{hf_llama.ARCHITECTURE} (llama) and {', '.join(hf_moe.MODEL_TYPES.values())} "
+                              f"({', '.join(hf_moe.MODEL_TYPES)}) can be imported")
     cfg = MegaliteConfig(model=model)
     with single_process_layout():
         with torch.device("meta"):

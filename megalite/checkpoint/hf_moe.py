@@ -74,6 +74,7 @@ def check_exportable(model: ModelConfig) -> None:
     refusals = [(model.moe_router_score_function != "softmax", "moe_router_score_function"),
                 (model.moe_router_topk_scaling_factor is not None, "moe_router_topk_scaling_factor"),
                 (arch == MIXTRAL and model.moe_router_pre_softmax, "moe_router_pre_softmax"),
+                (arch != QWEN3_MOE and model.query_size != model.hidden_size, "kv_channels"),
                 (arch == MIXTRAL and not all(model.moe_layers()), "moe_layer_freq"),
                 (arch == QWEN2_MOE and not model.moe_shared_expert_gate, "moe_shared_expert_gate"),
                 (arch == QWEN3_MOE and model.moe_shared_expert_intermediate_size, "moe_shared_expert_intermediate_size")]

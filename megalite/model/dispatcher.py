@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from megalite import parallel_state
 from megalite.parallel_state import GroupInfo
+from megalite.tensor_parallel.mappings import conjugate
 
 # torch 2.13 renamed the flat-tensor collectives (the old names warn); older torch has only the old ones.
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -61,19 +62,6 @@ class _AllToAll(torch.autograd.Function):
     def backward(ctx, grad):
         output_splits, input_splits = ctx.splits
         return _all_to_all(grad, input_splits, output_splits, ctx.info), None, None, None
-
-
-class _Conjugate(torch.autograd.Function):
-    """``forward(x, info)``, whose gradient is ``backward(grad, info)``: all-gather / reduce-scatter pairs."""
-
-    @staticmethod
-    def forward(ctx, x, info, forward, backward):
-        ctx.info, ctx.conjugate = info, backward
-        return forward(x, info)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return ctx.conjugate(grad, ctx.info), None, None, None
 
 
 def permute(tokens: torch.Tensor, routing: torch.Tensor, routing_map: torch.Tensor):
@@ -129,10 +117,10 @@ def _all_to_all_experts(rows: torch.Tensor, counts: torch.Tensor, experts, info:
 
 def _all_gather_and_reduce_scatter(tokens, routing, routing_map, experts, info: GroupInfo) -> torch.Tensor:
     """Gather every rank's tokens, compute this rank's experts' share of each output, reduce-scatter the shares."""
-    all_tokens = _Conjugate.apply(tokens, info, _all_gather, _reduce_scatter)
-    all_routing = _Conjugate.apply(routing, info, _all_gather, _reduce_scatter)
+    all_tokens = conjugate(tokens, info, _all_gather, _reduce_scatter)
+    all_routing = conjugate(routing, info, _all_gather, _reduce_scatter)
     all_map = _all_gather(routing_map.to(torch.uint8), info).bool()   # gloo gathers no bools
     local = slice(experts.first, experts.first + len(experts))
     rows, weights, token_ids, counts = permute(all_tokens, all_routing[:, local], all_map[:, local])
     shares = unpermute(experts(rows, counts.tolist()), weights, token_ids, all_tokens.shape[0])
-    return _Conjugate.apply(shares, info, _reduce_scatter, _all_gather)
+    return conjugate(shares, info, _reduce_scatter, _all_gather)

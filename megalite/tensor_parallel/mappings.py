@@ -128,6 +128,12 @@ class _Along(torch.autograd.Function):
         return ctx.conjugate(grad, ctx.dim), None, None, None
 
 
+def conjugate(x: torch.Tensor, argument, forward, backward) -> torch.Tensor:
+    """``forward(x, argument)`` whose gradient is ``backward(grad, argument)``, for conjugate pairs over other groups
+    (the MoE dispatcher's all-gather / reduce-scatter over the expert-parallel group)."""
+    return _Along.apply(x, argument, forward, backward)
+
+
 def _tensor_parallel() -> bool:
     """Whether there is a TP group to talk to; at TP=1 every op below is the identity, and skipping its autograd
     Function saves a Python-level node per call in forward and backward (several per layer)."""

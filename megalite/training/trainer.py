@@ -135,12 +135,23 @@ class Trainer:
 
     def describe(self) -> str:
         """One line for the start of a run: layout, schedule, model size, data."""
-        counted = torch.tensor(float(sum(p.numel() for p in self.engine.params if counts_toward_norm(p))))
-        info = parallel_state.get_model_parallel_group()
-        if info.size > 1:
-            dist.all_reduce(counted, group=info.group)
+        # Dense parameters are the same on every expert-parallel rank, routed experts differ: summed over EP too.
+        dense, routed = (torch.tensor([float(sum(p.numel() for p in self.engine.params
+                                                 if counts_toward_norm(p) and is_expert(p) == expert))])
+                         for expert in (False, True))
+        model_group, expert_group = (parallel_state.get_model_parallel_group(),
+                                     parallel_state.get_expert_model_parallel_group())
+        for value, groups in ((dense, [model_group]), (routed, [model_group, expert_group])):
+            for info in groups:
+                if info.size > 1:
+                    dist.all_reduce(value, group=info.group)
         tp = parallel_state.get_tensor_model_parallel_world_size()
         dp = parallel_state.get_data_parallel_world_size()
+        ep = parallel_state.get_expert_model_parallel_world_size()
+        m = self.cfg.model
+        total, experts = float(dense + routed), float(routed)
+        moe = (f" ({total - experts * (1 - m.moe_router_topk / m.num_experts):,.0f} active per token, EP={ep})"
+               if experts else "")
         schedule = ("interleaved 1F1B" if self.virtual_stages > 1 else "1F1B") if self.pp > 1 else "no pipelining"
         data = "mock data" if self.data.tokenizer is None else f"vocabulary {self.data.vocab_size}"
         o = self.cfg.optimizer
@@ -149,7 +160,7 @@ class Trainer:
                    ", optimizer on the CPU" if o.optimizer_cpu_offload else "")
         return (f"megalite: TP={tp} x PP={self.pp} x DP={dp} (V={self.virtual_stages}, {schedule}, "
                 f"{self.num_micro_batches} micro-batches per step); {sharding}{offload}; "
-                f"{counted.item() / 1e6:.2f}M parameters; {str(self.dtype).removeprefix('torch.')}; {data}")
+                f"{total / 1e6:.2f}M parameters{moe}; {str(self.dtype).removeprefix('torch.')}; {data}")
 
     def canonical_named_parameters(self):
         """(canonical name, parameter) over this rank's chunks; see GPTModel.canonical_named_parameters."""

@@ -93,7 +93,7 @@ def test_a_trained_megalite_mixture_exports_as_mixtral(tmp_path):
     llama = {"position_embedding_type": "rope", "normalization": "RMSNorm", "swiglu": True,
              "disable_bias_linear": True, "untie_embeddings_and_output_weights": True}
     cfg = tiny_config(model={**TINY_MOE, **llama, "moe_grouped_gemm": True}, data={"eval_interval": 0})
-    train_and_save(cfg, tmp_path / "ckpt", 2)
+    train_and_save(cfg, tmp_path / "ckpt", 1)
     export_hf(tmp_path / "ckpt", tmp_path / "hf")
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert (config["architectures"], config["num_local_experts"], config["intermediate_size"]) == \

@@ -212,3 +212,24 @@ def test_qk_layernorm_normalizes_each_head_before_attention():
         torch.testing.assert_close(attention(x), expected, rtol=1e-5, atol=1e-5)
         names = [n for n, _ in model.canonical_named_parameters()]
         assert "layers.0.self_attention.q_layernorm.weight" in names
+
+
+def test_full_recompute_gives_the_same_gradients_and_counts_the_routing_once():
+    """The recomputed forward (in backward) attaches the balancing losses and counts the loads; the first, no-grad
+    forward does neither."""
+    results = []
+    for recompute in ({}, {"recompute_granularity": "full", "recompute_method": "uniform"}):
+        cfg = _config(moe_z_loss_coeff=1e-2, **recompute)
+        with single_layout():
+            model = GPTModel(cfg)
+            model.initialize(3)
+            tokens = torch.randint(0, 301, (2, 33), generator=torch.Generator().manual_seed(0))
+            model(tokens[:, :-1], tokens[:, 1:]).mean().backward()
+            results.append(([p.grad.clone() for p in model.parameters()],
+                            [layer.mlp.router.statistics(tokens.device).clone() for layer in model.layers]))
+    (grads, stats), (recomputed_grads, recomputed_stats) = results
+    for g, r in zip(grads, recomputed_grads):
+        torch.testing.assert_close(r, g, rtol=1e-6, atol=1e-7)
+    for s, r in zip(stats, recomputed_stats):
+        torch.testing.assert_close(r, s)
+    assert stats[0][:4].sum() == 2 * 32 * 2   # tokens x top-2, once

@@ -13,6 +13,7 @@ import dataclasses
 
 import pytest
 
+from megalite.planner import count_parameters
 from megalite.training import Trainer
 
 from ..helpers import TINY_MOE, losses, max_relative_difference, tiny_config, with_checkpoint
@@ -73,7 +74,11 @@ def test_checkpoint_saved_at_ep2_resumes_at_ep1_and_ep4(directory):
                      data={"eval_interval": 0})
     cfg = dataclasses.replace(cfg, training=dataclasses.replace(cfg.training, train_iters=6))
     with layout(ep=2):
-        uninterrupted = losses(Trainer(with_checkpoint(cfg, save=directory, save_interval=4), CPU).train())
+        trainer = Trainer(with_checkpoint(cfg, save=directory, save_interval=4), CPU)
+        held = count_parameters(cfg.model).per_stage[0]   # every expert, whichever rank holds it (EP=1)
+        assert f"{held / 1e6:.2f}M parameters (" in trainer.describe() and "active per token, EP=2" in \
+            trainer.describe()
+        uninterrupted = losses(trainer.train())
     for ep, distributed in [(1, False), (4, True)]:
         resumed_cfg = dataclasses.replace(
             with_checkpoint(cfg, load=f"{directory}/iter_0000004"),

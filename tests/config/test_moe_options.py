@@ -63,3 +63,11 @@ def test_bad_expert_options_are_one_line(cfg, world, message):
     with pytest.raises(ConfigError) as error:
         validate(cfg, world)
     assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def test_pretrain_gpt_stops_a_bad_expert_layout_with_one_line(capsys):
+    import pretrain_gpt
+
+    assert pretrain_gpt.main(["model=moe_tiny", "data=mock", "--moe-router-topk", "5"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "megalite: error: --moe-router-topk 5 is more than --num-experts 4"

@@ -63,7 +63,10 @@ class DataParallel(DataParallelEngine):
                  embedding_group: Optional[GroupInfo] = None, tied_params: list[torch.nn.Parameter] = (),
                  bucket_size: Optional[int] = None, zero: int = 0,
                  overlap_grad_reduce: bool = False, overlap_param_gather: bool = False,
-                 tensor_group: Optional[GroupInfo] = None, grad_dtype: torch.dtype = torch.float32):
+                 tensor_group: Optional[GroupInfo] = None, grad_dtype: torch.dtype = torch.float32,
+                 select: Callable[[torch.nn.Parameter], bool] = lambda param: True):
+        """``select``: which of the modules' trainable parameters this engine owns (all by default; with expert
+        parallelism one engine takes the dense parameters and another the experts', see expert_parallel)."""
         self.group = data_group
         self.grad_dtype = grad_dtype
         self.embedding_group = embedding_group
@@ -72,7 +75,7 @@ class DataParallel(DataParallelEngine):
         self.distributed = zero in (1, 2)   # OptimizerConfig.zero_level: the distributed optimizer's stages
         self.zero2 = zero == 2
         self.overlap_grad_reduce, self.overlap_param_gather = overlap_grad_reduce, overlap_param_gather
-        self.params = [p for m in modules for p in m.parameters() if p.requires_grad]
+        self.params = [p for m in modules for p in m.parameters() if p.requires_grad and select(p)]
         dtypes = {p.dtype for p in self.params}
         if len(dtypes) != 1:
             raise ValueError(f"all parameters must share one dtype, got {sorted(map(str, dtypes))}")
@@ -109,7 +112,7 @@ class DataParallel(DataParallelEngine):
         if overlap_param_gather:
             for m in modules:
                 for sub in m.modules():
-                    if any(True for _ in sub.parameters(recurse=False)):
+                    if any(select(p) for p in sub.parameters(recurse=False)):
                         self._hooks.append(sub.register_forward_pre_hook(self._wait_for_params))
         self.start_iteration(1)
 

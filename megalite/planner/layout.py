@@ -31,6 +31,18 @@ class Layout:
     offload_params: bool = False         # ZeRO-3 with the above: parameter and gradient shards on the host too
     cp: int = 1                          # context-parallel size: ranks splitting each sample's sequence
     cp_comm_type: str = "p2p"            # p2p (ring) | a2a | allgather
+    ep: int = 1                          # expert-parallel size (carved from DP x CP): E / EP experts per rank
+    experts_split: bool = True           # routed experts split over TP (--expert-tensor-parallel-size TP), or whole
+
+    @property
+    def expert_tp(self) -> int:
+        """The routed experts' tensor-parallel size."""
+        return self.tp if self.experts_split else 1
+
+    @property
+    def expert_dp(self) -> int:
+        """The ranks holding the same experts, over which their gradients are reduced and their states sharded."""
+        return self.replicas // self.ep
 
     @property
     def world_size(self) -> int:
@@ -57,7 +69,7 @@ class Layout:
 
     def describe(self) -> str:
         context = f"CP={self.cp} ({self.cp_comm_type}) x " if self.cp > 1 else ""
-        parts = [f"TP={self.tp} x {context}PP={self.pp} x DP={self.dp}"]
+        parts = [f"TP={self.tp} x {context}PP={self.pp} x DP={self.dp}" + (f" (EP={self.ep})" if self.ep > 1 else "")]
         if self.virtual_stages > 1:
             parts.append(f"V={self.virtual_stages}")
         if self.pipeline_schedule != "1f1b" and self.pp > 1:
@@ -83,7 +95,8 @@ class Layout:
             context_parallel_size=self.cp, cp_comm_type=self.cp_comm_type,
             sequence_parallel=self.sequence_parallel, num_layers_per_virtual_pipeline_stage=None,
             num_virtual_stages_per_pipeline_rank=self.virtual_stages if self.virtual_stages > 1 else None,
-            pipeline_schedule=self.pipeline_schedule)
+            pipeline_schedule=self.pipeline_schedule,
+            expert_model_parallel_size=self.ep, expert_tensor_parallel_size=None if self.experts_split else 1)
         # Overlap whatever our engine can: ZeRO-3 refuses these options (FSDP2 overlaps its own gathers and
         # reductions), and there is nothing to reduce without data parallelism.
         optimizer = dataclasses.replace(
@@ -109,4 +122,5 @@ class Layout:
                    pipeline_schedule=p.pipeline_schedule,
                    sequence_parallel=p.sequence_parallel, recompute=cfg.model.recompute_granularity,
                    optimizer_cpu_offload=o.optimizer_cpu_offload, offload_params=o.offload_params, cp=cp,
-                   cp_comm_type=p.cp_comm_type)
+                   cp_comm_type=p.cp_comm_type, ep=p.expert_model_parallel_size,
+                   experts_split=p.expert_tensor_parallel_size in (None, tp))

@@ -13,6 +13,7 @@ rank's micro-batches (megalite.model.context_parallel); their loss sums over DP 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import time
 from dataclasses import dataclass
@@ -25,7 +26,7 @@ from megalite.config import MegaliteConfig
 from megalite.config.batches import batch_schedule, describe as describe_batches, train_iterations
 from megalite.data import build_datasets, micro_batch_indices
 from megalite.data.packing import packed_documents
-from megalite.distributed import DataParallel, DataParallelEngine, FullyShardedDataParallel
+from megalite.distributed import DataParallel, DataParallelEngine, EngineUnion, FullyShardedDataParallel, is_expert
 from megalite.kernels import KernelPolicy
 from megalite.model import GPTModel
 from megalite.model.context_parallel import SequenceShard, shard_sequence
@@ -38,6 +39,7 @@ from megalite.pipeline.partition import stage_rank
 from megalite.tensor_parallel import TensorParallelRNG, WeightGradStore, attach_weight_grad_store
 from megalite.training.housekeeping import MemoryHousekeeping
 from megalite.training.metrics import MetricsLogger
+from megalite.training.moe_statistics import MoEStatistics
 from megalite.training.profiling import StepProfiler
 from megalite.training.step_times import StepTimeRecorder
 from megalite.training.stopping import StopRequests, check_finite, check_loss_scale
@@ -133,19 +135,29 @@ class Trainer:
                       tensor_group=parallel_state.get_tensor_model_parallel_group(),
                       embedding_group=parallel_state.get_embedding_group() if self.loss_rank != 0 else None,
                       tied_params=[w for chunk in self.model for w in chunk.tied_embedding_weights()])
+        # Routed experts' gradients are summed over the ranks holding the same experts (megalite.distributed.
+        # expert_parallel): their own engine, or their own FSDP2 units.
+        expert_data = (parallel_state.get_expert_data_parallel_group()
+                       if any(is_expert(p) for p in self.model.parameters()) else None)
         self.engine: DataParallelEngine
         grad_dtype = torch.bfloat16 if o.grad_reduce_in_bf16 else torch.float32
         if o.zero_level == 3:   # FSDP2 keeps fp32 shards as main parameters and casts the gathered copies itself
             self.engine = FullyShardedDataParallel(list(self.model), **shared, compute_dtype=self.dtype,
                                                    offload_params=o.offload_params,
                                                    prefetch_bucket_size=o.zero3_prefetch_bucket_size,
-                                                   grad_dtype=grad_dtype)
+                                                   grad_dtype=grad_dtype, expert_group=expert_data)
         else:
             self.model.to(self.dtype)
-            self.engine = DataParallel(
-                list(self.model), **shared, bucket_size=o.ddp_bucket_size,
-                zero=o.zero_level, grad_dtype=grad_dtype,
-                overlap_grad_reduce=o.overlap_grad_reduce, overlap_param_gather=o.overlap_param_gather)
+            engine = functools.partial(DataParallel, list(self.model), bucket_size=o.ddp_bucket_size,
+                                       zero=o.zero_level, grad_dtype=grad_dtype,
+                                       overlap_grad_reduce=o.overlap_grad_reduce,
+                                       overlap_param_gather=o.overlap_param_gather)
+            if expert_data is None:
+                self.engine = engine(**shared)
+            else:
+                self.engine = EngineUnion([
+                    engine(**shared, select=lambda p: not is_expert(p)),
+                    engine(data_group=expert_data, tensor_group=shared["tensor_group"], select=is_expert)])
         self.tied_embedding_weights = [w for chunk in self.model for w in chunk.tied_embedding_weights()]
         self.optimizer = MegaliteOptimizer(self.engine, o, cfg.training)
         self.lr_schedule = LRSchedule.from_config(o, cfg.training, m.seq_length)
@@ -180,15 +192,27 @@ class Trainer:
         self.memory = MemoryHousekeeping(cfg.training, device)
         self.peak_tflops = peak_tflops(device, cfg.logging.peak_tflops)
         self.flops_per_sample = model_flops_per_iteration(m, 1)
+        self.moe = MoEStatistics(self.model, m, cfg.training.micro_batch_size)
 
     def describe(self) -> str:
         """One line for the start of a run: layout, schedule, model size, data."""
-        counted = torch.tensor(float(sum(p.numel() for p in self.engine.params if counts_toward_norm(p))))
-        info = parallel_state.get_model_parallel_group()
-        if info.size > 1:
-            dist.all_reduce(counted, group=info.group)
+        # Dense parameters are the same on every expert-parallel rank, routed experts differ: summed over EP too.
+        dense, routed = (torch.tensor([float(sum(p.numel() for p in self.engine.params
+                                                 if counts_toward_norm(p) and is_expert(p) == expert))])
+                         for expert in (False, True))
+        model_group, expert_group = (parallel_state.get_model_parallel_group(),
+                                     parallel_state.get_expert_model_parallel_group())
+        for value, groups in ((dense, [model_group]), (routed, [model_group, expert_group])):
+            for info in groups:
+                if info.size > 1:
+                    dist.all_reduce(value, group=info.group)
         tp = parallel_state.get_tensor_model_parallel_world_size()
         dp = parallel_state.get_data_parallel_world_size()
+        ep = parallel_state.get_expert_model_parallel_world_size()
+        m = self.cfg.model
+        total, experts = float(dense + routed), float(routed)
+        moe = (f" ({total - experts * (1 - m.moe_router_topk / m.num_experts):,.0f} active per token, EP={ep})"
+               if experts else "")
         schedule = {"1f1b": "1F1B", "zero-bubble": "ZB-H1", "zbv": "ZB-V"}[self.schedule_name]
         if self.pp == 1:
             schedule = "no pipelining"
@@ -204,7 +228,7 @@ class Trainer:
         context = f"CP={self.cp} ({self.cfg.parallel.cp_comm_type}) x " if self.cp > 1 else ""
         return (f"megalite: TP={tp} x {context}PP={self.pp} x DP={dp} (V={self.virtual_stages}, {schedule}, "
                 f"{micro} micro-batches per step, {describe_batches(self.batches)}); {sharding}{offload}; "
-                f"{counted.item() / 1e6:.2f}M parameters; {str(self.dtype).removeprefix('torch.')}; {data}")
+                f"{total / 1e6:.2f}M parameters{moe}; {str(self.dtype).removeprefix('torch.')}; {data}")
 
     def canonical_named_parameters(self):
         """(canonical name, parameter) over this rank's chunks; see GPTModel.canonical_named_parameters."""
@@ -284,6 +308,7 @@ class Trainer:
         self.model.train()
         batch = self.batches.at(self.state.consumed_samples)
         self.engine.start_iteration(self.micro_batches_in(batch))
+        self.moe.start(self.optimizer.loss_scale, batch)
         # Step times are recorded at the largest batch only: the recorder's schedules are those of that batch.
         record_steps = (self.step_times is not None and batch == self.cfg.training.global_batch_size
                         and self.step_times.records(self.state.iteration + 1))
@@ -298,6 +323,7 @@ class Trainer:
             self.timers.add("pipeline-wait", stats.total_s - stats.busy_s)
         with self.timers("grads-reduce"):
             self.engine.finish_grad_sync()
+        moe_metrics = self.moe.finish(self.device)   # global loads and losses; expert biases updated
 
         iteration = self.state.iteration + 1
         o, consumed = self.cfg.optimizer, self.state.consumed_samples + batch
@@ -330,6 +356,7 @@ class Trainer:
             record["global_batch_size"] = batch
         if self.cfg.data.eod_mask_loss:   # the tokens the loss averaged over (fewer than global batch x seq)
             record["loss_tokens"] = int(global_tokens)
+        record.update(moe_metrics)
         if step["skipped"]:
             record["skipped"] = True
         if "loss_scale" in step:

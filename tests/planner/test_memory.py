@@ -18,7 +18,6 @@ import dataclasses
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from megalite import parallel_state
 from megalite.config import OptimizerConfig, TrainingConfig
@@ -30,7 +29,7 @@ from megalite.planner import (Layout, Numerics, bytes_per_parameter, count_param
                               model_state_bytes, stage_memory)
 from megalite.planner.memory import (_chunk_activation_bytes, activation_bytes, layer_activation_bytes,
                                      peak_in_flight_bytes)
-from megalite.tensor_parallel import TensorParallelRNG, mappings
+from megalite.tensor_parallel import TensorParallelRNG
 
 from ..activation_memory import korthikanti_bytes, layer_norm_statistics_bytes, saved_bytes
 from ..helpers import tiny_config
@@ -158,18 +157,6 @@ def test_zero3_working_memory_is_the_root_unit_and_a_layer_three_times_plus_fp32
 
 
 # ---- activations ----------------------------------------------------------------------------------------------------
-
-@pytest.fixture
-def local_collectives(monkeypatch):
-    """Shape-correct stand-ins for the TP collectives, so a TP > 1 forward runs in one process."""
-    def all_gather(parts, x, group=None):
-        for part in parts:
-            part.copy_(x)
-
-    monkeypatch.setattr(dist, "all_reduce", lambda x, *args, **kwargs: None)
-    monkeypatch.setattr(dist, "all_gather", all_gather)
-    monkeypatch.setattr(mappings, "_reduce_scatter_flat", lambda out, x, *args, **kwargs: out.copy_(x[: len(out)]))
-
 
 def _measured_activations(model, tp: int, sequence_parallel: bool, pre: bool, post: bool, b: int) -> int:
     s, h = model.seq_length, model.hidden_size

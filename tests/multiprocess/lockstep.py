@@ -30,7 +30,7 @@ from megalite import parallel_state
 
 # Longest legitimate wait inside one collective of a test (the ranks of a test do the same work, but 8 ranks share
 # 2 cores); a rank stranded by a failed peer raises after this.
-COLLECTIVE_TIMEOUT_S = float(os.environ.get("MEGALITE_TEST_COLLECTIVE_TIMEOUT_S", "60"))
+COLLECTIVE_TIMEOUT_S = float(os.environ.get("MEGALITE_TEST_COLLECTIVE_TIMEOUT_S", "120"))
 # Longest a test may run on one rank (the slowest took 14 s on 2 cores with 4 ranks, 17 s with 8). The agreement may wait
 # that long: ranks outside a test's layout wait there while its members train.
 WATCHDOG_S = float(os.environ.get("MEGALITE_TEST_WATCHDOG_S", "180"))

@@ -26,7 +26,7 @@ PENDING = {
     "--context-parallel-size",                                                                    # [context-parallel]
     "--num-experts", "--moe-router-topk", "--moe-router-load-balancing-type", "--moe-aux-loss-coeff",
     "--moe-grouped-gemm", "--moe-token-dispatcher-type", "--expert-model-parallel-size",          # [moe]
-    "--fp8-format", "--fp8-amax-history-len", "--fp8-amax-compute-algo", "--fp8-param-gather",    # [fp8]
+    "--fp8-param-gather",                                                                         # [fp8]
     "--vocab-file", "--merge-file",                                                              # [interop]
 }
 

@@ -208,7 +208,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, recipe: Fp8Recipe, history
     return _Fp8Linear.apply(x, weight, _Plan(recipe, history, kind, gather_sequence, record))
 
 
-def histories(modules: Iterable[torch.nn.Module]) -> list[tuple[str, Fp8History]]:
+def fp8_histories(modules: Iterable[torch.nn.Module]) -> list[tuple[str, Fp8History]]:
     """(module name, history) of every FP8 linear in ``modules`` (model chunks), in a fixed order."""
     found = []
     for chunk in modules:

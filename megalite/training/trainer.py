@@ -33,7 +33,7 @@ from megalite.model.flops import model_flops_per_iteration
 from megalite.optimizer import LRSchedule, MegaliteOptimizer
 from megalite.optimizer.clip_grads import counts_toward_norm
 from megalite.pipeline import PipelineLinks, build_schedule, chunks_of_rank, run_schedule
-from megalite.tensor_parallel import TensorParallelRNG
+from megalite.tensor_parallel import TensorParallelRNG, update_delayed_scales
 from megalite.training.housekeeping import MemoryHousekeeping
 from megalite.training.metrics import MetricsLogger
 from megalite.training.profiling import StepProfiler
@@ -139,6 +139,10 @@ class Trainer:
                 zero=o.zero_level, grad_dtype=grad_dtype,
                 overlap_grad_reduce=o.overlap_grad_reduce, overlap_param_gather=o.overlap_param_gather)
         self.tied_embedding_weights = [w for chunk in self.model for w in chunk.tied_embedding_weights()]
+        # The FP8 linears' amax histories (delayed recipe), by canonical name (checkpoints keep them).
+        self.fp8_histories = [found for chunk in self.model for found in chunk.canonical_fp8_histories()]
+        self.fp8_groups = (parallel_state.get_tensor_model_parallel_group(),
+                           parallel_state.get_data_parallel_group(with_context_parallel=True))
         self.optimizer = MegaliteOptimizer(self.engine, o, cfg.training)
         self.lr_schedule = LRSchedule.from_config(o, cfg.training, m.seq_length)
         self.state = TrainState()
@@ -283,6 +287,8 @@ class Trainer:
                                             else o.decoupled_min_lr))
         with self.timers("optimizer"):   # unscale, clip, AdamW, and the parameter gather unless overlapped
             step = self.optimizer.step(lr, decoupled_lr)
+        # FP8 delayed scaling: this step's amaxes, maxed over the ranks holding each layer, give the next scales.
+        update_delayed_scales(self.fp8_histories, self.fp8_groups)
         self.memory.after_step()
         # Which ranks saw a NaN/Inf (only looked for when the global norm, equal on every rank, is not finite).
         norm_bad = step["grad_norm"] is not None and not math.isfinite(step["grad_norm"])
@@ -345,7 +351,8 @@ class Trainer:
         pending = checkpoint.start_save(
             directory, cfg=self.cfg, iteration=self.state.iteration, consumed_samples=self.state.consumed_samples,
             parameters=list(self.canonical_named_parameters()), optimizer=self.optimizer, rng=self.rng,
-            tokenizer=self.data.tokenizer, device=self.device, asynchronous=self.cfg.checkpoint.async_save)
+            tokenizer=self.data.tokenizer, device=self.device, asynchronous=self.cfg.checkpoint.async_save,
+            fp8_histories=self.fp8_histories)
         self._checkpointed_iteration = self.state.iteration
         self._pending_save = pending
         return self.finish_save(wait=not self.cfg.checkpoint.async_save)
@@ -369,7 +376,7 @@ class Trainer:
         start = time.perf_counter()
         result = checkpoint.load_checkpoint(self.cfg, parameters=list(self.canonical_named_parameters()),
                                             optimizer=self.optimizer, rng=self.rng, device=self.device,
-                                            tokenizer=self.data.tokenizer)
+                                            tokenizer=self.data.tokenizer, fp8_histories=self.fp8_histories)
         if result is None:
             self.logger.print(f"no checkpoint in {c.load} yet: starting from scratch")
             return None

@@ -158,19 +158,21 @@ class _Fp8Linear(torch.autograd.Function):
         rows = x_q.reshape(-1, x_q.shape[-1])
         y = scaled_mm(rows, w_q.t(), x_inv.reshape(-1, 1) if x_inv.dim() else x_inv,
                       w_inv.reshape(1, -1) if w_inv.dim() else w_inv, x.dtype)
-        ctx.plan, ctx.column, ctx.x_dtype, ctx.w_dtype = plan, column, x.dtype, weight.dtype
+        ctx.plan, ctx.column, ctx.x_dtype, ctx.w_dtype, ctx.lead = plan, column, x.dtype, weight.dtype, lead
         if r.recipe == "rowwise":
             ctx.save_for_backward(saved_x, weight)
         else:   # FP8 copies of x and W: half the bytes of bf16, and the backward uses the forward's quantization
             ctx.save_for_backward(saved_x, w_q, w_inv, x_inv)
-        return y.reshape(*lead, y.shape[-1])
+        # [tokens, out]; the caller restores the leading dims (a view made here could not be summed in place by
+        # the row-parallel all-reduce).
+        return y
 
     @staticmethod
     def backward(ctx, grad):
         plan = ctx.plan
         r = plan.recipe
         bwd, fwd = r.backward_dtype, r.forward_dtype
-        g = grad.reshape(-1, grad.shape[-1])
+        g = grad
         grad_input = grad_weight = None
         if r.recipe == "rowwise":
             x, weight = ctx.saved_tensors
@@ -193,7 +195,7 @@ class _Fp8Linear(torch.autograd.Function):
             g_q, g_inv = _quantized(plan, GRAD_OUTPUT, g, bwd, split=ctx.column)
             grad_input = scaled_mm(g_q, w_q, g_inv, w_inv, ctx.x_dtype)
             grad_weight = scaled_mm(g_q.t(), x_q, g_inv, x_inv, ctx.w_dtype)
-        grad_input = grad_input.reshape(*grad.shape[:-1], grad_input.shape[-1])
+        grad_input = grad_input.reshape(*ctx.lead, grad_input.shape[-1])
         if plan.gather_sequence:
             grad_input = reduce_scatter(grad_input, SEQUENCE_DIM)
         return grad_input, grad_weight, None
@@ -205,7 +207,9 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, recipe: Fp8Recipe, history
     amaxes enter the delayed history."""
     if history is not None:
         history.to(x.device)
-    return _Fp8Linear.apply(x, weight, _Plan(recipe, history, kind, gather_sequence, record))
+    y = _Fp8Linear.apply(x, weight, _Plan(recipe, history, kind, gather_sequence, record))
+    lead = x.shape[:-1] if not gather_sequence else (*x.shape[:SEQUENCE_DIM], -1, *x.shape[SEQUENCE_DIM + 1:-1])
+    return y.view(*lead, y.shape[-1])
 
 
 def fp8_histories(modules: Iterable[torch.nn.Module]) -> list[tuple[str, Fp8History]]:

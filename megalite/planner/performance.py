@@ -46,6 +46,11 @@ one, else the network):
   unfused attention on a GPU, counted 3x slower than the flash kernel the other cores use
   (UNFUSED_ATTENTION_SLOWDOWN).
 
+FP8 (``--fp8-format``): the attention and MLP linears' products run at the device's FP8 rate (Hopper: twice its
+bf16 peak, ``Hardware.fp8_peak_ratio``), the attention core and the output layer at bf16's; under sequence
+parallelism the column-parallel inputs are gathered in FP8 (one byte an element). The quantization passes
+(memory-bound) are not counted, nor FP8's smaller saved activations in the memory estimate.
+
 Not modelled: kernel efficiency changing with matrix sizes (one efficiency for all), the optimizer step itself
 (memory-bound, small next to a step; with CPU offload it is the host's Adam, and --offload-params adds host-device
 copies of every shard), stragglers and network contention between groups (ZeRO-3's gathers share the links with
@@ -120,7 +125,10 @@ def step_time(model: ModelConfig, layout: Layout, hardware: Hardware, global_bat
     core_flops = 12.0 * b * s * whole * h                   # the attention core, forward and backward
     ring = layout.cp > 1 and layout.cp_comm_type == "p2p"
     core_time_flops = core_flops * (UNFUSED_ATTENTION_SLOWDOWN if ring else 1.0)   # the ring's blocks are unfused
-    layer_flops = 6.0 * b * s * dense_macs_per_token_per_layer(model) + core_time_flops
+    dense_flops = 6.0 * b * s * dense_macs_per_token_per_layer(model)
+    if model.fp8_format is not None:   # the linears' products at the FP8 rate (counted as bf16-time FLOPs)
+        dense_flops /= hardware.fp8_peak_ratio
+    layer_flops = dense_flops + core_time_flops
     recompute_flops = 0.0
     if model.recompute_granularity == "full":
         recompute_flops = layer_flops / 3
@@ -133,6 +141,10 @@ def step_time(model: ModelConfig, layout: Layout, hardware: Hardware, global_bat
     # Tensor-parallel bytes per layer per micro-batch (in units of b s h elements x (t-1)/t).
     tp_bw, act = hardware.bandwidth(tp), b * s * h * p
     units = 10 if layout.sequence_parallel else 8
+    if layout.sequence_parallel and model.fp8_format is not None:
+        # The column-parallel inputs travel in FP8, half the bytes: the two forward gathers, and the two backward
+        # re-gathers unless rowwise (which re-gathers bf16 for the weight gradient's per-column scales).
+        units -= 1 if model.fp8_recipe == "rowwise" else 2
     if model.recompute_granularity == "full":
         units += 4
     tp_layer = units * (tp - 1) / tp * act / tp_bw if tp > 1 else 0.0

@@ -73,6 +73,12 @@ class Fp8Recipe:
         return text + (f", margin {self.margin}" if self.margin else "")
 
 
+def has_fp8_tensor_cores(device: torch.device) -> bool:
+    """Whether ``device`` multiplies FP8 in hardware (NVIDIA compute capability 8.9, Ada, and later: Hopper's
+    H100/H200 twice their bf16 rate); elsewhere FP8 runs correctly but no faster than bf16."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
 def amax(x: torch.Tensor, inner_dim: Optional[int] = None) -> torch.Tensor:
     """max |x| in fp32: of the whole tensor, or along ``inner_dim`` (kept, size 1) for per-row/column scales."""
     magnitude = x.detach().abs()

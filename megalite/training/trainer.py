@@ -33,7 +33,8 @@ from megalite.model.flops import model_flops_per_iteration
 from megalite.optimizer import LRSchedule, MegaliteOptimizer
 from megalite.optimizer.clip_grads import counts_toward_norm
 from megalite.pipeline import PipelineLinks, build_schedule, chunks_of_rank, run_schedule
-from megalite.tensor_parallel import TensorParallelRNG, update_delayed_scales
+from megalite.tensor_parallel import Fp8Recipe, TensorParallelRNG, update_delayed_scales
+from megalite.tensor_parallel.fp8 import has_fp8_tensor_cores
 from megalite.training.housekeeping import MemoryHousekeeping
 from megalite.training.metrics import MetricsLogger
 from megalite.training.profiling import StepProfiler
@@ -192,7 +193,20 @@ class Trainer:
         context = f"CP={self.cp} ({self.cfg.parallel.cp_comm_type}) x " if self.cp > 1 else ""
         return (f"megalite: TP={tp} x {context}PP={self.pp} x DP={dp} (V={self.virtual_stages}, {schedule}, "
                 f"{micro} micro-batches per step, {describe_batches(self.batches)}); {sharding}{offload}; "
-                f"{counted.item() / 1e6:.2f}M parameters; {str(self.dtype).removeprefix('torch.')}; {data}")
+                f"{counted.item() / 1e6:.2f}M parameters; {str(self.dtype).removeprefix('torch.')}{self._fp8_words()}; "
+                f"{data}")
+
+    def _fp8_words(self) -> str:
+        """What --fp8-format adds to the start-up line: the recipe, and on a device without FP8 tensor cores that
+        it will not be faster."""
+        recipe = Fp8Recipe.of(self.cfg.model)
+        if recipe is None:
+            return ""
+        words = f" with {recipe.describe()} in the attention and MLP linears"
+        if not has_fp8_tensor_cores(self.device):
+            words += (f" (no FP8 tensor cores on {self.device.type}: correct, but not faster than bf16; torch's "
+                      f"scaled matrix product or its dequantized fallback does the products)")
+        return words
 
     def canonical_named_parameters(self):
         """(canonical name, parameter) over this rank's chunks; see GPTModel.canonical_named_parameters."""

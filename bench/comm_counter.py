@@ -1,5 +1,6 @@
 """Count what a step hands to torch.distributed: elements and bytes per collective / point-to-point call, by process
-group kind (tensor, context, pipeline, data, data_context, embedding, model, world), without touching megalite.
+group kind (tensor, context, pipeline, data, data_context, embedding, model, expert, expert_data, world), without
+touching megalite.
 
 ``with count_communication() as counter: step()`` swaps the torch.distributed functions (and the aliases megalite
 modules took of them at import time, e.g. ``megalite.distributed.data_parallel._reduce_scatter``, which torch 2.13's
@@ -14,7 +15,8 @@ Conventions, so that numbers compare with the textbook formulas:
   so a reduce-scatter + all-gather pair moves as many elements as 2 all-reduces are counted;
 - send/isend: the tensor's elements; receives are counted separately ("recv") and are the same bytes seen from the
   other end, so a p2p total uses sends only;
-- all-to-all: the elements of the input, this rank's own part included ((n-1)/n of them leave the rank).
+- all-to-all (``all_to_all_single``): the elements this rank sends, its part for itself included ((n-1)/n of them
+  leave the rank when the parts are equal).
 Each rank counts its own calls; totals are sums over ranks.
 """
 
@@ -57,7 +59,8 @@ def _group_kinds() -> dict[int, str]:
         return kinds
     state = parallel_state.state()
     # Later kinds do not overwrite earlier ones: with DP=1 the model group may equal another; name it once.
-    for kind in ("tensor", "context", "pipeline", "data", "data_context", "embedding", "model"):
+    for kind in ("tensor", "context", "pipeline", "data", "data_context", "embedding", "model", "expert",
+                 "expert_data"):
         info = getattr(state, kind)
         if info is not None and info.group is not None:
             kinds.setdefault(id(info.group), kind)

@@ -1,4 +1,4 @@
-"""Process groups for a (TP, CP, DP, PP) layout: the one piece of global state megalite keeps.
+"""Process groups for a (TP, CP, DP, PP) layout with expert parallelism: the one piece of global state megalite keeps.
 
 Rank order (Megatron's default): tensor-parallel ranks are adjacent, then context-parallel, then data-parallel, then
 pipeline-parallel::
@@ -16,6 +16,15 @@ the same samples, so everything that treats model replicas (gradient reduction, 
 the gradient norm's shards) runs over ``data_context`` = DP x CP, while the data sampler uses ``data`` (pure DP: the
 CP ranks of one DP rank read the same samples). A new kind (e.g. expert parallelism carved from DP x CP) is one more
 entry of the table and one more field of :class:`ParallelState`.
+
+Expert parallelism (EP, Megatron-core's way) carves the same ranks differently: the DP x CP ranks of one (TP rank,
+stage) are re-split as EP innermost times the expert-data-parallel size EDP = DP x CP / EP, so that
+``rank = pp_rank * (EDP * EP * TP) + edp_rank * (EP * TP) + ep_rank * TP + tp_rank`` (``EXPERT_DIMENSIONS``). The
+``expert`` group (EP ranks, which hold different experts and exchange tokens) and the ``expert_data`` group (the
+replicas of one set of experts, over which expert gradients are summed) come from the same builder. For DP=4, EP=2
+(4 ranks): expert groups [0,1] [2,3], expert-data groups [0,2] [1,3]. ``expert_tensor`` is the tensor group when
+the experts are split over TP (``--expert-tensor-parallel-size`` = TP, the default) and each rank alone when they are
+not (size 1: every TP rank holds whole experts).
 
 A layout may cover a subset of the world (``ranks=``): the tests use it to run a 2-rank layout inside a 4-rank launch,
 and a 1x1x1 layout on every rank as the single-process reference. Groups of one member are never created: the
@@ -57,6 +66,9 @@ class ParallelState:
     data_context: GroupInfo   # DP x CP: the ranks holding the same model shard (gradients are summed over it)
     pipeline: GroupInfo
     model: GroupInfo       # TP x PP: everything that holds one replica of the model
+    expert: GroupInfo      # EP: the ranks holding different experts of the same layers (tokens travel between them)
+    expert_data: GroupInfo   # DP x CP / EP: the ranks holding the same experts (expert gradients are summed over it)
+    expert_tensor: GroupInfo   # the TP group if experts are split over TP, else this rank alone
     embedding: Optional[GroupInfo]   # first and last pipeline stage (tied word embeddings); None elsewhere
 
 
@@ -73,34 +85,53 @@ GROUP_DIMENSIONS = {
     "pipeline": ("pp",),
     "model": ("tp", "pp"),
 }
+# The same ranks in expert coordinates: DP x CP (CP innermost) re-split as EP innermost, then EDP.
+EXPERT_DIMENSIONS = ("tp", "ep", "edp", "pp")
+EXPERT_GROUP_DIMENSIONS = {
+    "expert": ("ep",),
+    "expert_data": ("edp",),
+}
 
 
-def rank_of(sizes: dict[str, int], coordinates: dict[str, int]) -> int:
-    """The layout-local rank at ``coordinates`` (TP innermost, then CP, DP, PP)."""
+def rank_of(sizes: dict[str, int], coordinates: dict[str, int], dimensions: tuple[str, ...] = DIMENSIONS) -> int:
+    """The layout-local rank at ``coordinates`` (innermost first: TP, then CP, DP, PP; or TP, EP, EDP, PP)."""
     rank, stride = 0, 1
-    for dim in DIMENSIONS:
+    for dim in dimensions:
         rank += coordinates[dim] * stride
         stride *= sizes[dim]
     return rank
 
 
-def layout_groups(num_ranks: int, tp: int, pp: int, cp: int = 1) -> dict[str, list[list[int]]]:
-    """All groups of the layout as lists of layout-local ranks (pure function, tested on its own)."""
+def _groups_spanning(sizes: dict[str, int], dimensions: tuple[str, ...],
+                     spanned: tuple[str, ...]) -> list[list[int]]:
+    """The groups of ranks that agree on every coordinate but ``spanned``, in rank order."""
+    fixed = [d for d in reversed(dimensions) if d not in spanned]   # outermost first: groups in rank order
+    inner = [d for d in reversed(dimensions) if d in spanned]
+    groups = []
+    for outside in itertools.product(*(range(sizes[d]) for d in fixed)):
+        members = [rank_of(sizes, {**dict(zip(fixed, outside)), **dict(zip(inner, inside))}, dimensions)
+                   for inside in itertools.product(*(range(sizes[d]) for d in inner))]
+        groups.append(sorted(members))
+    return groups
+
+
+def layout_groups(num_ranks: int, tp: int, pp: int, cp: int = 1, ep: int = 1,
+                  etp: Optional[int] = None) -> dict[str, list[list[int]]]:
+    """All groups of the layout as lists of layout-local ranks (pure function, tested on its own). ``ep`` must
+    divide DP x CP; ``etp`` (default TP) is TP or 1."""
     if num_ranks % (tp * cp * pp):
         raise ValueError(f"{num_ranks} ranks are not divisible by TP {tp} x CP {cp} x PP {pp}")
     sizes = {"tp": tp, "cp": cp, "dp": num_ranks // (tp * cp * pp), "pp": pp}
-
-    def groups_spanning(spanned: tuple[str, ...]) -> list[list[int]]:
-        fixed = [d for d in reversed(DIMENSIONS) if d not in spanned]   # outermost first: groups in rank order
-        inner = [d for d in reversed(DIMENSIONS) if d in spanned]
-        groups = []
-        for outside in itertools.product(*(range(sizes[d]) for d in fixed)):
-            members = [rank_of(sizes, {**dict(zip(fixed, outside)), **dict(zip(inner, inside))})
-                       for inside in itertools.product(*(range(sizes[d]) for d in inner))]
-            groups.append(sorted(members))
-        return groups
-
-    groups = {kind: groups_spanning(spanned) for kind, spanned in GROUP_DIMENSIONS.items()}
+    replicas = sizes["cp"] * sizes["dp"]
+    if replicas % ep:
+        raise ValueError(f"EP {ep} does not divide DP x CP = {replicas}")
+    if etp not in (None, tp, 1):
+        raise ValueError(f"expert tensor-parallel size {etp} must be TP ({tp}) or 1")
+    groups = {kind: _groups_spanning(sizes, DIMENSIONS, spanned) for kind, spanned in GROUP_DIMENSIONS.items()}
+    expert_sizes = {"tp": tp, "ep": ep, "edp": replicas // ep, "pp": pp}
+    groups.update({kind: _groups_spanning(expert_sizes, EXPERT_DIMENSIONS, spanned)
+                   for kind, spanned in EXPERT_GROUP_DIMENSIONS.items()})
+    groups["expert_tensor"] = groups["tensor"] if etp in (None, tp) else [[r] for r in range(num_ranks)]
     # The tied word embedding lives on the first and last stage of each pipeline.
     groups["embedding"] = [sorted({members[0], members[-1]}) for members in groups["pipeline"]]
     return groups
@@ -109,7 +140,8 @@ def layout_groups(num_ranks: int, tp: int, pp: int, cp: int = 1) -> dict[str, li
 def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1,
                               ranks: Optional[Sequence[int]] = None,
                               timeout: Optional[datetime.timedelta] = None,
-                              context_parallel_size: int = 1) -> ParallelState:
+                              context_parallel_size: int = 1, expert_model_parallel_size: int = 1,
+                              expert_tensor_parallel_size: Optional[int] = None) -> ParallelState:
     """Build every group of the layout over ``ranks`` (default: the whole world) and register them.
 
     Every process of the world must call this with the same arguments (torch's ``new_group`` is collective), except
@@ -126,7 +158,7 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_mode
     if timeout is None and dist.is_initialized():
         timeout = world_timeout()
     groups = layout_groups(len(ranks), tensor_model_parallel_size, pipeline_model_parallel_size,
-                           context_parallel_size)
+                           context_parallel_size, expert_model_parallel_size, expert_tensor_parallel_size)
     mine: dict[str, GroupInfo] = {}
     made: dict[tuple[int, ...], dist.ProcessGroup] = {}   # one torch group per member list (kinds may coincide)
     for kind, members_list in groups.items():
@@ -165,8 +197,10 @@ class _SimulatedGroupInfo(GroupInfo):
 
 @contextlib.contextmanager
 def simulated_layout(tp: int = 1, pp: int = 1, dp: int = 1, *, cp: int = 1, tp_rank: int = 0, pp_rank: int = 0,
-                     dp_rank: int = 0, cp_rank: int = 0) -> Iterator[ParallelState]:
-    """Register a TP x CP x DP x PP layout *for shapes only*, as seen by one rank of it, inside the block.
+                     dp_rank: int = 0, cp_rank: int = 0, ep: int = 1,
+                     etp: Optional[int] = None) -> Iterator[ParallelState]:
+    """Register a TP x CP x DP x PP layout (with EP carved from DP x CP) *for shapes only*, as seen by one rank of
+    it, inside the block.
 
     Every group has ``group=None`` and the sizes and ranks of the layout, so modules build exactly the tensors that
     rank would hold (e.g. ``with simulated_layout(4, 2, pp_rank=1), torch.device("meta"): GPTModel(...)`` counts
@@ -181,7 +215,8 @@ def simulated_layout(tp: int = 1, pp: int = 1, dp: int = 1, *, cp: int = 1, tp_r
                          f"x DP {dp} x CP {cp}")
     me = rank_of(sizes, coordinates)
     mine = {kind: _SimulatedGroupInfo(None, tuple(m), m.index(me))
-            for kind, members in layout_groups(tp * cp * dp * pp, tp, pp, cp).items() for m in members if me in m}
+            for kind, members in layout_groups(tp * cp * dp * pp, tp, pp, cp, ep, etp).items() for m in members
+            if me in m}
     previous, _STATE = _STATE, ParallelState(**{"embedding": None, **mine})   # a middle stage has no embedding group
     try:
         yield _STATE
@@ -266,6 +301,30 @@ def get_data_parallel_world_size(with_context_parallel: bool = False) -> int:
 
 def get_model_parallel_group() -> GroupInfo:
     return state().model
+
+
+def get_expert_model_parallel_group() -> GroupInfo:
+    return state().expert
+
+
+def get_expert_model_parallel_rank() -> int:
+    return state().expert.rank
+
+
+def get_expert_model_parallel_world_size() -> int:
+    return state().expert.size
+
+
+def get_expert_data_parallel_group() -> GroupInfo:
+    return state().expert_data
+
+
+def get_expert_tensor_parallel_group() -> GroupInfo:
+    return state().expert_tensor
+
+
+def get_expert_tensor_parallel_world_size() -> int:
+    return state().expert_tensor.size
 
 
 def get_embedding_group() -> Optional[GroupInfo]:

@@ -34,6 +34,12 @@ def tiny_config(tp: int = 1, pp: int = 1, **sections) -> MegaliteConfig:
     return cfg
 
 
+# A tiny mixture of experts (model options for ``tiny_config``): 4 experts of 32, top-2, both layers MoE, with the
+# load-balancing and z losses on so that their gradients are part of every comparison.
+TINY_MOE = {"num_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 32, "moe_aux_loss_coeff": 1e-2,
+            "moe_z_loss_coeff": 1e-3}
+
+
 def with_checkpoint(cfg: MegaliteConfig, **options) -> MegaliteConfig:
     """``cfg`` with checkpoint options replaced, e.g. ``with_checkpoint(cfg, save=directory, save_interval=4)``."""
     return dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, **options))

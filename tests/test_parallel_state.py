@@ -75,3 +75,39 @@ def test_simulated_layout_places_a_context_parallel_rank():
         assert parallel_state.get_data_parallel_world_size(with_context_parallel=True) == 4
         assert parallel_state.get_tensor_model_parallel_rank() == 1
     assert not parallel_state.is_initialized()
+
+
+def test_expert_parallel_ranks_are_carved_from_data_and_context_parallel_ranks():
+    # DP=4, EP=2: expert groups of neighbouring DP ranks, expert-data groups across them.
+    groups = layout_groups(4, tp=1, pp=1, ep=2)
+    assert groups["expert"] == [[0, 1], [2, 3]]
+    assert groups["expert_data"] == [[0, 2], [1, 3]]
+    # TP=2 x DP=2, EP=2: an expert group joins ranks of equal TP rank; experts split over TP by default.
+    groups = layout_groups(4, tp=2, pp=1, ep=2)
+    assert groups["expert"] == [[0, 2], [1, 3]] and groups["expert_data"] == [[0], [1], [2], [3]]
+    assert groups["expert_tensor"] == groups["tensor"]
+    assert layout_groups(4, tp=2, pp=1, ep=2, etp=1)["expert_tensor"] == [[0], [1], [2], [3]]
+    # TP=2 x CP=2 x DP=2 x PP=2, EP=2: EP takes the CP ranks first (CP is the inner of the two).
+    groups = layout_groups(16, tp=2, pp=2, cp=2, ep=2)
+    assert groups["expert"][:2] == groups["context"][:2] == [[0, 2], [1, 3]]
+    assert groups["expert_data"][:2] == [[0, 4], [1, 5]]
+
+
+def test_expert_groups_tile_every_data_context_group():
+    for world, tp, pp, cp, ep in [(8, 1, 1, 1, 8), (8, 2, 2, 1, 2), (16, 2, 1, 2, 4), (12, 1, 3, 2, 2)]:
+        groups = layout_groups(world, tp, pp, cp, ep)
+        for g in groups["data_context"]:
+            experts = [e for e in groups["expert"] if e[0] in g]
+            replicas = [d for d in groups["expert_data"] if d[0] in g]
+            assert sorted(r for e in experts for r in e) == g
+            assert all(len(e) == ep for e in experts) and all(len(d) == len(g) // ep for d in replicas)
+            assert all(len(set(e) & set(d)) == 1 for e in experts for d in replicas)
+
+
+def test_bad_expert_layouts_are_refused():
+    import pytest
+
+    with pytest.raises(ValueError, match="EP 3 does not divide DP x CP = 4"):
+        layout_groups(4, tp=1, pp=1, ep=3)
+    with pytest.raises(ValueError, match="must be TP"):
+        layout_groups(4, tp=2, pp=1, etp=4)

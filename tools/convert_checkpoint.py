@@ -60,6 +60,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     inspect.add_argument("--load", required=True, metavar="CKPT_DIR", help="The megalite checkpoint.")
     verify = commands.add_parser("verify", help="Check that every stored byte matches the digests of the save.")
     verify.add_argument("--load", required=True, metavar="CKPT_DIR", help="The megalite checkpoint.")
+    verify.add_argument("--quiet", action="store_true", help="No progress bar.")
     return parser.parse_args(argv)
 
 
@@ -79,7 +80,7 @@ def main(argv: list[str]) -> int:
             print(f"wrote {path} (" + (f"tokenizer {tokenizer['type']}, {tokenizer['vocab_size']} ids" if tokenizer
                                        else "no tokenizer") + ")")
         elif args.command == "verify":
-            print(verify_checkpoint(args.load))
+            print(verify_checkpoint(args.load, progress=not args.quiet))
         else:
             print(inspect(args.load))
     except ConfigError as error:

@@ -123,7 +123,7 @@ class Checkpoint:
         for name, spec in self.manifest.params.items():
             for rank, shape in enumerate(spec.slice_shapes()):
                 self._expect(model_key(name, spec.slices, rank), shape, spec.torch_dtype)
-                if optimizer:
+                if optimizer and spec.optimized:
                     self._verify_optimizer_slice(name, spec, rank, shape, pieces)
         if rng:
             for p, t, d in self.manifest.layout.ranks():

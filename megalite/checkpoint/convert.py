@@ -25,7 +25,7 @@ from typing import Optional
 
 import torch
 
-from megalite.checkpoint import hf_gpt2, hf_llama
+from megalite.checkpoint import hf_gpt2, hf_llama, hf_moe
 from megalite.checkpoint.contents import Checkpoint, open_checkpoint
 from megalite.checkpoint.errors import CheckpointError
 from megalite.checkpoint.keys import model_key
@@ -65,15 +65,21 @@ def _safetensors():
     return safetensors.torch
 
 
-HF_ARCHITECTURES = (hf_gpt2.ARCHITECTURE, *hf_llama.ARCHITECTURES)
+HF_ARCHITECTURES = (hf_gpt2.ARCHITECTURE, *hf_llama.ARCHITECTURES, *hf_moe.MODEL_TYPES.values())
 # Canonical tensors with a row per vocabulary entry.
 _VOCABULARY_ROWS = ("embedding.word.weight", "output_layer.weight")
 
 
 def hf_architecture(model: ModelConfig, name: Optional[str] = None) -> str:
-    """The HF architecture a megalite model exports as: ``name`` if given (one of :data:`HF_ARCHITECTURES`), else a
-    Llama-family one if it uses any Llama option (it must then be a whole Llama: see hf_llama.export_architecture),
-    else ``GPT2LMHeadModel``."""
+    """The HF architecture a megalite model exports as: for a mixture of experts the one its options make it
+    (Mixtral, Qwen2-MoE or Qwen3-MoE: see hf_moe.architecture); else ``name`` if given (one of
+    :data:`HF_ARCHITECTURES`), else a Llama-family one if it uses any Llama option (it must then be a whole Llama:
+    see hf_llama.export_architecture), else ``GPT2LMHeadModel``."""
+    if model.num_experts is not None:
+        moe = hf_moe.architecture(model)
+        if name not in (None, moe):
+            raise CheckpointError(f"a mixture of experts with these options exports as {moe}, not {name}")
+        return moe
     if name == hf_gpt2.ARCHITECTURE or (name is None and not hf_llama.is_llama_shaped(model)):
         return hf_gpt2.ARCHITECTURE
     return hf_llama.export_architecture(model, name).name
@@ -89,7 +95,10 @@ def export_hf(load: str | os.PathLike, output: str | os.PathLike, dtype: Optiona
     model = checkpoint.manifest.megalite_config().model
     name = hf_architecture(model, architecture)
     family = hf_llama.ARCHITECTURES.get(name)
-    if family is None:   # checked before any tensor is read
+    if name in hf_moe.MODEL_TYPES.values():   # each checked before any tensor is read
+        hf_moe.check_exportable(model)
+        tensors = hf_moe.to_hf(full_tensors(checkpoint, progress), model)
+    elif family is None:
         hf_gpt2.check_exportable(model)
         tensors = hf_gpt2.to_hf(full_tensors(checkpoint, progress), model)
     else:
@@ -101,7 +110,9 @@ def export_hf(load: str | os.PathLike, output: str | os.PathLike, dtype: Optiona
     eod = tokenizer.eod if tokenizer is not None else None
     out = Path(output)
     out.mkdir(parents=True, exist_ok=True)
-    if family is None:
+    if name in hf_moe.MODEL_TYPES.values():
+        hf_moe.write_hf_config(model, out, eod, dtype)
+    elif family is None:
         (out / HF_CONFIG).write_text(json.dumps(hf_gpt2.hf_config_from(model, eod, dtype), indent=2) + "\n")
     else:
         hf_llama.write_hf_config(model, out, eod, dtype, family)
@@ -127,7 +138,7 @@ def read_hf_tensors(directory: Path) -> dict[str, torch.Tensor]:
 
 
 def import_hf(source: str | os.PathLike, save: str | os.PathLike, progress: bool = True) -> Path:
-    """Turn an HF GPT-2, Llama, Mistral or Qwen2 directory into a megalite checkpoint (iteration 0, weights only,
+    """Turn an HF GPT-2, Llama, Mistral, Qwen2, Mixtral, Qwen2-MoE or Qwen3-MoE directory into a megalite checkpoint (iteration 0, weights only,
     fp32, with the directory's tokenizer if it has one); returns it. ``progress``: a bar on a terminal while the
     tensors are converted."""
     directory = Path(source)
@@ -144,10 +155,13 @@ def import_hf(source: str | os.PathLike, save: str | os.PathLike, progress: bool
     elif model_type == "gpt2":
         model = hf_gpt2.model_config_from(hf)
         canonical = hf_gpt2.from_hf(read_hf_tensors(directory), model)
+    elif model_type in hf_moe.MODEL_TYPES:
+        model = hf_moe.model_config_from(hf)
+        canonical = hf_moe.from_hf(read_hf_tensors(directory), model)
     else:
-        raise CheckpointError(f"model_type {model_type!r}: only {hf_gpt2.ARCHITECTURE} (gpt2) and "
+        raise CheckpointError(f"model_type {model_type!r}: only {hf_gpt2.ARCHITECTURE} (gpt2), "
                               f"{', '.join(f'{a.name} ({a.model_type})' for a in hf_llama.ARCHITECTURES.values())} "
-                              f"can be imported")
+                              f"and {', '.join(f'{a} ({t})' for t, a in hf_moe.MODEL_TYPES.items())} can be imported")
     tokenizer = hf_tokenizer(directory)
     if tokenizer is not None and tokenizer.vocab_size != model.vocab_size:
         if tokenizer.vocab_size > model.vocab_size:

@@ -42,13 +42,17 @@ class SavedLayout:
     dp: int = 1
     zero: int = 0      # OptimizerConfig.zero_level
     cp: int = 1        # context-parallel size (manifests from before it was saved: 1)
+    pipeline_schedule: str = "1f1b"   # which layers a rank holds (zbv: the v-shape) and in which order it runs them
+    ep: int = 1        # expert-parallel size (experts are stored by global name: any EP loads them)
 
     @classmethod
     def of(cls, cfg: MegaliteConfig, dp: int) -> "SavedLayout":
         """The layout ``cfg`` runs at this data-parallel size."""
         p = cfg.parallel
         return cls(p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
-                   p.virtual_stages(cfg.model.num_layers), dp, cfg.optimizer.zero_level, p.context_parallel_size)
+                   p.virtual_stages(cfg.model.num_layers), dp, cfg.optimizer.zero_level, p.context_parallel_size,
+                   p.pipeline_schedule if p.pipeline_model_parallel_size > 1 else "1f1b",
+                   p.expert_model_parallel_size)
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> "SavedLayout":
@@ -64,7 +68,9 @@ class SavedLayout:
             text += f" (V={self.virtual_stages})"
         if self.cp > 1:
             text += f" x CP={self.cp}"
-        text += f" x DP={self.dp}"
+        if self.pipeline_schedule != "1f1b":
+            text += f" {self.pipeline_schedule}"
+        text += f" x DP={self.dp}" + (f" (EP={self.ep})" if self.ep > 1 else "")
         if self.zero == 3:
             text += ", fully sharded (ZeRO-3)"
         elif self.zero:
@@ -83,6 +89,7 @@ class TensorSpec:
     partition: Partition
     slices: int
     dtype: str
+    optimized: bool = True   # the checkpoint holds its optimizer states (if it holds any); False for an expert bias
 
     def slice_shapes(self) -> list[tuple[int, ...]]:
         """Shape of each stored slice (computed on the meta device, so it follows ``shard`` exactly)."""
@@ -94,8 +101,9 @@ class TensorSpec:
         return getattr(torch, self.dtype)
 
     def to_json(self) -> dict:
-        return {"full_shape": list(self.full_shape), "partition": dataclasses.asdict(self.partition),
+        data = {"full_shape": list(self.full_shape), "partition": dataclasses.asdict(self.partition),
                 "slices": self.slices, "dtype": self.dtype}
+        return data if self.optimized else {**data, "optimized": False}
 
     @classmethod
     def from_json(cls, data: dict) -> "TensorSpec":
@@ -104,7 +112,8 @@ class TensorSpec:
         dtype = data["dtype"]
         if not isinstance(getattr(torch, dtype, None), torch.dtype):
             raise ValueError(f"unknown dtype {dtype!r}")
-        return cls(tuple(int(x) for x in data["full_shape"]), Partition(**partition), int(data["slices"]), dtype)
+        return cls(tuple(int(x) for x in data["full_shape"]), Partition(**partition), int(data["slices"]), dtype,
+                   bool(data.get("optimized", True)))
 
 
 @dataclass

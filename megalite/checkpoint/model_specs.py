@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from megalite import parallel_state
 from megalite.checkpoint.errors import CheckpointError
 from megalite.checkpoint.manifest import Manifest
 from megalite.config import ModelConfig
@@ -23,13 +24,19 @@ from megalite.tensor_parallel import Partition
 class ParameterSpec:
     full_shape: tuple[int, ...]
     partition: Partition      # at the registered tensor-parallel size
+    optimized: bool = True    # stepped by the optimizer (False: state kept like a parameter, e.g. an expert bias)
 
 
 def model_parameters(model: ModelConfig) -> dict[str, ParameterSpec]:
-    """Canonical name -> spec of every parameter of the full model at the registered layout's TP size."""
-    with torch.random.fork_rng(devices=[]), torch.device("meta"):   # nothing drawn, nothing allocated
-        gpt = GPTModel(model)
-    return {name: ParameterSpec(tuple(p.full_shape), p.partition) for name, p in gpt.canonical_named_parameters()}
+    """Canonical name -> spec of every parameter of the full model at the registered layout's TP size (and its
+    experts' TP size), every expert included whatever the expert-parallel size."""
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    experts_tp = parallel_state.get_expert_tensor_parallel_world_size()
+    with parallel_state.simulated_layout(tp, etp=experts_tp):   # no group is used
+        with torch.random.fork_rng(devices=[]), torch.device("meta"):   # nothing drawn, nothing allocated
+            gpt = GPTModel(model)
+    return {name: ParameterSpec(tuple(p.full_shape), p.partition, isinstance(p, torch.nn.Parameter))
+            for name, p in gpt.canonical_named_parameters()}
 
 
 def check_fits(manifest: Manifest, model: ModelConfig, where: Path) -> None:
@@ -61,7 +68,10 @@ def check_fits(manifest: Manifest, model: ModelConfig, where: Path) -> None:
 
 # Options that change no parameter: never the reason a checkpoint does not fit.
 _HARMLESS = {"hidden_dropout", "attention_dropout", "init_method_std", "layernorm_epsilon", "seq_length",
-             "recompute_granularity", "recompute_method", "recompute_num_layers"}
+             "recompute_granularity", "recompute_method", "recompute_num_layers", "moe_router_topk",
+             "moe_router_score_function", "moe_router_pre_softmax", "moe_router_topk_scaling_factor",
+             "moe_router_load_balancing_type", "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_router_bias_update_rate",
+             "moe_expert_capacity_factor", "moe_token_drop_policy", "moe_token_dispatcher_type", "moe_grouped_gemm"}
 
 
 def check_options_mapped(model: ModelConfig, mapped_fields: set[str], architecture: str, family: str) -> None:

@@ -5,6 +5,8 @@ Who writes what, so that every piece is stored exactly once:
 
 - model weights: data-parallel rank 0 (DP replicas are equal; ZeRO-3 shards are gathered), each TP rank its slice (TP rank 0 alone for
   replicated tensors); the last stage's copy of a tied word embedding is the first stage's tensor, and is skipped;
+  a routed expert's weights (expert parallelism) come from expert-data-parallel rank 0 of the ranks holding it,
+  under its global name, so the experts reshard across EP by name;
 - optimizer state (fp32 main parameter, Adam moments) per piece of :class:`MegaliteOptimizer`: with the
   distributed optimizer every DP rank writes the ranges it owns, without it DP rank 0 writes whole parameters;
 - RNG states: every rank, under its (pp, tp, dp) coordinates;
@@ -39,7 +41,7 @@ from megalite.checkpoint.model_specs import model_parameters
 from megalite.checkpoint.storage import METADATA_NAME, TensorWrite, world_size, write_tensors
 from megalite.config import MegaliteConfig, to_dict
 from megalite.data.tokenizer import Tokenizer
-from megalite.distributed import full_local_tensor
+from megalite.distributed import full_local_tensor, is_expert
 from megalite.optimizer import MegaliteOptimizer
 from megalite.tensor_parallel import Fp8History, TensorParallelRNG
 
@@ -52,6 +54,7 @@ class _Coordinates:
     pp_rank: int
     dp: int
     dp_rank: int
+    expert_dp_rank: int   # among the ranks holding the same experts (expert parallelism)
 
     @classmethod
     def registered(cls) -> "_Coordinates":
@@ -61,7 +64,12 @@ class _Coordinates:
         return cls(ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank(),
                    ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank(),
                    ps.get_data_parallel_world_size(with_context_parallel=True),
-                   ps.get_data_parallel_rank(with_context_parallel=True))
+                   ps.get_data_parallel_rank(with_context_parallel=True),
+                   ps.get_expert_data_parallel_group().rank)
+
+    def replica(self, param: torch.nn.Parameter) -> int:
+        """This rank's place among the ranks holding the same copy of ``param``: the writer is the one at 0."""
+        return self.expert_dp_rank if is_expert(param) else self.dp_rank
 
 
 def save_checkpoint(root: str | Path, *, cfg: MegaliteConfig, iteration: int, consumed_samples: int,
@@ -175,7 +183,7 @@ def _model_tensors(parameters, at: _Coordinates) -> dict[str, torch.Tensor]:
         if getattr(param, "is_embedding_copy", False) or not stores_slice(param.partition, at.tp_rank):
             continue
         value = full_local_tensor(param)
-        if at.dp_rank == 0:
+        if at.replica(param) == 0:
             world, rank = slice_of(param.partition, at.tp_rank, at.tp)
             tensors[model_key(name, world, rank)] = value
     return tensors
@@ -195,13 +203,13 @@ def _adam_step(optimizer: Optional[MegaliteOptimizer]) -> Optional[int]:
 def _optimizer_tensors(optimizer: MegaliteOptimizer, at: _Coordinates,
                        names: dict[int, str]) -> dict[str, torch.Tensor]:
     engine = optimizer.engine
-    if not engine.distributed and at.dp_rank != 0:
-        return {}   # plain data parallel: every DP rank holds the same whole states
     tensors = {}
     for piece in optimizer.pieces:
         param = piece.param
         if getattr(param, "is_embedding_copy", False) or not stores_slice(param.partition, at.tp_rank):
             continue
+        if not engine.distributed and at.replica(param) != 0:
+            continue   # plain data parallel: every replica holds the same whole states
         world, rank = slice_of(param.partition, at.tp_rank, at.tp)
         param_start = engine.range(param)[0]
         lo, hi = piece.start - param_start, piece.end - param_start
@@ -230,7 +238,9 @@ def _specs(cfg: MegaliteConfig, parameters) -> dict[str, TensorSpec]:
     for name, param in parameters:   # the meta model must describe the real one
         if name not in specs or specs[name].full_shape != tuple(param.full_shape):
             raise RuntimeError(f"parameter {name} {list(param.full_shape)} is not in the model's description")
-    return {name: TensorSpec(spec.full_shape, spec.partition, slice_of(spec.partition, 0, tp)[0], dtype)
+    # State that is not optimized (an expert bias) stays fp32 whatever the model dtype, and has no Adam states.
+    return {name: TensorSpec(spec.full_shape, spec.partition, slice_of(spec.partition, 0, tp)[0],
+                             dtype if spec.optimized else "float32", spec.optimized)
             for name, spec in specs.items()}
 
 

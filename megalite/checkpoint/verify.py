@@ -2,7 +2,8 @@
 
 Everything a load could need is there (the structural check of :meth:`Checkpoint.verify`, with optimizer and RNG
 states), and every stored byte matches the digests of the save: the manifest, DCP's index, each tensor item, each
-tokenizer file. The first problem is raised as a one-line CheckpointError naming the file and the item.
+tokenizer file. The first problem is raised as a one-line CheckpointError naming the file and the item. On a
+terminal a bar counts the tensors checked.
 """
 
 from __future__ import annotations
@@ -12,11 +13,14 @@ import os
 from megalite.checkpoint.contents import NO_DIGESTS, open_checkpoint
 from megalite.checkpoint.errors import CheckpointError
 from megalite.checkpoint.storage import METADATA_NAME
+from megalite.progress import Progress
+
+_TENSORS_PER_READ = 64   # tensors checked between two updates of the bar
 
 
-def verify_checkpoint(load: str | os.PathLike) -> str:
+def verify_checkpoint(load: str | os.PathLike, progress: bool = True) -> str:
     """Verify the checkpoint ``load`` names (a checkpoint directory, or a --save directory: its latest); returns a
-    one-line summary of what was checked, or raises CheckpointError."""
+    one-line summary of what was checked, or raises CheckpointError. ``progress``: the bar (where it can show)."""
     checkpoint = open_checkpoint(load)   # the manifest's digest, then the index's
     manifest = checkpoint.manifest
     checkpoint.verify(optimizer=manifest.has_optimizer, rng=bool(manifest.rng_streams))
@@ -31,7 +35,10 @@ def verify_checkpoint(load: str | os.PathLike) -> str:
     if extra:
         raise CheckpointError(f"{checkpoint.path / METADATA_NAME}: the manifest has a digest of {extra[0]}, which "
                               f"DCP's index does not list")
-    checkpoint.verify_contents(keys)
+    with Progress(len(keys), "verifying the tensors", "tensors", enabled=progress) as bar:
+        for start in range(0, len(keys), _TENSORS_PER_READ):
+            checkpoint.verify_contents(keys[start:start + _TENSORS_PER_READ])
+            bar.update(len(keys[start:start + _TENSORS_PER_READ]))
     tokenizer_files = (manifest.tokenizer or {}).get("files", [])
     checkpoint.verify_files(tokenizer_files)
     extras = "".join(f", {name}" for name in tokenizer_files)

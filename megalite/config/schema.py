@@ -87,6 +87,9 @@ class ModelConfig:
     disable_bias_linear: bool = option(False, "No biases in the attention and MLP linear layers.")
     add_qkv_bias: bool = option(
         False, "A bias on the query/key/value projection even with --disable-bias-linear (Qwen2's attention).")
+    qk_layernorm: bool = option(
+        False, "Normalize each attention head's query and key (the configured norm over the head dimension, before "
+               "rotary embeddings), as Qwen3 and OLMo 2 do.")
     recompute_granularity: Optional[str] = option(
         None, "Activation recompute: full (keep each recomputed group's input only, rerun it in backward) or "
               "selective (rerun only the attention core: softmax, dropout and the two attention products).")
@@ -112,6 +115,53 @@ class ModelConfig:
         "auto", "Megatron's choice of attention implementation (flash, fused, unfused, local or auto): megalite picks "
                 "its attention core itself (scaled_dot_product_attention, flash or memory-efficient kernels on GPUs; "
                 "--use-fused-kernels on for the fused masked softmax).", accepted_only=True)
+    # Mixture of experts (megalite.model.moe). Every moe_* option needs --num-experts.
+    num_experts: Optional[int] = option(
+        None, "Mixture of experts: routed experts per MoE layer (each an MLP of --moe-ffn-hidden-size); default: "
+              "none, every layer has a dense MLP.")
+    moe_ffn_hidden_size: Optional[int] = option(None, "Hidden size of each routed expert; default --ffn-hidden-size.")
+    moe_router_topk: int = option(2, "Experts each token is routed to (k of top-k).")
+    moe_layer_freq: str = option(
+        "1", "Which layers are MoE layers: every k-th (an integer k: layer i when i % k == 0) or a 0/1 pattern with "
+             "one entry per layer, e.g. '[0,1,1,1]' or '([0]+[1]*3)*2' (Megatron's syntax); the others keep a dense "
+             "MLP.")
+    moe_shared_expert_intermediate_size: Optional[int] = option(
+        None, "Hidden size of the shared expert (an MLP every token goes through beside its routed experts).")
+    moe_shared_expert_gate: bool = option(
+        False, "Scale the shared expert's output by sigmoid(x w) of a learned vector w (Qwen2-MoE's gate).")
+    moe_router_score_function: str = option(
+        "softmax", "Router scores: softmax over the experts or sigmoid of each (DeepSeek-V3; the top-k weights are "
+                   "then normalized to sum 1).")
+    moe_router_pre_softmax: bool = option(
+        False, "Softmax over all experts before choosing the top k, whose weights are then used as they are "
+               "(Qwen2-MoE); by default the softmax runs over the k chosen logits (weights summing to 1, Mixtral).")
+    moe_router_topk_scaling_factor: Optional[float] = option(
+        None, "Multiply the routing weights by this factor (DeepSeek's routed scaling factor).")
+    moe_router_load_balancing_type: str = option(
+        "aux_loss", "Load balancing: aux_loss (Switch Transformer's loss over each micro-batch), seq_aux_loss "
+                    "(the same loss per sequence, averaged: DeepSeek-V2/V3) or none.")
+    moe_aux_loss_coeff: float = option(0.0, "Coefficient of the load-balancing loss (0: not computed).")
+    moe_z_loss_coeff: Optional[float] = option(
+        None, "Coefficient of the router z-loss, mean of logsumexp(logits)^2 (ST-MoE); default none.")
+    moe_router_enable_expert_bias: bool = option(
+        False, "Auxiliary-loss-free balancing (DeepSeek-V3): a per-expert bias added to the scores for choosing the "
+               "top k only, moved by --moe-router-bias-update-rate after every step towards equal load (needs "
+               "--moe-router-score-function sigmoid).")
+    moe_router_bias_update_rate: float = option(
+        1e-3, "With --moe-router-enable-expert-bias: bias += rate x sign(mean load - expert's load) each step.")
+    moe_expert_capacity_factor: Optional[float] = option(
+        None, "Token dropping: each expert takes at most ceil(factor x tokens x k / experts) of a micro-batch's "
+              "tokens (on each rank), the rest of its tokens are dropped; default none, dropless.")
+    moe_token_drop_policy: str = option(
+        "probs", "With a capacity factor, which tokens an expert keeps: probs (its highest-weight ones) or position "
+                 "(the earliest in the micro-batch).")
+    moe_token_dispatcher_type: str = option(
+        "alltoall", "How tokens reach experts on other expert-parallel ranks: alltoall (each rank sends every token "
+                    "only where its experts are, uneven all-to-alls) or allgather (every rank gathers all tokens "
+                    "and keeps those of its experts; outputs are summed back by a reduce-scatter).")
+    moe_grouped_gemm: bool = option(
+        False, "Run a rank's experts as one grouped matrix product (torch._grouped_mm where this torch and device "
+               "offer it for the dtype and shapes) instead of a loop over experts.")
 
     @property
     def ffn_size(self) -> int:
@@ -141,6 +191,31 @@ class ModelConfig:
         return self.num_query_groups if self.group_query_attention else self.num_attention_heads
 
     @property
+    def expert_ffn_size(self) -> int:
+        return self.moe_ffn_hidden_size or self.ffn_size
+
+    def moe_layers(self) -> list[bool]:
+        """Whether each layer (by global index) is an MoE layer: --moe-layer-freq as a k or a 0/1 pattern."""
+        if self.num_experts is None:
+            return [False] * self.num_layers
+        from megalite.config.flags import FLAG   # noqa: PLC0415 - flags import this module
+
+        text = str(self.moe_layer_freq).strip()
+        if text.isdigit():
+            k = int(text)
+            if k < 1:
+                raise ConfigError(f"{FLAG.moe_layer_freq} must be >= 1, got {k}")
+            return [i % k == 0 for i in range(self.num_layers)]
+        pattern = _layer_pattern(text)
+        if pattern is None or any(v not in (0, 1) for v in pattern):
+            raise ConfigError(f"{FLAG.moe_layer_freq} {text!r} must be an integer or a list of 0/1, e.g. [0,1,1,1] "
+                              f"or ([0]+[1]*3)*2")
+        if len(pattern) != self.num_layers:
+            raise ConfigError(f"{FLAG.moe_layer_freq} {text!r} has {len(pattern)} entries for {FLAG.num_layers} "
+                              f"{self.num_layers}")
+        return [v == 1 for v in pattern]
+
+    @property
     def max_positions(self) -> int:
         return self.max_position_embeddings or self.seq_length
 
@@ -148,6 +223,31 @@ class ModelConfig:
         """Vocabulary rounded up to a multiple of make_vocab_size_divisible_by x TP (Megatron's rule)."""
         multiple = self.make_vocab_size_divisible_by * tensor_parallel_size
         return int(math.ceil(self.vocab_size / multiple) * multiple)
+
+
+def _layer_pattern(text: str) -> Optional[list]:
+    """The list a Megatron layer pattern such as '([0]+[1]*3)*2' stands for: list literals of integers, + and *
+    only (evaluated without eval); None if the text is anything else."""
+    import ast   # noqa: PLC0415 - only for patterns
+
+    def value(node):
+        if isinstance(node, ast.List):
+            return [value(e) for e in node.elts]
+        if isinstance(node, ast.Constant) and type(node.value) is int:
+            return node.value
+        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
+            left, right = value(node.left), value(node.right)
+            if isinstance(node.op, ast.Add) and isinstance(left, list) and isinstance(right, list):
+                return left + right
+            if isinstance(node.op, ast.Mult) and isinstance(left, list) != isinstance(right, list):
+                return left * right
+        raise ValueError(node)
+
+    try:
+        result = value(ast.parse(text, mode="eval").body)
+    except (SyntaxError, ValueError, RecursionError):
+        return None
+    return result if isinstance(result, list) else None
 
 
 @dataclass
@@ -165,18 +265,30 @@ class ParallelConfig:
                "key/value blocks travel around the CP ranks, sequence cut into 2 x CP chunks for causal load "
                "balance), a2a (DeepSpeed-Ulysses: all-to-alls turn sequence shards into head shards around the "
                "attention core) or allgather (keys and values gathered over CP, local queries only).")
+    expert_model_parallel_size: int = option(
+        1, "Expert-parallel size EP: the data-parallel (x context-parallel) ranks are grouped EP at a time, each of "
+           "a group holding 1/EP of every MoE layer's experts; expert gradients are summed over the DP x CP / EP "
+           "ranks holding the same experts.")
+    expert_tensor_parallel_size: Optional[int] = option(
+        None, "Tensor-parallel size inside the routed experts: the tensor-parallel size (default: experts split like "
+              "the dense MLP) or 1 (every tensor-parallel rank holds whole experts and computes them redundantly, "
+              "with no tensor-parallel reduction of their outputs).")
     num_layers_per_virtual_pipeline_stage: Optional[int] = option(
         None, "Layers per model chunk for the interleaved schedule (alternative to the next option).")
     num_virtual_stages_per_pipeline_rank: Optional[int] = option(
-        None, "Model chunks per pipeline rank (V); V > 1 selects the interleaved 1F1B schedule.")
+        None, "Model chunks per pipeline rank (V); V > 1 interleaves the schedule.")
+    pipeline_schedule: str = option(
+        "1f1b", "1f1b (interleaved when V > 1), zero-bubble (ZB-H1: each backward's weight gradients deferred to "
+                "fill the bubble, at 1F1B's activation memory; interleaved when V > 1) or zbv (ZB-V: two chunks per "
+                "rank placed in a V, chunk 0 down the ranks and chunk 1 back up; V defaults to 2).")
 
     def virtual_stages(self, num_layers: int) -> int:
-        """V, the number of model chunks per pipeline rank (1 unless an interleaving option is set)."""
+        """V, the number of model chunks per pipeline rank (1 unless an interleaving option is set; 2 for zbv)."""
         if self.num_virtual_stages_per_pipeline_rank is not None:
             return self.num_virtual_stages_per_pipeline_rank
         if self.num_layers_per_virtual_pipeline_stage is not None:
             return num_layers // (self.num_layers_per_virtual_pipeline_stage * self.pipeline_model_parallel_size)
-        return 1
+        return 2 if self.pipeline_schedule == "zbv" else 1
 
 
 @dataclass

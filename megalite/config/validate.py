@@ -3,11 +3,12 @@ instead of hanging in a collective. Messages name options by their flags (``FLAG
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Iterable
 
 from megalite.config.batches import batch_schedule
 from megalite.config.flags import FLAG
-from megalite.config.schema import TOKENIZER_TYPES, ConfigError, MegaliteConfig
+from megalite.config.schema import TOKENIZER_TYPES, ConfigError, MegaliteConfig, ModelConfig
 
 
 # Megatron's tokenizer names that megalite.data.tokenizer serves beside its SentencePiece and Null tokenizers.
@@ -65,6 +66,7 @@ def validate(cfg: MegaliteConfig, world_size: int) -> None:
     _check_architecture(cfg)
     _check_fp8(cfg)
     _check_context_parallel(cfg)
+    _check_experts(cfg, dp)
     _require(t.global_batch_size % (t.micro_batch_size * dp) == 0,
              f"{FLAG.global_batch_size} {t.global_batch_size} is not divisible by {FLAG.micro_batch_size} "
              f"{t.micro_batch_size} x data-parallel size {dp} = {t.micro_batch_size * dp}")
@@ -125,7 +127,8 @@ def _check_batch_ramp(cfg: MegaliteConfig, dp: int) -> None:
 
 
 def _check_pipeline(cfg: MegaliteConfig, dp: int) -> None:
-    """Layers split evenly over PP x V chunks; the interleaved schedule needs micro-batches in multiples of PP."""
+    """Layers split evenly over PP x V chunks; the interleaved schedules need micro-batches in multiples of PP; the
+    schedule's name, its PP > 1, its chunks (zbv: 2) and its engine (W steps: not FSDP2)."""
     p, m, t = cfg.parallel, cfg.model, cfg.training
     pp, per_chunk, v = (p.pipeline_model_parallel_size, p.num_layers_per_virtual_pipeline_stage,
                         p.num_virtual_stages_per_pipeline_rank)
@@ -143,8 +146,18 @@ def _check_pipeline(cfg: MegaliteConfig, dp: int) -> None:
              f"{FLAG.num_layers} {m.num_layers} is not divisible by {FLAG.pipeline_model_parallel_size} {pp} x "
              f"virtual stages {chunks} = {pp * chunks}")
     _require(chunks == 1 or pp > 1, f"virtual pipeline stages ({chunks}) need {FLAG.pipeline_model_parallel_size} > 1")
+    _one_of("pipeline_schedule", p.pipeline_schedule, ("1f1b", "zero-bubble", "zbv"))
+    if p.pipeline_schedule != "1f1b":
+        _require(pp > 1, f"{FLAG.pipeline_schedule} {p.pipeline_schedule} needs {FLAG.pipeline_model_parallel_size} > 1")
+        _require(cfg.optimizer.zero_stage != 3,
+                 f"{FLAG.pipeline_schedule} {p.pipeline_schedule} defers weight gradients to later steps, which "
+                 f"FSDP2's per-layer gradient reduction ({FLAG.zero_stage} 3) does not wait for: use "
+                 f"{FLAG.pipeline_schedule} 1f1b with ZeRO-3")
+    if p.pipeline_schedule == "zbv":
+        _require(chunks == 2, f"{FLAG.pipeline_schedule} zbv places exactly 2 chunks on each pipeline rank, got "
+                              f"{chunks} virtual stages")
     micro_batch_product = t.micro_batch_size * dp
-    if chunks > 1 and t.global_batch_size % micro_batch_product == 0:
+    if chunks > 1 and p.pipeline_schedule != "zbv" and t.global_batch_size % micro_batch_product == 0:
         num_micro = t.global_batch_size // micro_batch_product
         _require(num_micro % pp == 0,
                  f"the interleaved schedule needs the number of micro-batches ({FLAG.global_batch_size} "
@@ -279,6 +292,65 @@ def _check_context_parallel(cfg: MegaliteConfig) -> None:
     _require(k.use_fused_kernels != "on" or k.no_masked_softmax_fusion,
              f"{FLAG.use_fused_kernels} on replaces the attention core by the fused causal softmax, which context "
              f"parallelism does not use: add {FLAG.no_masked_softmax_fusion}")
+
+
+def _check_experts(cfg: MegaliteConfig, dp: int) -> None:
+    """Mixture of experts: the router's choices, the experts' split over EP (carved from DP x CP) and over TP, and
+    capacity (token dropping) only where the dispatcher honours it."""
+    m, p = cfg.model, cfg.parallel
+    tp, ep, etp = p.tensor_model_parallel_size, p.expert_model_parallel_size, p.expert_tensor_parallel_size
+    _at_least(1, [("expert_model_parallel_size", ep), ("expert_tensor_parallel_size", etp)])
+    if m.num_experts is None:
+        defaults = ModelConfig()
+        given = [getattr(FLAG, f.name) for f in dataclasses.fields(ModelConfig)
+                 if f.name.startswith("moe_") and getattr(m, f.name) != getattr(defaults, f.name)]
+        given += [getattr(FLAG, name) for name, value in [("expert_model_parallel_size", ep != 1),
+                                                           ("expert_tensor_parallel_size", etp is not None)] if value]
+        _require(not given, f"{given[0] if given else ''} needs {FLAG.num_experts} (a mixture-of-experts model)")
+        return
+    experts, k = m.num_experts, m.moe_router_topk
+    _at_least(1, [("num_experts", experts), ("moe_router_topk", k), ("moe_ffn_hidden_size", m.moe_ffn_hidden_size),
+                  ("moe_shared_expert_intermediate_size", m.moe_shared_expert_intermediate_size)])
+    _require(k <= experts, f"{FLAG.moe_router_topk} {k} is more than {FLAG.num_experts} {experts}")
+    m.moe_layers()   # raises on a bad --moe-layer-freq
+    _one_of("moe_router_score_function", m.moe_router_score_function, ("softmax", "sigmoid"))
+    _one_of("moe_router_load_balancing_type", m.moe_router_load_balancing_type, ("aux_loss", "seq_aux_loss", "none"))
+    _one_of("moe_token_drop_policy", m.moe_token_drop_policy, ("probs", "position"))
+    _one_of("moe_token_dispatcher_type", m.moe_token_dispatcher_type, ("alltoall", "allgather"))
+    for name in ("moe_aux_loss_coeff", "moe_z_loss_coeff"):
+        value = getattr(m, name)
+        _require(value is None or value >= 0, f"{getattr(FLAG, name)} must be >= 0, got {value}")
+    for name in ("moe_router_topk_scaling_factor", "moe_expert_capacity_factor", "moe_router_bias_update_rate"):
+        value = getattr(m, name)
+        _require(value is None or value > 0, f"{getattr(FLAG, name)} must be > 0, got {value}")
+    _require(not m.moe_router_pre_softmax or m.moe_router_score_function == "softmax",
+             f"{FLAG.moe_router_pre_softmax} applies to {FLAG.moe_router_score_function} softmax")
+    _require(not m.moe_router_enable_expert_bias or m.moe_router_score_function == "sigmoid",
+             f"{FLAG.moe_router_enable_expert_bias} biases sigmoid scores: it needs "
+             f"{FLAG.moe_router_score_function} sigmoid")
+    _require(not m.moe_shared_expert_gate or m.moe_shared_expert_intermediate_size is not None,
+             f"{FLAG.moe_shared_expert_gate} needs {FLAG.moe_shared_expert_intermediate_size}")
+    _require(m.moe_expert_capacity_factor is None or m.moe_token_dispatcher_type == "alltoall",
+             f"{FLAG.moe_expert_capacity_factor} (token dropping) needs {FLAG.moe_token_dispatcher_type} alltoall")
+    replicas = dp * p.context_parallel_size
+    _require(experts % ep == 0, f"{FLAG.num_experts} {experts} is not divisible by "
+                                f"{FLAG.expert_model_parallel_size} {ep}")
+    _require(replicas % ep == 0,
+             f"{FLAG.expert_model_parallel_size} {ep} does not divide the data-parallel x context-parallel size "
+             f"{replicas} (expert-parallel ranks are carved from them)")
+    _require(etp in (None, tp, 1), f"{FLAG.expert_tensor_parallel_size} {etp} must be "
+                                   f"{FLAG.tensor_model_parallel_size} {tp} or 1")
+    experts_tp = tp if etp is None else etp
+    _require(m.expert_ffn_size % experts_tp == 0,
+             f"the experts' hidden size {m.expert_ffn_size} is not divisible by the expert tensor-parallel size "
+             f"{experts_tp}")
+    shared = m.moe_shared_expert_intermediate_size
+    _require(shared is None or shared % tp == 0,
+             f"{FLAG.moe_shared_expert_intermediate_size} {shared} is not divisible by "
+             f"{FLAG.tensor_model_parallel_size} {tp}")
+    _require(cfg.optimizer.zero_stage != 3 or replicas // ep > 1,
+             f"{FLAG.zero_stage} 3 shards expert parameters over the ranks holding the same experts, and "
+             f"{FLAG.expert_model_parallel_size} {ep} leaves none (data-parallel x context-parallel size {replicas})")
 
 
 def _check_optimizer(cfg: MegaliteConfig, dp: int) -> None:

@@ -19,7 +19,8 @@ bucket (asynchronously with ``overlap_param_gather``: a forward pre-hook waits f
 the module runs).
 
 Tied word embeddings split across pipeline stages are "deferred": their bucket waits until the end, where their
-gradient is first summed with the other stage's copy over the embedding group, then reduced over DP like the rest.
+gradient is first summed with the other stage's copy over the embedding group (or with the copy on the same rank,
+when one rank holds both the first and the last stage), then reduced over DP like the rest.
 Parameters flagged ``sequence_parallel`` (replicated over TP, applied to a sequence shard) get a last reduction,
 over TP, once the DP reductions are done.
 """
@@ -62,7 +63,10 @@ class DataParallel(DataParallelEngine):
                  embedding_group: Optional[GroupInfo] = None, tied_params: list[torch.nn.Parameter] = (),
                  bucket_size: Optional[int] = None, zero: int = 0,
                  overlap_grad_reduce: bool = False, overlap_param_gather: bool = False,
-                 tensor_group: Optional[GroupInfo] = None, grad_dtype: torch.dtype = torch.float32):
+                 tensor_group: Optional[GroupInfo] = None, grad_dtype: torch.dtype = torch.float32,
+                 select: Callable[[torch.nn.Parameter], bool] = lambda param: True):
+        """``select``: which of the modules' trainable parameters this engine owns (all by default; with expert
+        parallelism one engine takes the dense parameters and another the experts', see expert_parallel)."""
         self.group = data_group
         self.grad_dtype = grad_dtype
         self.embedding_group = embedding_group
@@ -71,7 +75,7 @@ class DataParallel(DataParallelEngine):
         self.distributed = zero in (1, 2)   # OptimizerConfig.zero_level: the distributed optimizer's stages
         self.zero2 = zero == 2
         self.overlap_grad_reduce, self.overlap_param_gather = overlap_grad_reduce, overlap_param_gather
-        self.params = [p for m in modules for p in m.parameters() if p.requires_grad]
+        self.params = [p for m in modules for p in m.parameters() if p.requires_grad and select(p)]
         dtypes = {p.dtype for p in self.params}
         if len(dtypes) != 1:
             raise ValueError(f"all parameters must share one dtype, got {sorted(map(str, dtypes))}")
@@ -108,7 +112,7 @@ class DataParallel(DataParallelEngine):
         if overlap_param_gather:
             for m in modules:
                 for sub in m.modules():
-                    if any(True for _ in sub.parameters(recurse=False)):
+                    if any(select(p) for p in sub.parameters(recurse=False)):
                         self._hooks.append(sub.register_forward_pre_hook(self._wait_for_params))
         self.start_iteration(1)
 
@@ -158,6 +162,8 @@ class DataParallel(DataParallelEngine):
         self._launched: set[int] = set()
 
     def _on_grad_ready(self, param: torch.nn.Parameter) -> None:
+        if param.grad is None:   # a zero-bubble B step left this weight's gradient to its W step, which brings it
+            return
         if not self.zero2:
             if id(param) in self._fresh:   # the step's first gradient: write it, no zeroed buffer to add to
                 param.main_grad.copy_(param.grad)
@@ -240,14 +246,23 @@ class DataParallel(DataParallelEngine):
             all_reduce_packed([piece.grad for piece in self.pieces() if id(piece.param) in wanted], self.tensor_group)
 
     def _sum_tied_gradients(self) -> None:
+        """Sum the tied word embedding's gradient over its copies: over the embedding group, or here where both
+        copies are on this rank (the v-shape placement puts the first and the last stage on one rank)."""
         group = self.embedding_group
-        if group is None or group.size == 1:
+        across = group is not None and group.size > 1
+        if not across and len(self.tied_params) < 2:
             return
         self._zero_fresh(self.tied_params)
+        grads = []
         for p in self.tied_params:
-            grad = p.grad if self.zero2 else p.main_grad
-            if grad is None:
-                grad = p.grad = torch.zeros_like(p)
+            if self.zero2 and p.grad is None:
+                p.grad = torch.zeros_like(p)
+            grads.append(p.grad if self.zero2 else p.main_grad)
+        if len(grads) > 1:
+            total = torch.stack(grads).sum(dim=0)
+            for grad in grads:
+                grad.copy_(total)
+        for grad in grads if across else []:
             dist.all_reduce(grad, group=group.group)
 
     def _zero_fresh(self, params) -> None:

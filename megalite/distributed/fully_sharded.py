@@ -21,6 +21,8 @@ does not know, and this engine adds:
   TP sums the parts (as in :class:`~megalite.distributed.data_parallel.DataParallel`).
 - The tied word embedding's copies on the first and last pipeline stages: their gradient shards (cut alike, the
   tensors having the same shape) are summed over the embedding group.
+- Routed experts (expert parallelism): each MoE layer's experts are a unit of their own, sharded over the
+  expert-data-parallel group (DP x CP / EP, the ranks holding the same experts) instead of DP x CP.
 
 Precision: the sharded parameters stay fp32 (they are the optimizer's main parameters, no separate copy); with bf16
 or fp16 FSDP2 casts the gathered copy for compute and reduces gradients in fp32 (``MixedPrecisionPolicy``; in bf16
@@ -46,6 +48,7 @@ from torch.distributed.tensor import DTensor
 
 from megalite.distributed.data_parallel import all_reduce_packed
 from megalite.distributed.engine import DataParallelEngine, Piece
+from megalite.distributed.expert_parallel import is_expert
 from megalite.parallel_state import GroupInfo
 
 
@@ -54,6 +57,17 @@ def _shard_modules(module: torch.nn.Module) -> list[torch.nn.Module]:
     takes the parameters left over: embeddings, final norm, output layer)."""
     layers = getattr(module, "layers", None)
     return [*(layers if layers is not None else []), module]
+
+
+def _expert_modules(module: torch.nn.Module) -> list[torch.nn.Module]:
+    """The outermost submodules holding routed experts' parameters only (an MoE layer's experts), which are units of
+    their own, sharded over the expert-data-parallel group."""
+    found: list[torch.nn.Module] = []
+    for sub in module.modules():
+        params = list(sub.parameters())
+        if params and all(is_expert(p) for p in params) and not any(sub in f.modules() for f in found):
+            found.append(sub)
+    return found
 
 
 def row_range(rows: int, dp: int, dp_rank: int) -> tuple[int, int]:
@@ -73,14 +87,18 @@ class FullyShardedDataParallel(DataParallelEngine):
                  tensor_group: Optional[GroupInfo] = None, embedding_group: Optional[GroupInfo] = None,
                  tied_params: list[torch.nn.Parameter] = (), compute_dtype: torch.dtype = torch.float32,
                  offload_params: bool = False, prefetch_bucket_size: Optional[int] = None,
-                 grad_dtype: torch.dtype = torch.float32):
+                 grad_dtype: torch.dtype = torch.float32, expert_group: Optional[GroupInfo] = None):
+        """``expert_group``: the expert-data-parallel group, over which each MoE layer's experts (parameters flagged
+        ``is_expert``) are sharded as a unit of their own (expert parallelism; None: a model without experts)."""
         self.group, self.tensor_group, self.embedding_group = data_group, tensor_group, embedding_group
-        self.dp, self.dp_rank = data_group.size, data_group.rank
         self.device = device = next(modules[0].parameters()).device
         # Meshes over the same ranks compare equal unless their names differ, and DTensor caches communication plans
         # by mesh: naming the mesh after its group keeps a later layout (tests build many) off a destroyed group.
         mesh = DeviceMesh.from_group(data_group.group, device.type,
                                      mesh_dim_names=(f"data_parallel_{data_group.group.group_name}",))
+        expert_mesh = (None if expert_group is None else
+                       DeviceMesh.from_group(expert_group.group, device.type,
+                                             mesh_dim_names=(f"expert_data_parallel_{expert_group.group.group_name}",)))
         precision = (MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=grad_dtype)
                      if compute_dtype != torch.float32 else MixedPrecisionPolicy())
         # Pinned host memory only helps (and only exists) with a GPU to copy to.
@@ -92,8 +110,9 @@ class FullyShardedDataParallel(DataParallelEngine):
         attributes = {place: dict(vars(param)) for place, (_, param) in places.items()}
         self.units: list[FSDPModule] = []
         for m in modules:
-            for unit in _shard_modules(m):
-                fully_shard(unit, mesh=mesh, mp_policy=precision, offload_policy=offload)
+            units = [(unit, expert_mesh) for unit in _expert_modules(m)] if expert_mesh is not None else []
+            for unit, unit_mesh in units + [(unit, mesh) for unit in _shard_modules(m)]:
+                fully_shard(unit, mesh=unit_mesh, mp_policy=precision, offload_policy=offload)
                 _reduce_by_sum(unit)
                 self.units.append(unit)
             _quiet_view_warning(m)
@@ -123,14 +142,15 @@ class FullyShardedDataParallel(DataParallelEngine):
         result = []
         for p in self.params:
             rows = p.shape[0]
-            first, last = row_range(rows, self.dp, self.dp_rank)
+            dp, dp_rank = p.device_mesh.size(), p.device_mesh.get_local_rank()   # DP x CP, or expert-data-parallel
+            first, last = row_range(rows, dp, dp_rank)
             if first == last:
                 continue
             row_size = p.numel() // rows
             local = p.to_local()
             if local.numel() != (last - first) * row_size:
                 raise RuntimeError(f"FSDP2 sharded a {list(p.shape)} parameter into {list(local.shape)} on DP rank "
-                                   f"{self.dp_rank}; expected rows [{first}, {last})")
+                                   f"{dp_rank}; expected rows [{first}, {last})")
             result.append(Piece(p, first * row_size, last * row_size, local.view(-1), p.grad.to_local().view(-1)))
         return result
 

@@ -11,7 +11,8 @@ the blocks are unequal: [heads x head_dim; G x head_dim; G x head_dim]. The head
   of that head's channels (the weights stay split evenly, nothing is replicated) and they all-gather the pieces; the
   gather's backward reduce-scatters, which sums the gradient each rank's query heads send to the shared head.
 
-Rotary embeddings, when configured, rotate q and k; attention runs on this rank's heads through torch's
+With ``--qk-layernorm`` each head's query and key are normalized (Qwen3's q_norm/k_norm) before rotary embeddings,
+when configured, rotate q and k; attention runs on this rank's heads through torch's
 scaled_dot_product_attention (the "core", which selective recompute reruns in backward instead of keeping its
 seq x seq intermediates); a row-parallel projection sums the heads' contributions back into the residual stream.
 With a KV cache (generation) the new tokens are rotated at their positions and attend to the cached keys and values
@@ -30,6 +31,7 @@ knows the causal mask only), and under context parallelism the core attends over
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 from typing import Optional
 
@@ -44,9 +46,19 @@ from megalite.kernels.fused import scaled_masked_softmax
 from megalite.kernels.policy import MASKED_SOFTMAX
 from megalite.model.context_parallel import SequenceShard, context_parallel_attention
 from megalite.model.kv_cache import LayerCache
+from megalite.model.norms import norm
 from megalite.model.rotary import RopeScaling, RotaryEmbedding
 from megalite.tensor_parallel import (ColumnParallelLinear, Fp8Recipe, RowParallelLinear, TensorParallelRNG,
-                                      all_gather_tensor_parallel, recompute)
+                                      all_gather_tensor_parallel, mark_sequence_parallel, recompute)
+
+
+def _head_norm(cfg: ModelConfig, kernels: KernelPolicy) -> nn.Module:
+    """A per-head query or key norm (--qk-layernorm). Each TP rank applies it to its own heads, so its gradient is a
+    partial sum over the heads of the rank: flagged like a sequence-parallel parameter, to be summed over TP."""
+    module = norm(dataclasses.replace(cfg, hidden_size=cfg.head_dim), False, kernels)
+    for param in module.parameters():
+        mark_sequence_parallel(param)
+    return module
 
 
 class SelfAttention(nn.Module):
@@ -67,6 +79,9 @@ class SelfAttention(nn.Module):
         self.recompute_core = cfg.recompute_granularity == "selective"
         self.rotary = (RotaryEmbedding(cfg.rotary_dim, cfg.rotary_base, kernels, RopeScaling.of(cfg))
                        if cfg.position_embedding_type == "rope" else None)
+        self.q_layernorm = self.k_layernorm = None
+        if cfg.qk_layernorm:   # one norm over the head dimension, shared by every head
+            self.q_layernorm, self.k_layernorm = (_head_norm(cfg, kernels) for _ in range(2))
         bias = not cfg.disable_bias_linear
         kv_size = groups * head_dim
         # Queries are heads x head_dim wide: the hidden size, unless --kv-channels sets another head dimension.
@@ -88,8 +103,11 @@ class SelfAttention(nn.Module):
         q, k, v = qkv.split([self.heads * self.head_dim, self.kv_channels, self.kv_channels], dim=-1)
         if self.sharing_ranks > 1:
             k, v = self._gather_shared_head(k, v)
-        q = q.view(batch, seq, self.heads, self.head_dim).transpose(1, 2)
-        k, v = (t.view(batch, seq, self.kv_heads, self.head_dim).transpose(1, 2) for t in (k, v))
+        q = q.view(batch, seq, self.heads, self.head_dim)
+        k, v = (t.view(batch, seq, self.kv_heads, self.head_dim) for t in (k, v))
+        if self.q_layernorm is not None:
+            q, k = self.q_layernorm(q), self.k_layernorm(k)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         if self.rotary is not None:
             positions = None if shard is None else shard.moved_positions
             if positions is not None:

@@ -25,15 +25,33 @@ def peak_bf16_tflops(device_name: str) -> Optional[float]:
     return next((peak for key, peak in PEAK_BF16_TFLOPS.items() if key in device_name), None)
 
 
+def _mlp_macs(model: ModelConfig, ffn: int) -> int:
+    return model.hidden_size * ffn * (3 if model.swiglu else 2)
+
+
 def dense_macs_per_token_per_layer(model: ModelConfig) -> int:
     """Multiply-adds of one layer's matrices per token: QKV, output projection, MLP."""
-    h, f, q = model.hidden_size, model.ffn_size, model.query_size
-    qkv = h * (q + 2 * model.query_groups * model.head_dim)
-    return qkv + q * h + h * f * (3 if model.swiglu else 2)
+    h = model.hidden_size
+    qkv = h * (model.query_size + 2 * model.query_groups * model.head_dim)
+    return qkv + model.query_size * h + _mlp_macs(model, model.ffn_size)
+
+
+def macs_per_token_per_layer(model: ModelConfig, index: int) -> int:
+    """Layer ``index``'s multiply-adds per token of its *active* parameters: a dense layer's, or for an MoE layer
+    attention, the router (h x E), the k experts a token goes to and the shared expert (not the E - k others)."""
+    if not model.moe_layers()[index]:
+        return dense_macs_per_token_per_layer(model)
+    attention = dense_macs_per_token_per_layer(model) - _mlp_macs(model, model.ffn_size)
+    shared = model.moe_shared_expert_intermediate_size or 0
+    return (attention + model.hidden_size * model.num_experts + model.moe_router_topk *
+            _mlp_macs(model, model.expert_ffn_size) + _mlp_macs(model, shared) + (model.hidden_size if
+                                                                                 model.moe_shared_expert_gate else 0))
 
 
 def model_flops_per_iteration(model: ModelConfig, global_batch_size: int) -> float:
-    """Model FLOPs of one training iteration (forward + backward, no recompute): see the module docstring."""
+    """Model FLOPs of one training iteration (forward + backward, no recompute): see the module docstring. A mixture
+    of experts counts its active parameters (each token's k experts), as MFU is reported for MoE models."""
     s, L, h = model.seq_length, model.num_layers, model.hidden_size
-    per_token = L * dense_macs_per_token_per_layer(model) + 2 * L * s * model.query_size + model.vocab_size * h
+    per_token = (sum(macs_per_token_per_layer(model, i) for i in range(L)) + 2 * L * s * model.query_size
+                 + model.vocab_size * h)
     return 6.0 * global_batch_size * s * per_token

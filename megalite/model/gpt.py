@@ -21,6 +21,7 @@ which ops run as fused CUDA kernels on GPU tensors; on CPU tensors every op is t
 from __future__ import annotations
 
 import contextlib
+import itertools
 import re
 from typing import Iterator
 
@@ -90,7 +91,8 @@ class GPTModel(nn.Module):
         self.embedding = (GPTEmbedding(cfg, self.padded_vocab_size, rng, sequence_parallel) if pre_process
                           else None)
         count = cfg.num_layers if num_layers is None else num_layers
-        self.layers = nn.ModuleList(TransformerLayer(cfg, rng, sequence_parallel, kernels) for _ in range(count))
+        self.layers = nn.ModuleList(TransformerLayer(cfg, rng, sequence_parallel, kernels, layer_offset + i)
+                                    for i in range(count))
         # Tied and on the same stage as the embedding: reuse its weight. Tied on another stage: hold a copy.
         self.holds_embedding_copy = post_process and self.tie_output_to_embedding and not pre_process
         if post_process:
@@ -113,8 +115,11 @@ class GPTModel(nn.Module):
         return f"layers.{int(match.group(1)) + self.layer_offset}.{match.group(2)}" if match else name
 
     def canonical_named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
-        """Parameters with layers numbered globally (``layers.7.mlp...`` on the stage that starts at layer 6)."""
-        for name, param in self.named_parameters():
+        """Parameters with layers numbered globally (``layers.7.mlp...`` on the stage that starts at layer 6), then
+        the buffers marked like parameters (state that is initialized and checkpointed but not stepped by the
+        optimizer: the MoE routers' expert biases)."""
+        buffers = ((name, b) for name, b in self.named_buffers() if hasattr(b, "full_shape"))
+        for name, param in itertools.chain(self.named_parameters(), buffers):
             if name == "output_layer.weight" and self.holds_embedding_copy:
                 name = "embedding.word.weight"
             yield self._canonical(name), param

@@ -1,5 +1,5 @@
-"""A pre-norm transformer layer: x + Dropout(Attn(Norm(x))), then x + Dropout(MLP(Norm(x))); and running a stack
-of them with full activation recompute.
+"""A pre-norm transformer layer: x + Dropout(Attn(Norm(x))), then x + Dropout(MLP(Norm(x))) (the MLP a mixture of
+experts in the layers --moe-layer-freq picks); and running a stack of them with full activation recompute.
 
 Under sequence parallelism x is this rank's sequence shard: the norms and dropouts work on it, the attention and MLP
 gather the sequence on entry and reduce-scatter it on exit.
@@ -19,18 +19,21 @@ from megalite.model.attention import SelfAttention
 from megalite.model.context_parallel import SequenceShard
 from megalite.model.kv_cache import KVCache, LayerCache
 from megalite.model.mlp import MLP
+from megalite.model.moe import MoELayer
 from megalite.model.norms import norm
 from megalite.tensor_parallel import TensorParallelRNG, recompute
 
 
 class TransformerLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, rng: TensorParallelRNG | None, sequence_parallel: bool = False,
-                 kernels: KernelPolicy = DEFAULT_POLICY):
+                 kernels: KernelPolicy = DEFAULT_POLICY, layer_number: int = 0):
         super().__init__()
         self.input_norm = norm(cfg, sequence_parallel, kernels)
         self.self_attention = SelfAttention(cfg, rng, sequence_parallel, kernels)
         self.pre_mlp_norm = norm(cfg, sequence_parallel, kernels)
-        self.mlp = MLP(cfg, sequence_parallel, kernels)
+        # layer_number (global): whether --moe-layer-freq makes this an MoE layer
+        moe = cfg.num_experts is not None and cfg.moe_layers()[layer_number]
+        self.mlp = MoELayer(cfg, sequence_parallel, kernels, layer_number) if moe else MLP(cfg, sequence_parallel, kernels)
         self.dropout = nn.Dropout(cfg.hidden_dropout)
         self.rng = rng
         self.sequence_parallel = sequence_parallel

@@ -25,19 +25,33 @@ def counts_toward_norm(param: torch.nn.Parameter) -> bool:
     return sharded or parallel_state.get_tensor_model_parallel_rank() == 0
 
 
-def global_grad_norm(pieces: list[tuple[torch.nn.Parameter, torch.Tensor]], sharded_over_data: bool) -> float:
-    """L2 norm of the whole model's gradient from this rank's (parameter, gradient piece) pairs."""
-    device = pieces[0][1].device if pieces else torch.device("cpu")
-    counted = [grad for param, grad in pieces if counts_toward_norm(param)]
+def _sum_of_squares(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
     # One fused pass over every gradient (no squared copy of each): the per-piece norms, then their squares summed.
-    squares = (torch.stack(torch._foreach_norm(counted, 2)).float().pow(2).sum() if counted
-               else torch.zeros((), dtype=torch.float32, device=device))
-    groups = [parallel_state.get_model_parallel_group()]
+    return (torch.stack(torch._foreach_norm(grads, 2)).float().pow(2).sum() if grads
+            else torch.zeros((), dtype=torch.float32, device=device))
+
+
+def _all_reduce(value: torch.Tensor, info) -> None:
+    if info.size > 1:
+        dist.all_reduce(value, group=info.group)
+
+
+def global_grad_norm(pieces: list[tuple[torch.nn.Parameter, torch.Tensor]], sharded_over_data: bool) -> float:
+    """L2 norm of the whole model's gradient from this rank's (parameter, gradient piece) pairs.
+
+    Routed experts' parameters (``is_expert``) differ between expert-parallel ranks: unsharded, their squares are
+    summed over EP (their EDP replicas are equal); sharded, their pieces are disjoint over EP x EDP = DP x CP."""
+    device = pieces[0][1].device if pieces else torch.device("cpu")
+    counted = [(param, grad) for param, grad in pieces if counts_toward_norm(param)]
+    squares = _sum_of_squares([g for p, g in counted if not getattr(p, "is_expert", False)], device)
+    expert_squares = _sum_of_squares([g for p, g in counted if getattr(p, "is_expert", False)], device)
     if sharded_over_data:
-        groups.append(parallel_state.get_data_parallel_group(with_context_parallel=True))
-    for info in groups:
-        if info.size > 1:
-            dist.all_reduce(squares, group=info.group)
+        squares += expert_squares
+        _all_reduce(squares, parallel_state.get_data_parallel_group(with_context_parallel=True))
+    else:
+        _all_reduce(expert_squares, parallel_state.get_expert_model_parallel_group())
+        squares += expert_squares
+    _all_reduce(squares, parallel_state.get_model_parallel_group())
     return float(squares.sqrt())
 
 

@@ -83,7 +83,7 @@ def diagnose_out_of_memory(cfg: MegaliteConfig, error: BaseException, *, world_s
     if mem.fixed > usable:
         lines = [f"megalite: out of memory on {where}: the model states alone exceed the device: {split}, before "
                  f"{gib(mem.activations)} of activations."]
-        lines.append("  Split or shard them: " + ", ".join(_sharding_options(layout, memory)) + ".")
+        lines.append("  Split or shard them: " + ", ".join(_sharding_options(layout, memory, model.num_experts)) + ".")
     elif mem.total > usable:
         lines = [f"megalite: out of memory on {where}: the activations do not fit: {gib(mem.activations)} of "
                  f"activations on top of {gib(mem.fixed)} of model states ({split})."]
@@ -116,10 +116,10 @@ def diagnose_out_of_memory(cfg: MegaliteConfig, error: BaseException, *, world_s
     return "\n".join(lines)
 
 
-def _sharding_options(layout: Layout, memory) -> list[str]:
+def _sharding_options(layout: Layout, memory, experts: Optional[int] = None) -> list[str]:
     """What shrinks the model states of ``layout``, each with the device bytes it leaves (``memory(layout)``); an
     option that would not shrink them (ZeRO-3's gathered layers can outweigh what it shards, in a small model or at
-    a small DP) is left out."""
+    a small DP) is left out. A mixture of ``experts`` may spread them over more expert-parallel ranks."""
     now = memory(layout).fixed
     options = ["more tensor or pipeline parallelism (the states shrink with TP x PP)"]
 
@@ -135,6 +135,9 @@ def _sharding_options(layout: Layout, memory) -> list[str]:
     if layout.zero < 3 and layout.pp == 1 and layout.replicas > 1:   # the planner models ZeRO-3 at PP 1 only
         drop = f" without {FLAG.use_distributed_optimizer}" if layout.zero in (1, 2) else ""
         offer(f"{FLAG.zero_stage} 3{drop}", " of states and gathered layers: parameters sharded too", zero=3)
+    if experts and layout.dp % (2 * layout.ep) == 0 and experts % (2 * layout.ep) == 0:
+        offer(f"{FLAG.expert_model_parallel_size} {2 * layout.ep}", f" of states: {experts // (2 * layout.ep)} "
+              f"experts per rank", ep=2 * layout.ep)
     if not layout.optimizer_cpu_offload:
         offer(FLAG.optimizer_cpu_offload, " on the device", optimizer_cpu_offload=True)
     if layout.zero == 3 and not layout.offload_params:

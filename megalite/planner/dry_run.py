@@ -14,11 +14,13 @@ import torch
 from megalite.config import MegaliteConfig
 from megalite.config.batches import batch_schedule, describe
 from megalite.data import run_vocab_size
+from megalite.pipeline.simulation import schedule_bubble
 from megalite.planner.hardware import GiB
 from megalite.planner.layout import Layout
-from megalite.planner.memory import Numerics, StageMemory, memory_per_stage
+from megalite.model.flops import model_flops_per_iteration
+from megalite.planner.memory import Numerics, StageMemory, expert_state_bytes, memory_per_stage
 from megalite.planner.parameters import count_parameters
-from megalite.planner.performance import context_parallel_bytes
+from megalite.planner.performance import all_to_all_bytes, context_parallel_bytes
 
 
 def dtype_bytes(cfg: MegaliteConfig) -> int:
@@ -47,18 +49,50 @@ def run_memory(cfg: MegaliteConfig, world_size: int, cuda: bool | None = None) -
     return layout, stages
 
 
+def _pipeline_line(layout: Layout, num_micro_batches: int) -> list[str]:
+    """The schedule and its bubble beside 1F1B's, with PP > 1."""
+    if layout.pp == 1:
+        return []
+    bubble = schedule_bubble(layout.pipeline_schedule, layout.pp, num_micro_batches, layout.virtual_stages)
+    line = (f"pipeline schedule {layout.pipeline_schedule}: bubble {bubble:.1%} of compute at equal forward, "
+            f"backward and weight-gradient costs")
+    if layout.pipeline_schedule != "1f1b":
+        v = 1 if layout.pipeline_schedule == "zbv" else layout.virtual_stages
+        line += f" (1f1b at V={v}: {schedule_bubble('1f1b', layout.pp, num_micro_batches, v):.1%})"
+    return [line]
+
+
+def _experts_lines(cfg: MegaliteConfig, model, layout: Layout, peak: StageMemory, nbytes: int,
+                   micro_batches: int) -> list[str]:
+    """A mixture of experts: the experts' share of the states, the all-to-all traffic, the FLOPs of the active
+    parameters."""
+    experts = expert_state_bytes(model, layout, peak.pp_rank, dtype_bytes=nbytes,
+                                 bucket_size=cfg.optimizer.ddp_bucket_size)
+    traffic = all_to_all_bytes(model, layout, micro_batches, nbytes)
+    flops = model_flops_per_iteration(model, cfg.training.global_batch_size)
+    return [f"  experts: {model.num_experts // layout.ep} of {model.num_experts} per rank (EP={layout.ep}), "
+            f"{experts / GiB:.3f} GiB of the {peak.states / GiB:.3f} GiB of model states of stage {peak.pp_rank}; "
+            f"expert gradients reduced over DP x CP / EP = {layout.expert_dp} ranks",
+            f"  token dispatch ({model.moe_token_dispatcher_type}): {traffic / GiB:.3f} GiB sent per GPU per step "
+            f"over the expert-parallel group; {flops / 1e12:,.2f} TFLOP per step of the active parameters"]
+
+
 def format_dry_run(cfg: MegaliteConfig, world_size: int, cuda: bool | None = None) -> str:
     """What --dry-run prints: the layout, the parameters, and each stage's memory split, most loaded marked."""
     cuda = torch.cuda.is_available() if cuda is None else cuda
     layout, stages = run_memory(cfg, world_size, cuda)
     model = dataclasses.replace(cfg.model, vocab_size=run_vocab_size(cfg))
-    params = count_parameters(model, layout.tp, layout.pp, layout.virtual_stages)
+    params = count_parameters(model, layout.tp, layout.pp, layout.virtual_stages, layout.placement, ep=layout.ep,
+                              expert_tp=layout.expert_tp)
     m = layout.num_micro_batches(cfg.training.global_batch_size)   # the largest batch, when it ramps up
     batches = batch_schedule(cfg.training, cfg.model.seq_length)
     ramp = f" at the largest {describe(batches)}" if batches.ramps else ""
+    active = (f" ({params.active / 1e6:,.2f}M active per token: {model.moe_router_topk} of {model.num_experts} "
+              f"experts)" if params.is_moe else "")
     lines = [f"megalite: dry run: {layout.describe()}, {m} micro-batches per step{ramp}; {params.total / 1e6:,.2f}M "
-             f"parameters; {'bf16' if cfg.training.bf16 else 'fp16' if cfg.training.fp16 else 'fp32'}; "
+             f"parameters{active}; {'bf16' if cfg.training.bf16 else 'fp16' if cfg.training.fp16 else 'fp32'}; "
              f"activations as {'CUDA' if cuda else 'the CPU'} keeps them",
+             *_pipeline_line(layout, m),
              "memory per GPU (GiB), DP rank 0:",
              f"  {'stage':>5}  {'params':>12}  {'weights':>8}  {'grads':>8}  {'optimizer':>9}  "
              + (f"{'gathered':>8}  " if layout.zero == 3 else "") + f"{'activations':>11}  {'total':>8}"]
@@ -78,6 +112,8 @@ def format_dry_run(cfg: MegaliteConfig, world_size: int, cuda: bool | None = Non
     if layout.zero == 3:
         lines.append("  gathered: ZeRO-3's working memory, the layers FSDP2 gathers for compute and their unsharded "
                      "gradients")
+    if params.is_moe:
+        lines += _experts_lines(cfg, model, layout, peak, dtype_bytes(cfg), m)
     if peak.host:
         what = "parameter, gradient and optimizer" if peak.host_weights else "optimizer"
         lines.append(f"  plus {peak.host / GiB:.3f} GiB of {what} states on the host (CPU offload)")

@@ -93,13 +93,15 @@ attention); ``Numerics.cpu`` describes the CPU (p = 4, float dropout noise m = 4
 dropout is on), which is what the tests measure.
 
 Per micro-batch and stage, besides the layers: the first stage keeps the token ids and the embedding dropout mask;
-every stage but the last keeps its output until the backward (megalite's pipeline engine does not free sent outputs
-yet); the last stage keeps the final norm's and output layer's inputs and the fp32 softmax of vocab-parallel cross
+a stage's output is freed once sent (the engine keeps only its graph); the last stage keeps the final norm's and output layer's inputs and the fp32 softmax of vocab-parallel cross
 entropy, 4 x b s V / t bytes, plus transiently the logits and two fp32 working copies of them.
 
 Micro-batches in flight: counted by running megalite's own schedules (megalite.pipeline.schedules). The first stage
 of 1F1B holds PP micro-batches of its L/PP layers, L layers' worth; interleaved 1F1B holds L (1 + (PP - 1)/(PP V))
-layers' worth, Megatron's factor (Korthikanti et al. 2022, for Narayanan et al. 2021's schedule). The most loaded
+layers' worth, Megatron's factor (Korthikanti et al. 2022, for Narayanan et al. 2021's schedule). The zero-bubble
+schedules hold a micro-batch from its F to its W; after its B only what the W needs (``weight_gradient_bytes``:
+the linear layers' inputs and output gradients). ZB-H1's first stage holds what 1F1B's does (PP micro-batches, each
+W right after its B), later stages more than in 1F1B but not more than the first (Qi et al. 2023). The most loaded
 stage is the one with the largest total.
 """
 
@@ -175,15 +177,17 @@ def model_state_bytes(model: ModelConfig, layout: Layout, pp_rank: int = 0, *, d
     0 holds the most: ceil(rows / DP) rows, the last ranks fewer). ``bucket_size``: --ddp-bucket-size at stages 0-2;
     ``prefetch_bucket_size``: --zero3-prefetch-bucket-size at stage 3."""
     replicas = layout.replicas   # DP x CP: the ranks the gradients are reduced over and the states sharded over
+    experts = (layout.ep, layout.expert_tp)
     if layout.zero == 3:
         key = (dataclasses.astuple(model), layout.tp, layout.pp, layout.virtual_stages, replicas,
-               layout.optimizer_cpu_offload, layout.offload_params, pp_rank, dtype_bytes, dp_rank, prefetch_bucket_size)
+               layout.optimizer_cpu_offload, layout.offload_params, pp_rank, dtype_bytes, dp_rank,
+               prefetch_bucket_size, experts)   # 1f1b only
         if key not in _STATES_CACHE:
             _STATES_CACHE[key] = _fully_sharded_state_bytes(model, *key[1:])
         return _STATES_CACHE[key]
     key = (dataclasses.astuple(model), layout.tp, layout.pp, layout.virtual_stages, replicas, layout.zero,
-           layout.optimizer_cpu_offload, pp_rank, dtype_bytes, dp_rank, bucket_size or default_bucket_size(replicas),
-           grad_bytes)
+           layout.optimizer_cpu_offload, pp_rank, dtype_bytes, dp_rank, bucket_size, grad_bytes, layout.placement,
+           experts)
     if key not in _STATES_CACHE:   # the search asks again for every micro-batch size and recompute option
         _STATES_CACHE[key] = _model_state_bytes(model, *key[1:])
     return _STATES_CACHE[key]
@@ -193,8 +197,49 @@ _STATES_CACHE: dict[tuple, ModelStates] = {}
 
 
 def _model_state_bytes(model: ModelConfig, tp: int, pp: int, v: int, dp: int, zero: int, offload: bool, pp_rank: int,
-                       dtype_bytes: int, dp_rank: int, bucket_size: int, grad_bytes: int) -> ModelStates:
-    tensors = [t for chunk in rank_tensors(model, tp, pp, v, pp_rank) for t in chunk]
+                       dtype_bytes: int, dp_rank: int, bucket_size: Optional[int], grad_bytes: int,
+                       placement: str, experts: tuple[int, int]) -> ModelStates:
+    """The engines' flat buffers: one over DP, and with a mixture of experts one for the routed experts over the
+    expert-data-parallel ranks (megalite.distributed.expert_parallel), each planned as the engine plans it."""
+    ep, expert_tp = experts
+    tensors = [t for chunk in rank_tensors(model, tp, pp, v, pp_rank, placement, ep=ep, expert_tp=expert_tp)
+               for t in chunk]
+    dense = _engine_state_bytes([t for t in tensors if not t.expert], dp, zero, dtype_bytes, dp_rank,
+                                bucket_size or default_bucket_size(dp), grad_bytes)
+    routed = [t for t in tensors if t.expert]
+    if not routed:
+        weights, gradients, owned = dense
+    else:   # (expert-data-parallel rank: the ranks of one expert-parallel group come first)
+        expert_dp = dp // ep
+        expert = _engine_state_bytes(routed, expert_dp, zero, dtype_bytes, dp_rank // ep,
+                                     bucket_size or default_bucket_size(expert_dp), grad_bytes)
+        weights, gradients, owned = (a + b for a, b in zip(dense, expert))
+    main_copy = 0 if dtype_bytes == 4 and not offload else 4
+    optimizer = owned * (8 + main_copy)
+    if offload:
+        return ModelStates(weights, gradients, 0.0, optimizer)
+    return ModelStates(weights, gradients, optimizer)
+
+
+def expert_state_bytes(model: ModelConfig, layout: Layout, pp_rank: int = 0, *, dtype_bytes: int = 2,
+                       bucket_size: Optional[int] = None) -> float:
+    """Of :func:`model_state_bytes`' device bytes (weights, gradients, optimizer states; DP rank 0), the routed
+    experts' (their own engine over the expert-data-parallel ranks; ZeRO-3: their shards over those ranks)."""
+    tensors = [t for chunk in rank_tensors(model, layout.tp, layout.pp, layout.virtual_stages, pp_rank,
+                                           layout.placement, ep=layout.ep, expert_tp=layout.expert_tp)
+               for t in chunk if t.expert]
+    if not tensors or layout.optimizer_cpu_offload:
+        return 0.0 if not tensors else sum(t.numel for t in tensors) * (dtype_bytes + 4)
+    if layout.zero == 3:
+        return 16.0 * sum(shard_rows(t.dim0, layout.expert_dp, 0) * (t.numel // t.dim0) for t in tensors)
+    weights, gradients, owned = _engine_state_bytes(tensors, layout.expert_dp, layout.zero, dtype_bytes, 0,
+                                                    bucket_size or default_bucket_size(layout.expert_dp))
+    return weights + gradients + owned * (8 + (0 if dtype_bytes == 4 else 4))
+
+
+def _engine_state_bytes(tensors: list[Tensor], dp: int, zero: int, dtype_bytes: int, dp_rank: int,
+                        bucket_size: int, grad_bytes: int = 4) -> tuple[float, float, int]:
+    """(weight bytes, gradient bytes, elements whose optimizer state this rank owns) of one engine's buffers."""
     params = [_Sized(t.numel) for t in tensors]
     plan = plan_buckets(params, bucket_size, dp, [p for p, t in zip(params, tensors) if t.deferred])
     weights = plan.total * dtype_bytes
@@ -211,11 +256,7 @@ def _model_state_bytes(model: ModelConfig, tp: int, pp: int, v: int, dp: int, ze
                 owned += max(0, min(end, last) - max(start, first))
     else:
         owned = sum(t.numel for t in tensors)
-    main_copy = 0 if dtype_bytes == 4 and not offload else 4
-    optimizer = owned * (8 + main_copy)
-    if offload:
-        return ModelStates(weights, gradients, 0.0, optimizer)
-    return ModelStates(weights, gradients, optimizer)
+    return weights, gradients, owned
 
 
 def shard_rows(rows: int, dp: int, dp_rank: int) -> int:
@@ -231,22 +272,30 @@ class Units:
     each model chunk one unit of the tensors left (embeddings, final norm, output layer): the root."""
     layers: list[list[Tensor]]
     roots: list[list[Tensor]]
+    experts: list[list[Tensor]] = dataclasses.field(default_factory=list)   # per layer: its routed experts' unit
+                                                                             # (empty for a dense layer)
 
     @property
     def tensors(self) -> list[Tensor]:
-        return [t for unit in self.layers + self.roots for t in unit]
+        return [t for unit in self.layers + self.roots + self.experts for t in unit]
 
 
-def fully_sharded_units(model: ModelConfig, tp: int, pp: int = 1, v: int = 1, pp_rank: int = 0) -> Units:
-    """The units of pipeline rank ``pp_rank`` (with PP = 1 the whole model, one root; with pipelining one root per model chunk)."""
+def fully_sharded_units(model: ModelConfig, tp: int, pp: int = 1, v: int = 1, pp_rank: int = 0, ep: int = 1,
+                        expert_tp: Optional[int] = None) -> Units:
+    """The units of pipeline rank ``pp_rank`` (with PP = 1 the whole model, one root; with pipelining one root per
+    model chunk); an MoE layer's routed experts are a unit of their own, sharded over the expert-data-parallel
+    ranks."""
     layers: dict[str, list[Tensor]] = {}
+    experts: dict[str, list[Tensor]] = {}
     roots = []
-    for chunk in rank_tensors(model, tp, pp, v, pp_rank):
+    for chunk in rank_tensors(model, tp, pp, v, pp_rank, ep=ep, expert_tp=expert_tp):
         roots.append([t for t in chunk if not t.name.startswith("layers.")])
         for t in chunk:
             if t.name.startswith("layers."):
-                layers.setdefault(".".join(t.name.split(".")[:2]), []).append(t)
-    return Units(list(layers.values()), roots)
+                layer = ".".join(t.name.split(".")[:2])
+                layers.setdefault(layer, [])
+                (experts.setdefault(layer, []) if t.expert else layers[layer]).append(t)
+    return Units(list(layers.values()), roots, [experts.get(layer, []) for layer in layers])
 
 
 def padded_elements(tensors: list[Tensor], dp: int) -> int:
@@ -273,9 +322,11 @@ def prefetched_layers(units: Units, prefetch_bucket_size: Optional[int]) -> int:
 
 
 def gathered_bytes(model: ModelConfig, tp: int, dp: int, dtype_bytes: int, pp: int = 1, v: int = 1,
-                   pp_rank: int = 0, prefetch_bucket_size: Optional[int] = None) -> float:
-    """ZeRO-3's working memory at its peak, in a transformer layer's backward (see the module docstring)."""
-    units = fully_sharded_units(model, tp, pp, v, pp_rank)
+                   pp_rank: int = 0, prefetch_bucket_size: Optional[int] = None, ep: int = 1,
+                   expert_tp: Optional[int] = None) -> float:
+    """ZeRO-3's working memory at its peak, in a transformer layer's backward (see the module docstring); an MoE
+    layer counts with its experts' unit (gathered over the expert-data-parallel ranks)."""
+    units = fully_sharded_units(model, tp, pp, v, pp_rank, ep, expert_tp)
     p = dtype_bytes
     tied = not model.untie_embeddings_and_output_weights
     held = 0.0
@@ -286,16 +337,19 @@ def gathered_bytes(model: ModelConfig, tp: int, dp: int, dtype_bytes: int, pp: i
         if tied and first:
             first += [t for t in root if t.name == "embedding.word.weight"]
         held += sum(t.numel for t in first) * p
-    largest = max((padded_elements(unit, dp) for unit in units.layers), default=0)
+    largest = max((padded_elements(unit, dp) + padded_elements(experts, dp // ep)
+                   for unit, experts in zip(units.layers, units.experts)), default=0)
     return held + largest * ((prefetched_layers(units, prefetch_bucket_size) + 2) * p + 4)
 
 
 def _fully_sharded_state_bytes(model: ModelConfig, tp: int, pp: int, v: int, dp: int, offload: bool,
                                offload_params: bool, pp_rank: int, dtype_bytes: int, dp_rank: int,
-                               prefetch_bucket_size: Optional[int]) -> ModelStates:
-    owned = sum(shard_rows(t.dim0, dp, dp_rank) * (t.numel // t.dim0)
-                for t in fully_sharded_units(model, tp, pp, v, pp_rank).tensors)
-    gathered = gathered_bytes(model, tp, dp, dtype_bytes, pp, v, pp_rank, prefetch_bucket_size)
+                               prefetch_bucket_size: Optional[int], experts: tuple[int, int]) -> ModelStates:
+    ep, expert_tp = experts
+    units = fully_sharded_units(model, tp, pp, v, pp_rank, ep, expert_tp)
+    owned = sum(shard_rows(t.dim0, dp // ep if t.expert else dp, dp_rank // ep if t.expert else dp_rank)
+                * (t.numel // t.dim0) for t in units.tensors)
+    gathered = gathered_bytes(model, tp, dp, dtype_bytes, pp, v, pp_rank, prefetch_bucket_size, ep, expert_tp)
     shard = owned * 4.0                     # fp32, whatever the model dtype
     if offload_params:                      # the optimizer steps the host shards themselves: no main copy
         return ModelStates(0.0, 0.0, 0.0, host_optimizer=owned * 8.0, host_weights=shard, host_gradients=shard,
@@ -332,10 +386,11 @@ def _norm_statistics(model: ModelConfig) -> int:
 
 def layer_activation_bytes(model: ModelConfig, tp: int, sequence_parallel: bool, micro_batch_size: int,
                            numerics: Numerics, recomputed: bool = False, cp: int = 1,
-                           cp_comm_type: str = "p2p") -> float:
-    """Bytes one transformer layer keeps for backward per micro-batch (see the module docstring). ``recomputed``:
-    the layer is inside a full-recompute group (only its input is kept; its group's caller counts it). With context
-    parallelism every per-token term is the rank's s / CP tokens' (see :func:`context_parallel_core_bytes`)."""
+                           cp_comm_type: str = "p2p", index: int = 0, expert_tp: Optional[int] = None) -> float:
+    """Bytes one transformer layer (global ``index``: dense or MoE) keeps for backward per micro-batch (see the
+    module docstring). ``recomputed``: the layer is inside a full-recompute group (only its input is kept; its
+    group's caller counts it). With context parallelism every per-token term is the rank's s / CP tokens' (see
+    :func:`context_parallel_core_bytes`)."""
     whole = model.seq_length
     s, b, h, a = whole // cp, micro_batch_size, model.hidden_size, model.num_attention_heads
     g, d, f = model.query_groups, model.head_dim, model.ffn_size
@@ -354,10 +409,17 @@ def layer_activation_bytes(model: ModelConfig, tp: int, sequence_parallel: bool,
         split += p * s * b * 2 * kv_heads * d
     if tp <= g or not rope:                          # q or v still views the fused QKV output, keeping it whole
         split += p * s * b * (model.query_size + 2 * g * d) / tp
+    if model.qk_layernorm:   # the normalized q and k are new tensors, with per-head statistics
+        split += p * s * b * (model.query_size / tp + kv_heads * d) + _norm_statistics(model) * s * b * (a / tp +
+                                                                                                      kv_heads)
     if rope:
         split += p * s * b * (model.query_size / tp + kv_heads * d) + 2 * p * s * d   # rotated q and k; cos, sin
     split += p * s * b * model.query_size / tp       # the attention output = the output projection's input
-    split += p * s * b * f / tp * (4 if model.swiglu else 2)
+    if model.num_experts is not None and model.moe_layers()[index]:   # the rank's s / CP tokens are routed
+        split += moe_activation_bytes(dataclasses.replace(model, seq_length=s), tp, sequence_parallel,
+                                      micro_batch_size, numerics, tp if expert_tp is None else expert_tp)
+    else:
+        split += p * s * b * f / tp * (4 if model.swiglu else 2)
     core = 0.0
     if model.recompute_granularity != "selective":
         heads = a / tp
@@ -394,6 +456,33 @@ def context_parallel_core_bytes(model: ModelConfig, tp: int, micro_batch_size: i
     return p * b * model.seq_length * 2 * kv_channels + p * s * model.seq_length
 
 
+def moe_activation_bytes(model: ModelConfig, tp: int, sequence_parallel: bool, micro_batch_size: int,
+                         numerics: Numerics, expert_tp: int) -> float:
+    """What an MoE layer keeps beyond the norm output it starts from. Every TP rank routes all of the micro-batch's
+    T = s b tokens (under sequence parallelism it keeps the gathered sequence); with k experts a token, dropless and
+    balanced, the k T (token, expert) rows: the experts' input, their fc1 output and activation (as the MLP's, at
+    the expert hidden size over the experts' TP), the expert outputs and their routing weights kept for the combine,
+    and int64 row indices; the router's fp32 scores (and those of the balancing and z losses); the shared expert
+    as a dense MLP, with its gate's output."""
+    s, b, h = model.seq_length, micro_batch_size, model.hidden_size
+    p, tokens, experts = numerics.activation_bytes, s * b, model.num_experts
+    rows = model.moe_router_topk * tokens
+    glu = 4 if model.swiglu else 2
+    kept = p * rows * h * 2 + p * rows * model.expert_ffn_size / expert_tp * glu + p * rows + 8 * rows * 3
+    losses = (model.moe_router_load_balancing_type != "none" and model.moe_aux_loss_coeff > 0) + \
+        (model.moe_z_loss_coeff is not None)
+    kept += 4 * tokens * experts * losses + (4 + 8) * tokens * model.moe_router_topk   # scores; top-k weights, ids
+    if sequence_parallel and tp > 1:
+        kept += p * tokens * h * (1 - 1 / tp)
+    shared = model.moe_shared_expert_intermediate_size
+    if shared:
+        share = 1 / tp if sequence_parallel else 1.0
+        kept += p * tokens * shared / tp * glu
+        if model.moe_shared_expert_gate:
+            kept += p * tokens * (h + 1) * share
+    return kept
+
+
 def embedding_activation_bytes(model: ModelConfig, tp: int, sequence_parallel: bool, micro_batch_size: int,
                                numerics: Numerics) -> float:
     """The first virtual stage, per micro-batch: token (and position) ids, and the embedding dropout mask."""
@@ -425,10 +514,11 @@ def logits_working_bytes(model: ModelConfig, tp: int, micro_batch_size: int, num
 
 
 def _chunk_activation_bytes(model: ModelConfig, layout: Layout, num_layers: int, is_first: bool, is_last: bool,
-                            numerics: Numerics) -> tuple[float, float]:
+                            numerics: Numerics, first_layer: int = 0) -> tuple[float, float]:
     """(bytes a chunk keeps per micro-batch until its backward, transient bytes of its backward)."""
     tp, sp, b = layout.tp, layout.sequence_parallel, layout.micro_batch_size
-    full = layer_activation_bytes(model, tp, sp, b, numerics, cp=layout.cp, cp_comm_type=layout.cp_comm_type)
+    full = [layer_activation_bytes(model, tp, sp, b, numerics, cp=layout.cp, cp_comm_type=layout.cp_comm_type,
+                                   index=first_layer + i, expert_tp=layout.expert_tp) for i in range(num_layers)]
     # Beyond the layers everything is per token: a context-parallel rank holds s / CP of them.
     model = dataclasses.replace(model, seq_length=model.seq_length // layout.cp)
     kept, transient = 0.0, 0.0
@@ -437,21 +527,40 @@ def _chunk_activation_bytes(model: ModelConfig, layout: Layout, num_layers: int,
         inputs = layer_activation_bytes(model, tp, sp, b, numerics, recomputed=True)
         if model.recompute_method == "block":    # the first n layers recomputed one by one, the others kept whole
             recomputed = min(n, num_layers)
-            kept = recomputed * inputs + (num_layers - recomputed) * full
-            transient = full if recomputed else 0.0
+            kept = recomputed * inputs + sum(full[recomputed:])
+            transient = max(full[:recomputed], default=0.0)
         else:                                    # uniform: groups of n layers, each keeping its input
             kept = -(-num_layers // n) * inputs
-            transient = min(n, num_layers) * full
+            transient = max(sum(full[i:i + n]) for i in range(0, num_layers, n)) if num_layers else 0.0
     else:
-        kept = num_layers * full
+        kept = sum(full)
     if is_first:
         kept += embedding_activation_bytes(model, tp, sp, b, numerics)
     if is_last:
         kept += output_activation_bytes(model, tp, sp, b, numerics)
         transient = max(transient, logits_working_bytes(model, tp, b, numerics))
-    else:   # the pipeline engine keeps each sent output until the backward
-        kept += numerics.activation_bytes * model.seq_length * b * model.hidden_size / (tp if sp else 1)
+    # A sent output is freed once its transfer completes (the pipeline engine keeps only its graph): not kept.
     return kept, transient
+
+
+def weight_gradient_bytes(model: ModelConfig, layout: Layout, num_layers: int, is_last: bool,
+                          numerics: Numerics) -> float:
+    """Bytes a chunk's deferred W step holds per micro-batch between its B and its W (zero-bubble schedules): each
+    linear layer's input, which the forward kept anyway, and the gradient of its output, which the B computed: per
+    layer the QKV and fc1 inputs (norm outputs, a sequence shard under sequence parallelism), the projection and fc2
+    inputs and the QKV and fc1 output gradients (split over TP), and the projection and fc2 output gradients (whole,
+    the row-parallel linears' outputs being partial sums; a sequence shard under sequence parallelism, gathered
+    again in the W step); on the last stage the output layer's input and the logits' gradient."""
+    tp, h, f = layout.tp, model.hidden_size, model.ffn_size
+    p, sb = numerics.activation_bytes, model.seq_length * layout.micro_batch_size
+    share = 1 / tp if layout.sequence_parallel else 1.0
+    qkv = h + 2 * model.query_groups * model.head_dim
+    inputs = 2 * h * share + h / tp + f / tp
+    grads = qkv / tp + 2 * h * share + f * (2 if model.swiglu else 1) / tp
+    total = num_layers * p * sb * (inputs + grads)
+    if is_last:
+        total += p * sb * (h * share + model.padded_vocab_size(tp) / tp)
+    return total
 
 
 def _simulated_micro_batches(pp: int, v: int, num_micro_batches: int) -> int:
@@ -464,26 +573,32 @@ def _simulated_micro_batches(pp: int, v: int, num_micro_batches: int) -> int:
 
 @functools.lru_cache(maxsize=4096)
 def peak_in_flight_bytes(pp: int, rank: int, num_micro_batches: int, virtual_stages: int,
-                         chunk_bytes: tuple[float, ...]) -> float:
+                         chunk_bytes: tuple[float, ...], schedule: str = "1f1b",
+                         deferred_bytes: Optional[tuple[float, ...]] = None) -> float:
     """Most bytes held at once by micro-batches between their forward and backward on pipeline rank ``rank``,
-    chunk c holding ``chunk_bytes[c]`` per micro-batch, in megalite's schedule for the layout."""
+    chunk c holding ``chunk_bytes[c]`` per micro-batch, in megalite's ``schedule`` for the layout. Where the schedule
+    defers weight gradients, a micro-batch holds ``deferred_bytes[c]`` from its B to its W instead."""
     m = _simulated_micro_batches(pp, virtual_stages, num_micro_batches)
     live = peak = 0.0
-    for step in build_schedule(pp, rank, m, virtual_stages):
-        live += chunk_bytes[step.chunk] if step.kind == "F" else -chunk_bytes[step.chunk]
+    for step in build_schedule(pp, rank, m, virtual_stages, schedule):
+        deferred = deferred_bytes[step.chunk] if deferred_bytes and schedule != "1f1b" else 0.0
+        live += {"F": chunk_bytes[step.chunk], "B": deferred - chunk_bytes[step.chunk], "W": -deferred}[step.kind]
         peak = max(peak, live)
     return peak
 
 
 def activation_bytes(model: ModelConfig, layout: Layout, pp_rank: int, num_micro_batches: int,
-                     numerics: Numerics) -> float:
+                     numerics: Numerics, transients: bool = True) -> float:
     """Peak activation bytes of one rank of pipeline stage ``pp_rank``: the in-flight micro-batches' kept bytes
-    plus the largest transient (a recomputed group's backward, or the logits on the last stage)."""
-    chunks = chunks_of_rank(model.num_layers, layout.pp, layout.virtual_stages, pp_rank)
-    kept, transient = zip(*(_chunk_activation_bytes(model, layout, c.num_layers, c.is_first, c.is_last, numerics)
-                            for c in chunks))
-    return peak_in_flight_bytes(layout.pp, pp_rank, num_micro_batches, layout.virtual_stages, tuple(kept)) + \
-        max(transient)
+    (those waiting for a deferred W step holding what it needs) plus, with ``transients``, the largest transient (a
+    recomputed group's backward, or the logits on the last stage)."""
+    chunks = chunks_of_rank(model.num_layers, layout.pp, layout.virtual_stages, pp_rank, layout.placement)
+    kept, transient = zip(*(_chunk_activation_bytes(model, layout, c.num_layers, c.is_first, c.is_last, numerics,
+                                                    c.first_layer) for c in chunks))
+    deferred = tuple(weight_gradient_bytes(model, layout, c.num_layers, c.is_last, numerics) for c in chunks)
+    held = peak_in_flight_bytes(layout.pp, pp_rank, num_micro_batches, layout.virtual_stages, tuple(kept),
+                                layout.pipeline_schedule if layout.pp > 1 else "1f1b", deferred)
+    return held + (max(transient) if transients else 0.0)
 
 
 # ---- a whole stage --------------------------------------------------------------------------------------------------

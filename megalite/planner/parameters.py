@@ -15,10 +15,15 @@ built on the ``meta`` device, for every config in ``configs/model``, at several 
   on another pipeline stage, the last stage holds a copy of the embedding (real memory, not a new parameter).
 
 For GPT-2/3 shapes (f = 4h, no grouping) the layers sum to 12 L h^2 + 13 L h, the familiar approximation.
+
+A mixture-of-experts layer holds, in place of the MLP, its router (E x h, replicated), E / EP experts (each an MLP
+of the expert hidden size, split over the experts' TP) and its shared expert (an MLP, with its 1 x h gate); the
+model's *active* parameters are those one token uses: the total less (E - k) / E of the experts.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from megalite.config import ModelConfig
@@ -33,6 +38,7 @@ class Tensor:
     full_numel: int      # elements of the canonical, unpadded tensor
     rows: int = 0        # dim 0 on this rank, which ZeRO-3 shards over DP (0: a vector, numel rows of one element)
     deferred: bool = False   # a tied word embedding (or the last stage's copy): its own gradient bucket
+    expert: bool = False     # a routed expert's: its own engine over the expert-data-parallel ranks
 
     @property
     def dim0(self) -> int:
@@ -56,27 +62,50 @@ def _row(name: str, rows: int, cols: int, tp: int) -> Tensor:
     return Tensor(name, rows * cols // tp, rows * cols, rows=rows)
 
 
-def layer_tensors(cfg: ModelConfig, tp: int, index: int) -> list[Tensor]:
-    """One transformer layer's parameters at TP ``tp`` (megalite.model.transformer, attention, mlp)."""
-    h, f, d = cfg.hidden_size, cfg.ffn_size, cfg.head_dim
+def layer_tensors(cfg: ModelConfig, tp: int, index: int, ep: int = 1, expert_tp: int | None = None) -> list[Tensor]:
+    """One transformer layer's parameters at TP ``tp`` (megalite.model.transformer, attention, mlp or moe). An MoE
+    layer holds its router, E / ``ep`` experts (split over ``expert_tp``, default TP) and its shared expert."""
+    h, d = cfg.hidden_size, cfg.head_dim
     qkv = cfg.query_size + 2 * cfg.query_groups * d
-    fc1 = 2 * f if cfg.swiglu else f
     bias = not cfg.disable_bias_linear
     p = f"layers.{index}"
 
-    def column(name: str, rows: int, biased: bool = bias) -> list[Tensor]:   # weight, then its bias split like its rows
-        return [_column(f"{name}.weight", rows, h, tp)] + ([_column(f"{name}.bias", rows, 1, tp)] if biased else [])
+    def column(name: str, rows: int, world: int = tp, expert: bool = False, biased: bool = bias) -> list[Tensor]:
+        """A weight, then its bias split like its rows."""
+        tensors = [_column(f"{name}.weight", rows, h, world)] + ([_column(f"{name}.bias", rows, 1, world)]
+                                                                 if biased else [])
+        return [dataclasses.replace(t, expert=expert) for t in tensors]
 
-    def row(name: str, cols: int) -> list[Tensor]:      # weight, then its replicated bias
-        return [_row(f"{name}.weight", h, cols, tp)] + ([Tensor(f"{name}.bias", h, h)] if bias else [])
+    def row(name: str, cols: int, world: int = tp, expert: bool = False) -> list[Tensor]:
+        """A weight, then its replicated bias."""
+        tensors = [_row(f"{name}.weight", h, cols, world)] + ([Tensor(f"{name}.bias", h, h)] if bias else [])
+        return [dataclasses.replace(t, expert=expert) for t in tensors]
 
-    return (_norm(cfg, f"{p}.input_norm") + column(f"{p}.self_attention.linear_qkv", qkv, bias or cfg.add_qkv_bias)
-            + row(f"{p}.self_attention.linear_proj", cfg.query_size) + _norm(cfg, f"{p}.pre_mlp_norm")
-            + column(f"{p}.mlp.linear_fc1", fc1) + row(f"{p}.mlp.linear_fc2", f))
+    def mlp(name: str, f: int, world: int = tp, expert: bool = False) -> list[Tensor]:
+        return (column(f"{name}.linear_fc1", 2 * f if cfg.swiglu else f, world, expert)
+                + row(f"{name}.linear_fc2", f, world, expert))
+
+    attention = _norm(cfg, f"{p}.input_norm")
+    if cfg.qk_layernorm:   # per-head norms over the head dimension, replicated
+        attention += [Tensor(t.name, d, d) for t in _norm(cfg, f"{p}.self_attention.q_layernorm")
+                      + _norm(cfg, f"{p}.self_attention.k_layernorm")]
+    attention += (column(f"{p}.self_attention.linear_qkv", qkv, biased=bias or cfg.add_qkv_bias)
+                  + row(f"{p}.self_attention.linear_proj", cfg.query_size))
+    attention += _norm(cfg, f"{p}.pre_mlp_norm")
+    if cfg.num_experts is None or not cfg.moe_layers()[index]:
+        return attention + mlp(f"{p}.mlp", cfg.ffn_size)
+    experts = cfg.num_experts
+    tensors = attention + [Tensor(f"{p}.mlp.router.weight", experts * h, experts * h, rows=experts)]
+    for e in range(experts // ep):   # the experts of expert-parallel rank 0 (every rank holds as many)
+        tensors += mlp(f"{p}.mlp.experts.{e}", cfg.expert_ffn_size, tp if expert_tp is None else expert_tp, True)
+    if cfg.moe_shared_expert_intermediate_size:
+        gate = [Tensor(f"{p}.mlp.shared_experts.gate_weight", h, h, rows=1)] if cfg.moe_shared_expert_gate else []
+        tensors += gate + mlp(f"{p}.mlp.shared_experts", cfg.moe_shared_expert_intermediate_size)
+    return tensors
 
 
 def chunk_tensors(cfg: ModelConfig, tp: int, first_layer: int, num_layers: int, pre_process: bool,
-                  post_process: bool) -> list[Tensor]:
+                  post_process: bool, ep: int = 1, expert_tp: int | None = None) -> list[Tensor]:
     """A model chunk's parameters in definition order (megalite.model.gpt.GPTModel)."""
     h = cfg.hidden_size
     vocab = cfg.padded_vocab_size(tp)
@@ -91,7 +120,7 @@ def chunk_tensors(cfg: ModelConfig, tp: int, first_layer: int, num_layers: int, 
             tensors.append(Tensor("embedding.position.weight", cfg.max_positions * h, cfg.max_positions * h,
                                   cfg.max_positions))
     for i in range(first_layer, first_layer + num_layers):
-        tensors += layer_tensors(cfg, tp, i)
+        tensors += layer_tensors(cfg, tp, i, ep, expert_tp)
     if post_process:
         tensors += _norm(cfg, "final_norm")
         if not tied:
@@ -102,10 +131,11 @@ def chunk_tensors(cfg: ModelConfig, tp: int, first_layer: int, num_layers: int, 
     return tensors
 
 
-def rank_tensors(cfg: ModelConfig, tp: int, pp: int, virtual_stages: int, pp_rank: int) -> list[list[Tensor]]:
+def rank_tensors(cfg: ModelConfig, tp: int, pp: int, virtual_stages: int, pp_rank: int,
+                 placement: str = "round-robin", *, ep: int = 1, expert_tp: int | None = None) -> list[list[Tensor]]:
     """Every model chunk of pipeline rank ``pp_rank`` (megalite.pipeline.partition), each a list of tensors."""
-    return [chunk_tensors(cfg, tp, c.first_layer, c.num_layers, c.is_first, c.is_last)
-            for c in chunks_of_rank(cfg.num_layers, pp, virtual_stages, pp_rank)]
+    return [chunk_tensors(cfg, tp, c.first_layer, c.num_layers, c.is_first, c.is_last, ep, expert_tp)
+            for c in chunks_of_rank(cfg.num_layers, pp, virtual_stages, pp_rank, placement)]
 
 
 @dataclass(frozen=True)
@@ -113,15 +143,26 @@ class ParameterCount:
     total: int                 # the model's parameters: canonical, unpadded, each counted once
     per_stage: list[int]       # elements held by one rank of each pipeline stage (padding and tied copy included)
     embedding: int             # word (+ position) embedding, canonical
-    per_layer: int             # one transformer layer, canonical
+    per_layer: int             # one transformer layer, canonical (the first)
+    experts: int = 0           # of total: the routed experts' (mixture of experts)
+    active: int = 0            # what one token uses: total less the experts it is not routed to
+
+    @property
+    def is_moe(self) -> bool:
+        return self.experts > 0
 
 
-def count_parameters(cfg: ModelConfig, tp: int = 1, pp: int = 1, virtual_stages: int = 1) -> ParameterCount:
+def count_parameters(cfg: ModelConfig, tp: int = 1, pp: int = 1, virtual_stages: int = 1,
+                     placement: str = "round-robin", *, ep: int = 1, expert_tp: int | None = None) -> ParameterCount:
     """The model's size and what each rank holds at this layout."""
-    per_stage = [sum(t.numel for chunk in rank_tensors(cfg, tp, pp, virtual_stages, r) for t in chunk)
+    per_stage = [sum(t.numel for chunk in rank_tensors(cfg, tp, pp, virtual_stages, r, placement, ep=ep,
+                                                       expert_tp=expert_tp) for t in chunk)
                  for r in range(pp)]
-    canonical = {t.name: t.full_numel for r in range(pp)
-                 for chunk in rank_tensors(cfg, tp, pp, virtual_stages, r) for t in chunk}
+    canonical = {t.name: (t.full_numel, t.expert) for r in range(pp)
+                 for chunk in rank_tensors(cfg, tp, pp, virtual_stages, r, placement) for t in chunk}
     per_layer = sum(t.full_numel for t in layer_tensors(cfg, 1, 0))
-    embedding = canonical["embedding.word.weight"] + canonical.get("embedding.position.weight", 0)
-    return ParameterCount(sum(canonical.values()), per_stage, embedding, per_layer)
+    embedding = canonical["embedding.word.weight"][0] + canonical.get("embedding.position.weight", (0, False))[0]
+    total = sum(n for n, _ in canonical.values())
+    experts = sum(n for n, expert in canonical.values() if expert)
+    inactive = experts * (1 - cfg.moe_router_topk / cfg.num_experts) if experts else 0
+    return ParameterCount(total, per_stage, embedding, per_layer, experts, round(total - inactive))

@@ -6,8 +6,10 @@ core (4 L s^2 h B).
 
 Time per micro-batch on a GPU of the slowest pipeline stage: its FLOPs / (TP x peak x efficiency), plus the
 tensor-parallel and pipeline transfers, which megalite does not overlap with compute. A step is M of those plus the
-pipeline bubble, (PP - 1)/V more of them (Narayanan et al. 2021: bubble fraction (PP - 1) / (V M)), plus the part of
-the data-parallel reduction that does not hide behind backward.
+pipeline bubble, the schedule's bubble fraction of them (megalite.pipeline.simulation.schedule_bubble, at equal
+forward, input-gradient and weight-gradient costs: (PP - 1) / (V M) for 1F1B, Narayanan et al. 2021; a third of
+that for the zero-bubble schedules, (PP - 1) / (6 M) for ZB-V, Qi et al. 2023), plus the part of the data-parallel
+reduction that does not hide behind backward.
 
 Communication (ring collectives over n ranks: all-reduce 2(n-1)/n x bytes / bandwidth, reduce-scatter and
 all-gather (n-1)/n x bytes / bandwidth; a group uses the slowest link it spans: inside a node when its ranks fit in
@@ -63,11 +65,13 @@ from dataclasses import dataclass
 
 from megalite.config import ModelConfig
 from megalite.distributed.data_parallel import default_bucket_size
-from megalite.model.flops import dense_macs_per_token_per_layer, model_flops_per_iteration
+from megalite.model.flops import macs_per_token_per_layer, model_flops_per_iteration
 from megalite.pipeline.partition import chunks_of_rank
+from megalite.pipeline.simulation import schedule_bubble
 from megalite.planner.hardware import Hardware
 from megalite.planner.layout import Layout
 from megalite.planner.memory import fully_sharded_units, model_state_bytes, padded_elements
+from megalite.planner.parameters import rank_tensors
 
 
 # megalite's ring attention on a GPU computes each block with unfused torch ops (q k^T, softmax, times v, the scores
@@ -92,7 +96,7 @@ class StepTime:
     pp: float                # pipeline transfers per step (not hidden)
     dp: float                # data-parallel communication per step, total
     dp_exposed: float        # ... the part that does not hide behind compute
-    bubble: float            # (PP - 1) / (V M)
+    bubble: float            # the schedule's bubble fraction: (PP - 1) / (V M) for 1F1B
     bubble_time: float       # seconds the slowest stage idles in the bubble
     recompute: float         # seconds of recomputed forward per step (included in compute)
     imbalance: float         # seconds per step the slowest stage computes beyond the stages' mean
@@ -100,6 +104,7 @@ class StepTime:
     model_flops: float       # per iteration
     cp: float = 0.0          # context-parallel communication per step, total (the ring's partly hidden)
     cp_exposed: float = 0.0  # ... the part that does not hide behind the attention blocks' compute
+    all_to_all: float = 0.0  # expert-parallel token dispatch per step (not hidden)
 
     def tokens_per_second(self, global_batch_size: int, seq_length: int) -> float:
         return global_batch_size * seq_length / self.step
@@ -120,60 +125,78 @@ def step_time(model: ModelConfig, layout: Layout, hardware: Hardware, global_bat
     sp_share = 1 / tp if layout.sequence_parallel else 1.0
     rate = tp * hardware.peak_flops * hardware.efficiency   # FLOP/s of one TP group
 
-    # Compute per micro-batch of one layer and of the output layer, on one TP group (under CP: the rank's tokens,
-    # their queries against the whole sequence's keys, an equal share of the causal work with the load balance).
-    core_flops = 12.0 * b * s * whole * h                   # the attention core, forward and backward
+    # Compute per micro-batch of each layer (of its active parameters: an MoE layer's tokens go through k experts)
+    # and of the output layer, on one TP group (under CP: the rank's tokens, their queries against the whole
+    # sequence's keys, an equal share of the causal work with the load balance).
+    core_flops = 12.0 * b * s * whole * model.query_size   # the attention core, forward and backward
     ring = layout.cp > 1 and layout.cp_comm_type == "p2p"
     core_time_flops = core_flops * (UNFUSED_ATTENTION_SLOWDOWN if ring else 1.0)   # the ring's blocks are unfused
-    dense_flops = 6.0 * b * s * dense_macs_per_token_per_layer(model)
-    if model.fp8_format is not None:   # the linears' products at the FP8 rate (counted as bf16-time FLOPs)
-        dense_flops /= hardware.fp8_peak_ratio
-    layer_flops = dense_flops + core_time_flops
-    recompute_flops = 0.0
-    if model.recompute_granularity == "full":
-        recompute_flops = layer_flops / 3
-    elif model.recompute_granularity == "selective":
-        recompute_flops = core_time_flops / 3
-    layer_flops += recompute_flops
-    output_flops = 6.0 * b * s * model.padded_vocab_size(tp) * h
+
+    def flops_of(index: int) -> tuple[float, float]:
+        """(FLOPs of layer ``index`` per micro-batch, recompute included; of which recompute), in bf16 time: with
+        --fp8-format a dense layer's linears count 1 / fp8_peak_ratio (MoE experts stay bf16)."""
+        linears = 6.0 * b * s * macs_per_token_per_layer(model, index)
+        if model.fp8_format is not None and not moe[index]:
+            linears /= hardware.fp8_peak_ratio
+        flops = linears + core_time_flops
+        recompute = {"full": flops / 3, "selective": core_time_flops / 3}.get(model.recompute_granularity, 0.0)
+        return flops + recompute, recompute
+
     cp_total, cp_exposed = context_parallel_layer_time(model, layout, hardware, core_time_flops / rate, p)
 
-    # Tensor-parallel bytes per layer per micro-batch (in units of b s h elements x (t-1)/t).
+    output_flops = 6.0 * b * s * model.padded_vocab_size(tp) * h
+    moe = model.moe_layers()
+
+    # Tensor-parallel bytes per layer per micro-batch (in units of b s h elements x (t-1)/t): a dense layer 8 (10
+    # with sequence parallelism; + 4 recomputed); an MoE layer has attention's half, the all-reduce of its k b s h
+    # expert outputs forward and of their input gradients backward (experts split over TP), its shared expert's
+    # half, and under sequence parallelism the gather of its input and of its output's gradient.
     tp_bw, act = hardware.bandwidth(tp), b * s * h * p
-    units = 10 if layout.sequence_parallel else 8
+    dense_units = 10 if layout.sequence_parallel else 8
     if layout.sequence_parallel and model.fp8_format is not None:
         # The column-parallel inputs travel in FP8, half the bytes: the two forward gathers, and the two backward
         # re-gathers unless rowwise (which re-gathers bf16 for the weight gradient's per-column scales).
-        units -= 1 if model.fp8_recipe == "rowwise" else 2
+        dense_units -= 1 if model.fp8_recipe == "rowwise" else 2
     if model.recompute_granularity == "full":
-        units += 4
-    tp_layer = units * (tp - 1) / tp * act / tp_bw if tp > 1 else 0.0
+        dense_units += 4
+    half = dense_units / 2
+    moe_units = half + (4 * model.moe_router_topk if layout.expert_tp > 1 else 0) + \
+        (half if model.moe_shared_expert_intermediate_size else 0) + (2 if layout.sequence_parallel else 0)
+
+    def tp_time_of(index: int) -> float:
+        return (moe_units if moe[index] else dense_units) * (tp - 1) / tp * act / tp_bw if tp > 1 else 0.0
+
     tp_end = 2 * (tp - 1) / tp * act / tp_bw if tp > 1 else 0.0   # embedding forward / output layer backward
+    a2a = all_to_all_bytes(model, layout, 1, p) / max(1, sum(moe)) / hardware.bandwidth(tp * layout.ep)
 
     pp_message = act * sp_share / hardware.bandwidth(hardware.num_gpus) if pp > 1 else 0.0
 
-    slowest_compute = slowest_slot = slowest_tp = slowest_recompute = total_compute = 0.0
+    slowest_compute = slowest_slot = slowest_tp = slowest_recompute = total_compute = slowest_a2a = 0.0
     slowest_layers = 0
     for rank in range(pp):
-        compute = tp_time = recompute = 0.0
+        compute = tp_time = recompute = a2a_time = 0.0
         layers = 0
-        for chunk in chunks_of_rank(model.num_layers, pp, v, rank):
+        for chunk in chunks_of_rank(model.num_layers, pp, v, rank, layout.placement):
             layers += chunk.num_layers
-            compute += chunk.num_layers * layer_flops / rate
-            recompute += chunk.num_layers * recompute_flops / rate
-            tp_time += chunk.num_layers * tp_layer + (tp_end if chunk.is_first else 0.0) + \
-                (tp_end if chunk.is_last else 0.0)
+            for index in range(chunk.first_layer, chunk.first_layer + chunk.num_layers):
+                flops, recomputed = flops_of(index)
+                compute += flops / rate
+                recompute += recomputed / rate
+                tp_time += tp_time_of(index)
+                a2a_time += a2a if moe[index] else 0.0
+            tp_time += (tp_end if chunk.is_first else 0.0) + (tp_end if chunk.is_last else 0.0)
             if chunk.is_last:
                 compute += output_flops / rate
         total_compute += compute
-        slot = compute + tp_time + layers * cp_exposed + 2 * v * pp_message
+        slot = compute + tp_time + a2a_time + layers * cp_exposed + 2 * v * pp_message
         if slot > slowest_slot:
             slowest_compute, slowest_slot, slowest_tp, slowest_recompute = compute, slot, tp_time, recompute
-            slowest_layers = layers
-    bubble = (pp - 1) / (v * m)
-    pipeline = slowest_slot * (m + (pp - 1) / v)
+            slowest_a2a, slowest_layers = a2a_time, layers
+    bubble = schedule_bubble(layout.pipeline_schedule, pp, m, v)
+    pipeline = slowest_slot * m * (1 + bubble)
 
-    if layout.zero == 3:   # modelled at PP = 1 (what the search proposes): one stage, equal layers
+    if layout.zero == 3:   # modelled at PP = 1 (what the search proposes): one stage, layers like the first
+        layer_flops, recompute_flops = flops_of(0)
         layer_forward = (layer_flops - recompute_flops) / 3 / rate
         dp_total, dp_exposed = _fully_sharded_time(model, layout, hardware, m, layer_forward,
                                                    layer_flops / rate - layer_forward, dtype_bytes)
@@ -181,10 +204,11 @@ def step_time(model: ModelConfig, layout: Layout, hardware: Hardware, global_bat
         dp_total, dp_exposed = _data_parallel_time(model, layout, hardware, m, slowest_compute, dtype_bytes)
     step = pipeline + dp_exposed
     return StepTime(compute=slowest_compute * m, tp=slowest_tp * m, pp=2 * v * pp_message * m, dp=dp_total,
-                    dp_exposed=dp_exposed, bubble=bubble, bubble_time=slowest_slot * (pp - 1) / v,
+                    dp_exposed=dp_exposed, bubble=bubble, bubble_time=slowest_slot * m * bubble,
                     recompute=slowest_recompute * m, imbalance=(slowest_compute - total_compute / pp) * m, step=step,
                     model_flops=model_flops_per_iteration(model, global_batch_size),
-                    cp=slowest_layers * cp_total * m, cp_exposed=slowest_layers * cp_exposed * m)
+                    cp=slowest_layers * cp_total * m, cp_exposed=slowest_layers * cp_exposed * m,
+                    all_to_all=slowest_a2a * m)
 
 
 def context_parallel_bytes(model: ModelConfig, layout: Layout, dtype_bytes: int) -> dict[str, float]:
@@ -229,37 +253,66 @@ def context_parallel_layer_time(model: ModelConfig, layout: Layout, hardware: Ha
     return total, exposed
 
 
+def all_to_all_bytes(model: ModelConfig, layout: Layout, num_micro_batches: int, dtype_bytes: int = 2) -> float:
+    """Bytes one GPU sends over the expert-parallel group per step, over all MoE layers of the model (each stage
+    sends those of its layers): per MoE layer and micro-batch of T = s b tokens, the alltoall dispatcher's two
+    all-to-alls forward and two backward carry k T hidden-sized rows each, (EP - 1) / EP of them to other ranks
+    (balanced routing); the allgather dispatcher's all-gather and reduce-scatter forward (and their conjugates
+    backward) move (EP - 1) T rows each (a ring: whatever k)."""
+    ep = layout.ep
+    if ep == 1 or model.num_experts is None:
+        return 0.0
+    rows = model.seq_length // layout.cp * layout.micro_batch_size   # a context-parallel rank routes s / CP tokens
+    per_layer = (4 * model.moe_router_topk * rows * (ep - 1) / ep if model.moe_token_dispatcher_type == "alltoall"
+                 else 4 * (ep - 1) * rows)
+    return per_layer * model.hidden_size * dtype_bytes * sum(model.moe_layers()) * num_micro_batches
+
+
 def _data_parallel_time(model: ModelConfig, layout: Layout, hardware: Hardware, num_micro_batches: int,
                         compute_per_micro_batch: float, dtype_bytes: int) -> tuple[float, float]:
-    """(total, exposed) seconds of the data-parallel gradient reduction and parameter gather per step (over DP x CP,
-    the ranks holding one model shard)."""
+    """(total, exposed) seconds of the data-parallel gradient reduction and parameter gather per step: the dense
+    engine's over DP x CP (the ranks holding one model shard), and with a mixture of experts the experts' engine
+    over the expert-data-parallel ranks."""
     tp, dp = layout.tp, layout.replicas
     states = model_state_bytes(model, layout, 0, dtype_bytes=dtype_bytes)
-    elements = states.weights / dtype_bytes                 # the padded flat buffer
-    grad_bytes = elements * 4
+    elements = states.weights / dtype_bytes                 # the padded flat buffers
+    expert_elements = sum(t.numel for chunk in rank_tensors(model, tp, layout.pp, layout.virtual_stages, 0,
+                                                            layout.placement, ep=layout.ep,
+                                                            expert_tp=layout.expert_tp) for t in chunk if t.expert)
     embedding_sum = 0.0
     if layout.pp > 1 and not model.untie_embeddings_and_output_weights:
         tied = model.padded_vocab_size(tp) * model.hidden_size // tp * 4
         embedding_sum = ring_all_reduce_time(tied, 2, hardware.bandwidth(hardware.num_gpus))
-    if dp == 1:
-        return embedding_sum, embedding_sum
-    bw = hardware.bandwidth(tp * dp)
+    times = [_engine_time(elements - expert_elements, dp, layout, hardware, num_micro_batches,
+                          compute_per_micro_batch, dtype_bytes),
+             _engine_time(expert_elements, layout.expert_dp, layout, hardware, num_micro_batches,
+                          compute_per_micro_batch, dtype_bytes)]
+    return sum(t for t, _ in times) + embedding_sum, sum(e for _, e in times) + embedding_sum
+
+
+def _engine_time(elements: float, dp: int, layout: Layout, hardware: Hardware, num_micro_batches: int,
+                 compute_per_micro_batch: float, dtype_bytes: int) -> tuple[float, float]:
+    """(total, exposed) seconds of one engine's reduction (and gather) of ``elements`` over ``dp`` ranks."""
+    if dp == 1 or elements == 0:
+        return 0.0, 0.0
+    grad_bytes = elements * 4
+    bw = hardware.bandwidth(layout.tp * dp)
     bucket_bytes = min(default_bucket_size(dp), elements) * 4
     backward = compute_per_micro_batch * 2 / 3                # the last micro-batch's backward
     forward = compute_per_micro_batch / 3                     # the next step's first forward
     if layout.zero == 0:
         reduce = ring_all_reduce_time(grad_bytes, dp, bw)
         last = ring_all_reduce_time(bucket_bytes, dp, bw)
-        return reduce + embedding_sum, max(last, reduce - backward) + embedding_sum
+        return reduce, max(last, reduce - backward)
     gather = ring_gather_time(elements * dtype_bytes, dp, bw)
     gather_exposed = max(ring_gather_time(bucket_bytes / 4 * dtype_bytes, dp, bw), gather - forward)
     scatter = ring_gather_time(grad_bytes, dp, bw)
     last = ring_gather_time(bucket_bytes, dp, bw)
     if layout.zero == 1:
-        return scatter + gather + embedding_sum, max(last, scatter - backward) + gather_exposed + embedding_sum
+        return scatter + gather, max(last, scatter - backward) + gather_exposed
     scatters = num_micro_batches * scatter                    # ZeRO-2: every micro-batch
     exposed = max(last, scatters - backward * num_micro_batches)
-    return scatters + gather + embedding_sum, exposed + gather_exposed + embedding_sum
+    return scatters + gather, exposed + gather_exposed
 
 
 def _fully_sharded_time(model: ModelConfig, layout: Layout, hardware: Hardware, num_micro_batches: int,
@@ -269,23 +322,28 @@ def _fully_sharded_time(model: ModelConfig, layout: Layout, hardware: Hardware, 
     if dp == 1:
         return 0.0, 0.0
     bw = hardware.bandwidth(layout.tp * dp)
-    units = fully_sharded_units(model, layout.tp, layout.pp, layout.virtual_stages)
+    units = fully_sharded_units(model, layout.tp, layout.pp, layout.virtual_stages, 0, layout.ep, layout.expert_tp)
     root = sum(padded_elements(unit, dp) for unit in units.roots)
-    layer = max((padded_elements(unit, dp) for unit in units.layers), default=0)
+    expert_dp = layout.expert_dp
+    # The largest layer, with its routed experts' unit (gathered over the expert-data-parallel ranks).
+    layer, experts = max(((padded_elements(unit, dp), padded_elements(routed, expert_dp))
+                          for unit, routed in zip(units.layers, units.experts)), key=sum, default=(0, 0))
 
-    def gather(elements: float) -> float:
-        return ring_gather_time(elements * dtype_bytes, dp, bw)
+    def gather(elements: float, n: int = dp) -> float:
+        return ring_gather_time(elements * dtype_bytes, n, bw)
 
-    def scatter(elements: float) -> float:
-        return ring_gather_time(elements * 4, dp, bw)
+    def scatter(elements: float, n: int = dp) -> float:
+        return ring_gather_time(elements * 4, n, bw)
 
+    layer_gather = gather(layer) + gather(experts, expert_dp)
+    layer_scatter = scatter(layer) + scatter(experts, expert_dp)
     n = len(units.layers)
-    total = gather(root) + scatter(root) + n * (2 * gather(layer) + scatter(layer))
+    total = gather(root) + scatter(root) + n * (2 * layer_gather + layer_scatter)
     # Shown at the ends: the root's and the first layer's gathers, which start the forward; the first layer's and the
     # root's reduce-scatters, which end the backward. In between, layer i's forward hides layer i+1's gather, and
     # its backward layer i-1's gather and layer i+1's reduce-scatter: n - 1 of each (the last layer's gather for
     # backward hides behind the output layer's backward).
-    ends = gather(root) + gather(layer) + scatter(layer) + scatter(root)
-    between = max(0, n - 1) * (max(0.0, gather(layer) - layer_forward)
-                               + max(0.0, gather(layer) + scatter(layer) - layer_backward))
+    ends = gather(root) + layer_gather + layer_scatter + scatter(root)
+    between = max(0, n - 1) * (max(0.0, layer_gather - layer_forward)
+                               + max(0.0, layer_gather + layer_scatter - layer_backward))
     return num_micro_batches * total, num_micro_batches * (ends + between)

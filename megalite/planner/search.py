@@ -20,10 +20,14 @@ Search space (each candidate is also passed through megalite.config.validate, so
   megalite's blocks are unfused attention on a GPU, slower than flash) or of a2a's all-to-alls (not hidden; its core is
   flash attention). It wins for long sequences, where activations would not fit otherwise or force recompute.
   Searched from 16k tokens on (MIN_CONTEXT_PARALLEL_SEQUENCE); DP = GPUs / (TP x CP x PP).
+- with PP > 1 the pipeline schedule: 1f1b, zero-bubble (ZB-H1, interleaved at V = 2) and at V = 2 zbv; a zero-bubble
+  schedule wins where its smaller bubble pays for the weight-gradient inputs it holds a while longer;
+- for a mixture of experts, EP in powers of two dividing DP x CP and the number of experts (the experts' memory
+  shrinks by EP and their gradient reduction runs over DP x CP / EP ranks; the tokens' all-to-alls grow with it).
 
 A layout fits when its most loaded GPU's estimate stays under the device memory minus the headroom. Ranking: step
-time; layouts within 0.5% of each other count as tied and the simpler wins (no recompute, then smaller TP, PP and V,
-then the larger micro-batch, less communication, less memory). The table keeps the best variant of each
+time; layouts within 0.5% of each other count as tied and the simpler wins (no recompute, then smaller CP, TP, PP,
+V and EP, then the larger micro-batch, less communication, less memory). The table keeps the best variant of each
 (TP, CP, PP, V).
 """
 
@@ -79,9 +83,9 @@ class Estimate:
     def sort_key(self) -> tuple:
         """Step time (0.5% buckets), then the simpler layout (see the module docstring)."""
         lay = self.layout
-        communication = self.time.tp + self.time.pp + self.time.dp + self.time.cp
+        communication = self.time.tp + self.time.pp + self.time.dp + self.time.cp + self.time.all_to_all
         return (math.floor(math.log(self.time.step) / math.log(_TIE)), RECOMPUTE.index(lay.recompute), lay.cp,
-                lay.tp, lay.pp, lay.virtual_stages, -lay.micro_batch_size, communication, self.peak.total)
+                lay.tp, lay.pp, lay.virtual_stages, lay.ep, -lay.micro_batch_size, communication, self.peak.total)
 
 
 @dataclass(frozen=True)
@@ -130,17 +134,26 @@ def _powers_of_two(limit: int) -> list[int]:
     return [1 << k for k in range(limit.bit_length()) if 1 << k <= limit]
 
 
-def _variants(tp: int, pp: int, v: int, dp: int, global_batch_size: int, cp: int = 1):
-    """Every micro-batch size, optimizer sharding and recompute option of one (TP, CP, PP, V) shape."""
+def _variants(tp: int, pp: int, v: int, dp: int, global_batch_size: int, cp: int = 1,
+              num_experts: Optional[int] = None):
+    """Every micro-batch size, optimizer sharding, recompute option, pipeline schedule (zbv: its v-shape at V = 2)
+    and (for a mixture of experts) expert-parallel size of one (TP, CP, PP, V) shape."""
     per_replica = global_batch_size // dp
+    schedules = ("1f1b", "zero-bubble") + (("zbv",) if v == 2 else ()) if pp > 1 else ("1f1b",)
+    replicas = dp * cp
+    expert_parallel = ([ep for ep in _powers_of_two(replicas) if replicas % ep == 0 and num_experts % ep == 0]
+                       if num_experts else [1])
     for mbs in MICRO_BATCH_SIZES:
         if per_replica % mbs or (v > 1 and (per_replica // mbs) % pp):
             continue
         for zero in ((0, 1, 2) + ((3,) if pp == 1 else ()) if dp * cp > 1 else (0,)):
             for recompute in RECOMPUTE:
                 for comm_type in (CP_COMM_TYPES if cp > 1 else ("p2p",)):
-                    yield Layout(tp=tp, pp=pp, dp=dp, virtual_stages=v, micro_batch_size=mbs, zero=zero,
-                                 sequence_parallel=tp > 1, recompute=recompute, cp=cp, cp_comm_type=comm_type)
+                    for schedule in schedules:
+                        for ep in expert_parallel:
+                            yield Layout(tp=tp, pp=pp, dp=dp, virtual_stages=v, micro_batch_size=mbs, zero=zero,
+                                         sequence_parallel=tp > 1, recompute=recompute, cp=cp,
+                                         cp_comm_type=comm_type, pipeline_schedule=schedule, ep=ep)
 
 
 def search(model: ModelConfig, hardware: Hardware, global_batch_size: int, *, model_name: Optional[str] = None,
@@ -169,7 +182,7 @@ def search(model: ModelConfig, hardware: Hardware, global_batch_size: int, *, mo
                 run = MegaliteConfig(model=model, training=TrainingConfig(global_batch_size=global_batch_size,
                                                                           bf16=dtype_bytes == 2))
                 key = (tp, cp, pp, v)
-                for layout in _variants(tp, pp, v, dp, global_batch_size, cp):
+                for layout in _variants(tp, pp, v, dp, global_batch_size, cp, model.num_experts):
                     try:
                         validate(layout.apply(run), n)
                     except ConfigError as e:

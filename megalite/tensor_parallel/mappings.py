@@ -9,6 +9,8 @@ Each op is a pair of conjugate collectives: what the forward does, the backward 
 | scatter_to_tensor_parallel  | keep my slice (last dim) | all-gather (last dim)    |
 | gather_from_tensor_parallel | all-gather (last dim)    | keep my slice (last dim) |
 
+(the last two along any ``dim``: the MoE layer uses them along the sequence.)
+
 A column-parallel linear starts with ``copy`` and a row-parallel one ends with ``reduce``: one all-reduce forward
 and one backward per pair, two pairs per transformer layer.
 
@@ -128,6 +130,12 @@ class _Along(torch.autograd.Function):
         return ctx.conjugate(grad, ctx.dim), None, None, None
 
 
+def conjugate(x: torch.Tensor, argument, forward, backward) -> torch.Tensor:
+    """``forward(x, argument)`` whose gradient is ``backward(grad, argument)``, for conjugate pairs over other groups
+    (the MoE dispatcher's all-gather / reduce-scatter over the expert-parallel group)."""
+    return _Along.apply(x, argument, forward, backward)
+
+
 def _tensor_parallel() -> bool:
     """Whether there is a TP group to talk to; at TP=1 every op below is the identity, and skipping its autograd
     Function saves a Python-level node per call in forward and backward (several per layer)."""
@@ -142,12 +150,14 @@ def reduce_from_tensor_parallel(x: torch.Tensor) -> torch.Tensor:
     return _ReduceFromTensorParallel.apply(x) if _tensor_parallel() else x
 
 
-def scatter_to_tensor_parallel(x: torch.Tensor) -> torch.Tensor:
-    return _Along.apply(x, -1, split, all_gather) if _tensor_parallel() else x
+def scatter_to_tensor_parallel(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    return _Along.apply(x, dim, split, all_gather) if _tensor_parallel() else x
 
 
-def gather_from_tensor_parallel(x: torch.Tensor) -> torch.Tensor:
-    return _Along.apply(x, -1, all_gather, split) if _tensor_parallel() else x
+def gather_from_tensor_parallel(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """All-gather along ``dim`` (the last by default); backward keeps this rank's slice, for consumers that compute
+    the same thing on every rank (the MoE layer gathers the sequence this way)."""
+    return _Along.apply(x, dim, all_gather, split) if _tensor_parallel() else x
 
 
 def all_gather_tensor_parallel(x: torch.Tensor, dim: int) -> torch.Tensor:

@@ -60,7 +60,9 @@ def initialize_distributed(parallel: ParallelConfig, timeout_s: float = 600.0) -
                                 device_id=device if backend == "nccl" else None)
     parallel_state.initialize_model_parallel(parallel.tensor_model_parallel_size,
                                              parallel.pipeline_model_parallel_size, timeout=timeout,
-                                             context_parallel_size=parallel.context_parallel_size)
+                                             context_parallel_size=parallel.context_parallel_size,
+                                             expert_model_parallel_size=parallel.expert_model_parallel_size,
+                                             expert_tensor_parallel_size=parallel.expert_tensor_parallel_size)
     return device
 
 

@@ -2,7 +2,8 @@
 
 The metrics file is a contract for tools and tests: one JSON object per line, with at least ``iteration`` (1-based),
 ``loss`` (mean LM loss over the global batch), ``grad_norm``, ``lr``, ``consumed_samples``, ``elapsed_ms`` (per
-iteration, averaged over the log interval) and ``tokens_per_sec``; evaluations add objects with ``eval_loss``.
+iteration, averaged over the log interval) and ``tokens_per_sec``; evaluations add objects with ``eval_loss``. Lists
+(per pipeline stage, per MoE layer) become one scalar per entry in TensorBoard and Weights & Biases.
 
 With ``--wandb-project`` the same numbers go to Weights & Biases (``wandb.log`` with the iteration as step, the run's
 config as the run's config) when the ``wandb`` package is installed (``pip install 'megalite[wandb]'``); without it
@@ -23,8 +24,20 @@ from megalite.config import LoggingConfig, MegaliteConfig, to_dict
 from megalite.progress import MeanStepTime, format_duration
 
 
-def _scalars(record: dict) -> dict:
-    return {k: v for k, v in record.items() if k != "iteration" and isinstance(v, (int, float))}
+def _scalars(record: dict) -> dict[str, float]:
+    """The numbers of a record by tag: its numbers, and each entry of its lists of numbers as ``key/i`` (an MoE
+    layer's ``key/layer_N``, N from ``moe_layers``)."""
+    scalars = {}
+    for key, value in record.items():
+        if key in ("iteration", "moe_layers"):
+            continue
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            scalars[key] = value
+        elif isinstance(value, list):
+            labels = ([f"layer_{n}" for n in record["moe_layers"]] if key.startswith("moe_")
+                      else [str(i) for i in range(len(value))])
+            scalars.update({f"{key}/{label}": v for label, v in zip(labels, value) if isinstance(v, (int, float))})
+    return scalars
 
 
 class MetricsLogger:
@@ -78,6 +91,11 @@ class MetricsLogger:
                          ("loss_scale", "{:.1f}"), ("pipeline_bubble", "{:.2f}"), ("eval_loss", "{:.6f}")]:
             if record.get(key) is not None:
                 parts.append(f"{key.replace('_', ' ')} {fmt.format(record[key])}")
+        if record.get("moe_aux_loss"):
+            parts.append(f"moe aux loss {sum(record['moe_aux_loss']):.4f}")
+        if record.get("moe_load_max"):   # the most loaded expert of any MoE layer, relative to the mean
+            parts.append(f"moe max load {max(m / a for m, a in zip(record['moe_load_max'], record['moe_load_mean'])):.2f}"
+                         f"x mean")
         if record.get("skipped"):
             parts.append("skipped (gradient overflow)")
         if self.step_time is not None and "elapsed_ms" in record:

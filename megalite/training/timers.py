@@ -2,7 +2,8 @@
 
 Timers accumulate wall time per phase over the log interval (synchronizing the GPU at each boundary, so the numbers
 are honest at a small cost, paid only when ``--timing-log-level`` > 0). At each log they are reduced to the min and max
-over all ranks, so a straggler shows as a max far above the min. Throughput uses the model FLOPs
+over the ranks of the layout (TP x PP, then DP x CP: not the world, of which a layout may hold only some ranks), so
+a straggler shows as a max far above the min. Throughput uses the model FLOPs
 (megalite/model/flops.py, the Korthikanti et al. 2022 count generalized to this architecture), divided by the
 measured time and the number of devices; MFU divides that by the device's peak (the table there).
 """
@@ -18,6 +19,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from megalite import parallel_state
 from megalite.model.flops import peak_bf16_tflops
 
 # Which phases each --timing-log-level reports.
@@ -61,9 +63,11 @@ class Timers:
         values = torch.tensor([self.totals.get(n, 0.0) * 1000 / max(iterations, 1) for n in names],
                               dtype=torch.float64, device=self.device)
         low, high = values.clone(), values.clone()
-        if dist.is_initialized():
-            dist.all_reduce(low, op=dist.ReduceOp.MIN)
-            dist.all_reduce(high, op=dist.ReduceOp.MAX)
+        for info in (parallel_state.get_model_parallel_group(),
+                     parallel_state.get_data_parallel_group(with_context_parallel=True)):
+            if info.size > 1:
+                dist.all_reduce(low, op=dist.ReduceOp.MIN, group=info.group)
+                dist.all_reduce(high, op=dist.ReduceOp.MAX, group=info.group)
         self.totals.clear()
         report = {}
         for name, lo, hi in zip(names, low.tolist(), high.tolist()):

@@ -1,7 +1,8 @@
 """Comparing a parallel training run with the single-process run of the same configuration.
 
 ``check_against_reference`` trains both (10 iterations by default) and asserts per-iteration losses and gradient norms
-within 1e-5 relative and final weights within 1e-5 absolute (gathered over TP, compared by canonical name).
+within 1e-5 relative and final weights within 1e-5 absolute (gathered over TP, compared by canonical name); for a
+mixture of experts also each MoE layer's per-iteration metrics (balancing losses, expert loads, dropped tokens).
 """
 
 from __future__ import annotations
@@ -45,7 +46,8 @@ def train(cfg, ranks=None, inspect=None):
     inside the layout."""
     p = cfg.parallel
     with layout(p.tensor_model_parallel_size, p.pipeline_model_parallel_size, ranks=ranks,
-                cp=p.context_parallel_size) as member:
+                cp=p.context_parallel_size, ep=p.expert_model_parallel_size,
+                etp=p.expert_tensor_parallel_size) as member:
         if not member:
             return None
         trainer = Trainer(cfg, CPU)
@@ -58,12 +60,26 @@ def train(cfg, ranks=None, inspect=None):
 _REFERENCES: dict[str, tuple] = {}   # reference runs by configuration: layouts of one model share one run
 
 
+def resumed_losses(cfg, tp: int, pp: int, ranks, iteration: int):
+    """The losses of ``cfg`` resumed (its --load holds iteration ``iteration``) at TP x PP over ``ranks``; None on
+    ranks outside the layout."""
+    with layout(tp, pp, ranks=ranks) as member:
+        if not member:
+            return None
+        trainer = Trainer(cfg, CPU)
+        assert trainer.state.iteration == iteration
+        return [r["loss"] for r in trainer.train() if "loss" in r]
+
+
 def reference(cfg):
-    """The single-process run: no parallelism, and the plain (unsharded, unoverlapped, on-device) optimizer."""
+    """The single-process run: no parallelism, and the plain (unsharded, unoverlapped, on-device) optimizer (and no
+    token dispatch to choose). Runs once per configuration and launch: tests comparing several layouts of one
+    configuration share it."""
     optimizer = dataclasses.replace(cfg.optimizer, use_distributed_optimizer=False, zero_stage=1,
                                     overlap_grad_reduce=False, overlap_param_gather=False,
                                     optimizer_cpu_offload=False, offload_params=False, ddp_bucket_size=None)
-    cfg = dataclasses.replace(cfg, parallel=ParallelConfig(), optimizer=optimizer)
+    model = dataclasses.replace(cfg.model, moe_token_dispatcher_type="alltoall")
+    cfg = dataclasses.replace(cfg, model=model, parallel=ParallelConfig(), optimizer=optimizer)
     if repr(cfg) not in _REFERENCES:
         with single_layout():
             trainer = Trainer(cfg, CPU)
@@ -71,7 +87,16 @@ def reference(cfg):
     return _REFERENCES[repr(cfg)]
 
 
-def check_against_reference(cfg, ranks=None, label=""):
+def _moe_metrics_difference(records, expected_records) -> float:
+    """The largest relative difference of the MoE layers' per-iteration metrics (losses, loads, dropped tokens)."""
+    keys = [key for key in expected_records[0] if key.startswith("moe_")]
+    assert keys == [key for key in records[0] if key.startswith("moe_")]
+    return max((max_relative_difference(r[key], e[key]) for r, e in zip(records, expected_records) for key in keys),
+               default=0.0)
+
+
+def check_against_reference(cfg, ranks=None, label="") -> list[dict] | None:
+    """The comparison (see the module docstring); the parallel run's training records on member ranks."""
     # Adam divides by sqrt(v) + eps: for the few weights whose gradients are ~1e-9 (dead GeLU units), eps=1e-8 turns
     # last-bit summation differences into O(lr) updates (measured 4e-5 abs at TP=2). eps=1e-5 keeps the update a
     # smooth function of the gradient, so the weights compare at the precision of the arithmetic (~1e-7).
@@ -92,9 +117,12 @@ def check_against_reference(cfg, ranks=None, label=""):
     loss_diff = max_relative_difference([r["loss"] for r in records], [r["loss"] for r in expected_records])
     norm_diff = max_relative_difference([r["grad_norm"] for r in records], [r["grad_norm"] for r in expected_records])
     weight_diff, worst = max((float((params[n] - expected_params[n]).abs().max()), n) for n in params)
+    moe_diff = _moe_metrics_difference(records, expected_records)
     print(f"{label}: max rel loss diff {loss_diff:.2e}, eval loss diff {eval_diff:.2e}, grad norm diff {norm_diff:.2e}, "
-          f"max abs weight diff {weight_diff:.2e} ({worst})")
+          f"max abs weight diff {weight_diff:.2e} ({worst})" + (f", moe metrics diff {moe_diff:.2e}" if moe_diff else ""))
     assert loss_diff < RTOL and eval_diff < RTOL
+    assert moe_diff < RTOL
     assert norm_diff < RTOL
     assert weight_diff < RTOL
     assert records[-1]["loss"] < records[0]["loss"]   # it learns
+    return records

@@ -11,11 +11,12 @@ from megalite import parallel_state
 
 
 @contextlib.contextmanager
-def layout(tp: int = 1, pp: int = 1, ranks=None, cp: int = 1):
+def layout(tp: int = 1, pp: int = 1, ranks=None, cp: int = 1, ep: int = 1, etp=None):
     """Build a layout over ``ranks`` (default: the world); yields True on member ranks, False elsewhere.
 
     Its groups inherit the world's short test timeout (see lockstep.py)."""
-    state = parallel_state.initialize_model_parallel(tp, pp, ranks, context_parallel_size=cp)
+    state = parallel_state.initialize_model_parallel(tp, pp, ranks, context_parallel_size=cp,
+                                                     expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
     try:
         yield state is not None
     finally:

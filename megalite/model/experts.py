@@ -1,0 +1,129 @@
+"""A rank's routed experts: MLPs of ``--moe-ffn-hidden-size``, applied to the tokens sorted by expert.
+
+With expert parallelism a rank holds E / EP consecutive experts; each is its own module, named by its *global*
+index (``layers.3.mlp.experts.5.linear_fc1.weight`` on whichever rank holds expert 5), so names, initial values and
+checkpoints are the same whatever EP is, and a checkpoint reshards across EP like across TP: by name.
+
+An expert is the dense MLP's maths (GeLU, or SwiGLU with fc1 = [gate; up]) without the tensor-parallel linears:
+split over TP (``--expert-tensor-parallel-size`` = TP) its fc1 keeps a block of output rows and fc2 a block of
+input columns, exactly as ColumnParallelLinear/RowParallelLinear cut them, and the partial outputs are summed over
+TP once for all experts (and the input gradients once in backward); with expert tensor-parallel size 1 every TP rank
+holds whole experts. fc2's bias is added after that sum.
+
+The input is every token this rank's experts received, sorted by expert, with ``counts[i]`` for the i-th local
+expert. ``grouped`` runs each layer of all the experts as one ``torch._grouped_mm`` (weights stacked per call) where
+this torch and device offer it for the dtype and shapes, else a loop over experts (the same products).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megalite import parallel_state
+from megalite.config import ModelConfig
+from megalite.tensor_parallel import copy_to_tensor_parallel, reduce_from_tensor_parallel
+from megalite.tensor_parallel.partition import REPLICATED, Partition, local_shape, mark, normal_init, zeros_init
+
+
+def _parameter(full_shape: tuple[int, ...], partition: Partition, init_fn, world: int) -> nn.Parameter:
+    param = mark(nn.Parameter(torch.empty(local_shape(full_shape, partition, world))), full_shape, partition, init_fn)
+    param.is_expert = True   # its gradient is summed over the expert-data-parallel group, not DP x CP
+    return param
+
+
+class ExpertLinear(nn.Module):
+    def __init__(self, full_shape: tuple[int, int], partition: Partition, bias_partition: Partition | None,
+                 init_std: float, world: int):
+        super().__init__()
+        self.weight = _parameter(full_shape, partition, normal_init(init_std), world)
+        self.bias = (None if bias_partition is None else
+                     _parameter((full_shape[0],), bias_partition, zeros_init, world))
+
+
+class ExpertMLP(nn.Module):
+    """One expert's weights (its computation is :class:`LocalExperts`', for all experts at once)."""
+
+    def __init__(self, cfg: ModelConfig, split: bool, world: int):
+        super().__init__()
+        h, f = cfg.hidden_size, cfg.expert_ffn_size
+        fc1 = 2 * f if cfg.swiglu else f
+        bias = not cfg.disable_bias_linear
+        rows = Partition(dim=0, fused=2 if cfg.swiglu else 1) if split else REPLICATED
+        self.linear_fc1 = ExpertLinear((fc1, h), rows, rows if bias else None, cfg.init_method_std, world)
+        self.linear_fc2 = ExpertLinear((h, f), Partition(dim=1) if split else REPLICATED, REPLICATED if bias else None,
+                                       cfg.init_method_std / math.sqrt(2.0 * cfg.num_layers), world)
+
+
+def grouped_mm_available(x: torch.Tensor, widths: list[int]) -> bool:
+    """Whether torch._grouped_mm runs here for these operands: this torch has it, the device and dtype are ones it
+    supports (any on the CPU; bf16 on CUDA from compute capability 9.0), and every row (of ``widths`` elements) is a
+    multiple of 16 bytes, which it requires."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    if x.device.type == "cuda":
+        if x.dtype != torch.bfloat16 or torch.cuda.get_device_capability(x.device) < (9, 0):
+            return False
+    elif x.device.type != "cpu":
+        return False
+    return all(w * x.element_size() % 16 == 0 for w in widths)
+
+
+class LocalExperts(nn.ModuleDict):
+    """This expert-parallel rank's experts, keyed by global index."""
+
+    def __init__(self, cfg: ModelConfig):
+        ep = parallel_state.get_expert_model_parallel_world_size()
+        per_rank = cfg.num_experts // ep
+        first = parallel_state.get_expert_model_parallel_rank() * per_rank
+        world = parallel_state.get_expert_tensor_parallel_world_size()
+        split = world > 1
+        super().__init__({str(first + i): ExpertMLP(cfg, split, world) for i in range(per_rank)})
+        self.first, self.swiglu, self.grouped, self.split = first, cfg.swiglu, cfg.moe_grouped_gemm, split
+
+    def forward(self, tokens: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """Each expert applied to its rows of ``tokens`` [N, hidden] (``counts`` rows each, in order)."""
+        experts = list(self.values())
+        if self.split:   # TP-split experts: the input gradient is summed over TP, the outputs in forward
+            tokens = copy_to_tensor_parallel(tokens)
+        fc1 = [e.linear_fc1 for e in experts]
+        fc2 = [e.linear_fc2 for e in experts]
+        widths = [tokens.shape[-1], fc1[0].weight.shape[0], fc2[0].weight.shape[1]]
+        if self.grouped and grouped_mm_available(tokens, widths):
+            offsets = torch.tensor(counts, device=tokens.device).cumsum(0).to(torch.int32)
+            hidden = self._activation(_grouped_linear(tokens, fc1, counts, offsets))
+            out = _grouped_linear(hidden, fc2, counts, offsets, with_bias=False)
+        else:
+            outs = [F.linear(self._activation(F.linear(x, a.weight, a.bias)), b.weight)
+                    for x, a, b in zip(tokens.split(counts), fc1, fc2)]
+            out = torch.cat(outs) if outs else tokens[:0]
+        if self.split:
+            out = reduce_from_tensor_parallel(out)
+        if fc2[0].bias is not None:
+            out = out + _bias_rows(fc2, counts)
+        return out
+
+    def _activation(self, y: torch.Tensor) -> torch.Tensor:
+        if self.swiglu:
+            gate, up = y.chunk(2, dim=-1)
+            return F.silu(gate) * up
+        return F.gelu(y)
+
+
+def _bias_rows(linears: list[ExpertLinear], counts: list[int]) -> torch.Tensor:
+    """Each expert's bias repeated for its rows: [N, out]."""
+    biases = torch.stack([linear.bias for linear in linears])
+    return biases.repeat_interleave(torch.tensor(counts, device=biases.device), dim=0)
+
+
+def _grouped_linear(x: torch.Tensor, linears: list[ExpertLinear], counts: list[int], offsets: torch.Tensor,
+                    with_bias: bool = True) -> torch.Tensor:
+    """Rows of ``x`` times each expert's weight^T in one grouped product (weights stacked [E, out, in])."""
+    weights = torch.stack([linear.weight for linear in linears])
+    y = torch._grouped_mm(x, weights.transpose(1, 2), offs=offsets)
+    if with_bias and linears[0].bias is not None:
+        y = y + _bias_rows(linears, counts)
+    return y

@@ -1,0 +1,235 @@
+"""The MoE layer in one process against plain per-token references: routing (softmax, pre-softmax, sigmoid, expert
+bias), the balancing losses and their gradients, capacity dropping, grouped against looped experts, shared experts,
+the layer pattern, and per-head query/key norms."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megalite.config import ConfigError, ModelConfig
+from megalite.model import GPTModel
+from megalite.model.experts import grouped_mm_available
+from megalite.model.moe import MoELayer
+
+from ..helpers import TINY_MOE, single_layout, tiny_config
+
+
+def _config(**options) -> ModelConfig:
+    return dataclasses.replace(tiny_config().model, **{**TINY_MOE, **options})
+
+
+def _layer(seed: int = 0, **options) -> MoELayer:
+    torch.manual_seed(seed)
+    layer = MoELayer(_config(**options))
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.normal_(0, 0.3)
+    return layer
+
+
+def _reference(layer: MoELayer, x: torch.Tensor) -> torch.Tensor:
+    """Token by token: the chosen experts' MLPs, weighted, as the router's definition says (dropless)."""
+    cfg = layer.cfg
+    tokens = x.reshape(-1, x.shape[-1])
+    out = torch.zeros_like(tokens)
+    for t, token in enumerate(tokens):
+        logits = layer.router.weight @ token
+        if cfg.moe_router_score_function == "sigmoid":
+            scores = torch.sigmoid(logits)
+            chosen = torch.topk(scores + (layer.router.expert_bias if layer.router.expert_bias is not None else 0),
+                                cfg.moe_router_topk).indices
+            weights = scores[chosen] / scores[chosen].sum()
+        elif cfg.moe_router_pre_softmax:
+            weights, chosen = torch.topk(torch.softmax(logits, -1), cfg.moe_router_topk)
+        else:
+            top, chosen = torch.topk(logits, cfg.moe_router_topk)
+            weights = torch.softmax(top, -1)
+        for w, e in zip(weights, chosen.tolist()):
+            expert = layer.experts[str(e)]
+            h = expert.linear_fc1.weight @ token
+            if expert.linear_fc1.bias is not None:
+                h = h + expert.linear_fc1.bias
+            if cfg.swiglu:
+                gate, up = h.chunk(2)
+                h = F.silu(gate) * up
+            else:
+                h = F.gelu(h)
+            y = expert.linear_fc2.weight @ h
+            if expert.linear_fc2.bias is not None:
+                y = y + expert.linear_fc2.bias
+            out[t] += w * y
+    return out.view_as(x)
+
+
+@pytest.mark.parametrize("options", [
+    {},
+    {"moe_router_pre_softmax": True, "swiglu": True, "disable_bias_linear": True},
+    {"moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True},
+])
+def test_layer_equals_token_by_token_reference(options):
+    with single_layout():
+        layer = _layer(**options)
+        if layer.router.expert_bias is not None:
+            layer.router.expert_bias.copy_(torch.tensor([0.5, -0.5, 0.2, 0.0]))   # changes the choices, not weights
+        x = torch.randn(2, 8, 64)
+        torch.testing.assert_close(layer(x), _reference(layer, x), rtol=1e-5, atol=1e-5)
+
+
+def test_grouped_experts_equal_the_loop_forward_and_backward():
+    with single_layout():
+        x = torch.randn(2, 16, 64, requires_grad=True)
+        assert grouped_mm_available(x, [64, 64, 32]), "this torch offers torch._grouped_mm on the CPU"
+        results = []
+        for grouped in (False, True):
+            layer = _layer(moe_grouped_gemm=grouped, swiglu=True)
+            out = layer(x)
+            out.backward(torch.ones_like(out))
+            results.append((out.detach(), x.grad.clone(), [p.grad.clone() for p in layer.parameters()]))
+            x.grad = None
+        (out0, dx0, grads0), (out1, dx1, grads1) = results
+        torch.testing.assert_close(out1, out0, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(dx1, dx0, rtol=1e-6, atol=1e-6)
+        for g0, g1 in zip(grads0, grads1):
+            torch.testing.assert_close(g1, g0, rtol=1e-6, atol=1e-6)
+
+
+def _switch_loss(scores: torch.Tensor, k: int, coeff: float) -> torch.Tensor:
+    """Switch Transformer's loss by its definition: E x sum_e f_e P_e, f_e the fraction of the k T assignments."""
+    tokens, experts = scores.shape
+    chosen = torch.zeros_like(scores).scatter(1, scores.topk(k).indices, 1.0)
+    fraction = chosen.sum(0) / (tokens * k)
+    return coeff * experts * (fraction * scores.mean(0)).sum()
+
+
+@pytest.mark.parametrize("kind", ["aux_loss", "seq_aux_loss"])
+def test_balancing_and_z_losses_enter_backward_scaled_by_the_loss_weight(kind):
+    """Gradients of (sum of outputs) through the attached losses equal autograd of sum + weight x (aux + z)."""
+    with single_layout():
+        layer = _layer(moe_router_load_balancing_type=kind, moe_aux_loss_coeff=0.1, moe_z_loss_coeff=0.01)
+        layer.router.loss_weight, layer.router.loss_scale = 0.25, 8.0
+        x = torch.randn(2, 8, 64)
+        layer(x).sum().backward()
+        attached = layer.router.weight.grad.clone()
+        layer.router.weight.grad = None
+        aux = layer.router.statistics(x.device)[4].item() / 0.25
+        z = layer.router.statistics(x.device)[5].item() / 0.25
+
+        logits = x.reshape(-1, 64) @ layer.router.weight.t()
+        scores = torch.softmax(logits, -1)
+        if kind == "aux_loss":
+            expected_aux = _switch_loss(scores, 2, 0.1)
+        else:   # per sequence, averaged over the two sequences
+            expected_aux = sum(_switch_loss(s, 2, 0.1) for s in scores.view(2, 8, -1)) / 2
+        expected_z = 0.01 * torch.logsumexp(logits, -1).square().mean()
+        assert aux == pytest.approx(expected_aux.item(), rel=1e-5)
+        assert z == pytest.approx(expected_z.item(), rel=1e-5)
+        layer.eval()   # the same forward without attached losses, plus the losses by their definitions
+        total = layer(x).sum() + 0.25 * 8.0 * (expected_aux + expected_z)
+        total.backward()
+        torch.testing.assert_close(attached, layer.router.weight.grad, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("policy", ["probs", "position"])
+def test_capacity_keeps_each_experts_best_or_first_tokens(policy):
+    with single_layout():
+        layer = _layer(moe_expert_capacity_factor=0.5, moe_token_drop_policy=policy)
+        tokens = torch.randn(16, 64)
+        routing, routing_map = layer.router(tokens, 2)
+        limit = math.ceil(16 * 2 / 4 * 0.5)
+        assert (routing_map.sum(0) <= limit).all()
+        layer.cfg = dataclasses.replace(layer.cfg, moe_expert_capacity_factor=None)
+        layer.router.cfg = layer.cfg
+        full, full_map = layer.router(tokens, 2)
+        for e in range(4):
+            routed = full_map[:, e].nonzero().flatten()
+            if policy == "probs":
+                kept = routed[full[routed, e].argsort(descending=True)[:limit]]
+            else:
+                kept = routed[:limit]
+            assert sorted(routing_map[:, e].nonzero().flatten().tolist()) == sorted(kept.tolist())
+        torch.testing.assert_close(routing, full * routing_map)
+        assert layer.router.statistics(tokens.device)[-1] > 0   # dropped assignments counted
+
+
+def test_expert_bias_update_moves_towards_equal_load_and_stays_fp32():
+    with single_layout():
+        layer = _layer(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+                       moe_router_bias_update_rate=0.1)
+        layer.to(torch.bfloat16)
+        assert layer.router.expert_bias.dtype == torch.float32 and hasattr(layer.router.expert_bias, "full_shape")
+        layer.router.update_expert_bias(torch.tensor([10.0, 2.0, 4.0, 0.0]))
+        assert layer.router.expert_bias.tolist() == pytest.approx([-0.1, 0.1, -0.0, 0.1])
+
+
+def test_shared_expert_with_gate_adds_a_gated_dense_mlp():
+    with single_layout():
+        layer = _layer(moe_shared_expert_intermediate_size=48, moe_shared_expert_gate=True)
+        x = torch.randn(2, 8, 64)
+        shared = layer.shared_experts
+        dense = shared.linear_fc2(F.gelu(shared.linear_fc1(x)))
+        expected = _reference(layer, x) + torch.sigmoid(x @ shared.gate_weight.t()) * dense
+        torch.testing.assert_close(layer(x), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_layer_pattern_places_moe_layers_and_names_experts_globally():
+    cfg = _config(num_layers=4, moe_layer_freq="[0,1,1,0]")
+    assert cfg.moe_layers() == [False, True, True, False]
+    assert _config(num_layers=4, moe_layer_freq="2").moe_layers() == [True, False, True, False]
+    assert _config(num_layers=4, moe_layer_freq="([1]+[0])*2").moe_layers() == [True, False, True, False]
+    for bad in ("[0,1]", "[0,2,1,1]", "0", "[1]*4+__import__('os')"):
+        with pytest.raises(ConfigError):
+            _config(num_layers=4, moe_layer_freq=bad).moe_layers()
+    with single_layout():
+        names = [n for n, _ in GPTModel(cfg).canonical_named_parameters()]
+    assert "layers.1.mlp.experts.3.linear_fc2.weight" in names and "layers.0.mlp.linear_fc1.weight" in names
+    assert not any(n.startswith("layers.0.mlp.experts") or n.startswith("layers.3.mlp.router") for n in names)
+
+
+def test_qk_layernorm_normalizes_each_head_before_attention():
+    cfg = dataclasses.replace(tiny_config().model, qk_layernorm=True, normalization="RMSNorm")
+    with single_layout():
+        torch.manual_seed(0)
+        model = GPTModel(cfg)
+        model.initialize(1)
+        attention = model.layers[0].self_attention
+        with torch.no_grad():
+            attention.q_layernorm.weight.normal_()
+        x = torch.randn(2, 8, 64)
+        q, k, v = attention.linear_qkv(x).split(64, dim=-1)
+
+        def per_head(t, norm):
+            t = t.view(2, 8, 4, 16)
+            return (t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + cfg.layernorm_epsilon) * norm.weight).transpose(1, 2)
+
+        expected = F.scaled_dot_product_attention(per_head(q, attention.q_layernorm), per_head(k, attention.k_layernorm),
+                                                  v.view(2, 8, 4, 16).transpose(1, 2), is_causal=True)
+        expected = attention.linear_proj(expected.transpose(1, 2).reshape(2, 8, 64))
+        torch.testing.assert_close(attention(x), expected, rtol=1e-5, atol=1e-5)
+        names = [n for n, _ in model.canonical_named_parameters()]
+        assert "layers.0.self_attention.q_layernorm.weight" in names
+
+
+def test_full_recompute_gives_the_same_gradients_and_counts_the_routing_once():
+    """The recomputed forward (in backward) attaches the balancing losses and counts the loads; the first, no-grad
+    forward does neither."""
+    results = []
+    for recompute in ({}, {"recompute_granularity": "full", "recompute_method": "uniform"}):
+        cfg = _config(moe_z_loss_coeff=1e-2, **recompute)
+        with single_layout():
+            model = GPTModel(cfg)
+            model.initialize(3)
+            tokens = torch.randint(0, 301, (2, 33), generator=torch.Generator().manual_seed(0))
+            model(tokens[:, :-1], tokens[:, 1:]).mean().backward()
+            results.append(([p.grad.clone() for p in model.parameters()],
+                            [layer.mlp.router.statistics(tokens.device).clone() for layer in model.layers]))
+    (grads, stats), (recomputed_grads, recomputed_stats) = results
+    for g, r in zip(grads, recomputed_grads):
+        torch.testing.assert_close(r, g, rtol=1e-6, atol=1e-7)
+    for s, r in zip(stats, recomputed_stats):
+        torch.testing.assert_close(r, s)
+    assert stats[0][:4].sum() == 2 * 32 * 2   # tokens x top-2, once

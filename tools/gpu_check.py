@@ -17,6 +17,12 @@
    iterations with the fused kernels (auto) and with torch ops (off): time per iteration, tokens/s, TFLOP/s and MFU,
    the trainer's model FLOPs per iteration (megalite/model/flops.py: 72 B L s h^2 (1 + s/(6h) + V/(12 h L)) for
    these GPT shapes, Korthikanti et al. 2022) over the measured time and the GPU's dense bf16 peak.
+5. FP8 (megalite/tensor_parallel/fp8*.py): every recipe (tensorwise, delayed, rowwise) and format (e4m3, hybrid) of
+   the FP8 linear, forward and both gradients, through torch._scaled_mm against the same quantized operands
+   multiplied dequantized in fp32 (bound 1e-2: bf16 outputs), with the path each product took (a product the GPU's
+   kernel refuses falls back, and says so); speed of a 4096 x 4096 linear over 4096 tokens, bf16 against each FP8
+   recipe, forward / backward; and the GPT 1.3B training step with --fp8-format hybrid (delayed and tensorwise)
+   beside the bf16 rows (the same model FLOPs, so its MFU is against the bf16 peak).
 
 Meant to finish within 8 minutes on one H200 (the extension build, 1-2 minutes, and torch.compile's compilations
 dominate: once --compile-budget seconds have passed, the remaining compilations are skipped). Exit code 0 when every
@@ -49,6 +55,9 @@ from megalite.kernels.policy import KernelPolicy, fused_extension  # noqa: E402
 from megalite.model.flops import model_flops_per_iteration, peak_bf16_tflops  # noqa: E402
 from megalite.model.rotary import RotaryEmbedding, rotate_half  # noqa: E402
 from megalite.tensor_parallel.cross_entropy import fused_vocab_parallel_cross_entropy  # noqa: E402
+from megalite.tensor_parallel import fp8 as fp8_numerics  # noqa: E402
+from megalite.tensor_parallel.fp8 import Fp8Recipe  # noqa: E402
+from megalite.tensor_parallel.fp8_linear import Fp8History, fp8_linear  # noqa: E402
 
 BOUNDS = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}
 DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
@@ -391,7 +400,18 @@ def train_rows(args, device: torch.device, peak_tflops: float | None, log: Calla
                        f"{m.seq_length}, {t.global_batch_size} sequences per iteration, "
                        f"{'bf16' if t.bf16 else 'fp32'})")
         flops = model_flops_per_iteration(m, t.global_batch_size)
-        for name, policy in [("fused kernels (auto)", KernelPolicy("auto")), ("torch ops (off)", KernelPolicy("off"))]:
+        runs = [("fused kernels (auto)", KernelPolicy("auto"), None), ("torch ops (off)", KernelPolicy("off"), None)]
+        if not args.skip_fp8:
+            runs += [(f"FP8 hybrid {recipe}, fused kernels", KernelPolicy("auto"), recipe)
+                     for recipe in ("delayed", "tensorwise")]
+        for name, policy, fp8_recipe in runs:
+            if fp8_recipe is not None:   # a fresh trainer with the FP8 linears (the bf16 one's memory freed first)
+                del trainer
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+                fp8_cfg = parse_args(argv + ["--bf16", "--fp8-format", "hybrid", "--fp8-recipe", fp8_recipe])
+                validate(fp8_cfg, 1)
+                trainer = Trainer(fp8_cfg, device)
             # The Trainer builds its model with the default policy (auto); the modules that read one are switched here.
             for module in trainer.model.modules():
                 if hasattr(module, "kernels"):
@@ -414,6 +434,76 @@ def train_rows(args, device: torch.device, peak_tflops: float | None, log: Calla
     return rows
 
 
+# ------------------------------------------------------------------------------------------------------------ FP8
+
+FP8_RECIPES = ("tensorwise", "delayed", "rowwise")
+
+
+def _fp8_run(recipe: Fp8Recipe, x: torch.Tensor, w: torch.Tensor, g: torch.Tensor):
+    """(y, dx, dW) of the FP8 linear (one process); delayed: its second step, scaled from the first's history."""
+    history = Fp8History(recipe) if recipe.recipe == "delayed" else None
+    for _ in range(2 if history is not None else 1):
+        xi, wi = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+        y = fp8_linear(xi, wi, recipe, history, "column")
+        y.backward(g)
+        if history is not None:
+            history.push(history.running)
+    return y.detach(), xi.grad, wi.grad
+
+
+def fp8_checks(device: torch.device, sizes: str) -> list[CheckRow]:
+    """Each recipe and format through torch._scaled_mm against the dequantized fp32 products of the same FP8
+    operands; the row names the path the products took."""
+    tokens, inputs, outputs = (64, 64, 48) if sizes == "tiny" else (1024, 1024, 768)
+    x = _randn((tokens, inputs), torch.bfloat16, device)
+    w = _randn((outputs, inputs), torch.bfloat16, device, scale=0.02)
+    g = _randn((tokens, outputs), torch.bfloat16, device, scale=1e-3)
+    rows = []
+    for name in FP8_RECIPES:
+        for fmt in ("e4m3", "hybrid"):
+            recipe = Fp8Recipe(fmt, name)
+            fp8_numerics._backends.clear()
+            ours = _fp8_run(recipe, x, w, g)
+            paths = sorted(set(fp8_numerics.backends().values()))
+            for key in list(fp8_numerics._backends):
+                fp8_numerics._backends[key] = "dequantized fp32"
+            reference = _fp8_run(recipe, x, w, g)
+            fp8_numerics._backends.clear()
+            errors = [relative_error(a, b) for a, b in zip(ours, reference)]
+            rows.append(CheckRow(f"FP8 linear {name} ({', '.join(paths)})", fmt, f"{tokens}x{inputs}x{outputs}",
+                                 errors[0], max(errors[1:]), 1e-2))
+    return rows
+
+
+@dataclasses.dataclass
+class Fp8SpeedRow:
+    recipe: str
+    shape: str
+    bf16: tuple[float, float]
+    fp8: tuple[float, float]
+    path: str
+
+
+def fp8_speed_rows(device: torch.device, timer: Timer, sizes: str) -> list[Fp8SpeedRow]:
+    """A linear's forward / backward in bf16 and in each FP8 recipe (hybrid): quantization included."""
+    tokens, hidden = (64, 64) if sizes == "tiny" else (4096, 4096)
+    x = _randn((tokens, hidden), torch.bfloat16, device).requires_grad_()
+    w = _randn((hidden, hidden), torch.bfloat16, device, scale=0.02).requires_grad_()
+    bf16 = time_forward_backward(F.linear, [x, w], 2, timer)
+    rows = []
+    for name in FP8_RECIPES:
+        recipe = Fp8Recipe("hybrid", name)
+        history = Fp8History(recipe) if name == "delayed" else None
+        fp8_numerics._backends.clear()
+        fp8 = time_forward_backward(lambda a, b: fp8_linear(a, b, recipe, history, "column"), [x, w], 2, timer)
+        if history is not None:   # timed with the history's scales: no amax pass in the products' way
+            history.push(history.running)
+            fp8 = time_forward_backward(lambda a, b: fp8_linear(a, b, recipe, history, "column"), [x, w], 2, timer)
+        rows.append(Fp8SpeedRow(name, f"{tokens}x{hidden}x{hidden}", bf16, fp8,
+                                ", ".join(sorted(set(fp8_numerics.backends().values())))))
+    return rows
+
+
 # ---------------------------------------------------------------------------------------------------------- table
 
 def _format_times(t: tuple[float, float] | str) -> str:
@@ -428,7 +518,7 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
 
 
 def report(build: list[str], checks: list[CheckRow], speeds: list[SpeedRow], training: list[TrainRow],
-           peak_tflops: float | None) -> str:
+           peak_tflops: float | None, fp8_speeds: list[Fp8SpeedRow] = ()) -> str:
     parts = ["", "=" * 30 + " gpu_check summary " + "=" * 30, *build, ""]
     parts.append(_table(["check", "dtype", "shape", "forward err", "backward err", "bound", "result"],
                         [[c.op, c.dtype, c.shape, f"{c.forward_error:.2e}", f"{c.backward_error:.2e}",
@@ -444,6 +534,11 @@ def report(build: list[str], checks: list[CheckRow], speeds: list[SpeedRow], tra
                     speedup = f"{sum(t) / max(sum(fused_time), 1e-9):.2f}x"
                 table_rows.append([row.op, row.shape, name, _format_times(t), speedup])
         parts.append(_table(["op", "shape", "implementation", "forward / backward", "fused speed-up"], table_rows))
+    if fp8_speeds:
+        parts += ["", "speed, FP8 hybrid linear against bf16, forward / backward ms (quantization included)"]
+        parts.append(_table(["recipe", "shape", "bf16", "FP8", "FP8 speed-up", "products"],
+                            [[r.recipe, r.shape, _format_times(r.bf16), _format_times(r.fp8),
+                              f"{sum(r.bf16) / max(sum(r.fp8), 1e-9):.2f}x", r.path] for r in fp8_speeds]))
     if training:
         peak = f"{peak_tflops:g} TFLOP/s bf16 peak" if peak_tflops else "unknown peak (--peak-tflops): no MFU"
         parts += ["", f"training {training[0].model} ({peak})"]
@@ -475,6 +570,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--train-iters", type=int, default=5, help="Training: timed iterations per policy.")
     parser.add_argument("--skip-speed", action="store_true", help="Only check correctness (and train).")
     parser.add_argument("--skip-training", action="store_true", help="No training run.")
+    parser.add_argument("--skip-fp8", action="store_true", help="No FP8 checks, speeds or training runs.")
     parser.add_argument("--cpu-dry-run", action="store_true", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
@@ -531,6 +627,8 @@ def main(argv: list[str]) -> int:
                 log(f"  FAIL {row.op} {row.dtype} {row.shape}: forward {row.forward_error:.2e}, backward "
                     f"{row.backward_error:.2e} (bound {row.bound:.0e})")
     checks.append(check_cross_entropy_targets_elsewhere(ops, device))
+    if not args.skip_fp8:
+        checks += fp8_checks(device, "tiny" if args.cpu_dry_run else "check")
     log(f"correctness: {sum(c.passed for c in checks)}/{len(checks)} checks passed")
     if device.type == "cuda":
         ops.set_poison_outputs(False)   # timings without the extra fills
@@ -541,6 +639,10 @@ def main(argv: list[str]) -> int:
         log("speed ...")
         speeds = speed_rows(ops, device, Timer(device, args.iters), started + args.compile_budget,
                             "tiny" if args.cpu_dry_run else "speed", log)
+    fp8_speeds: list[Fp8SpeedRow] = []
+    if not args.skip_speed and not args.skip_fp8:
+        fp8_speeds = fp8_speed_rows(device, Timer(device, args.iters), "tiny" if args.cpu_dry_run else "speed")
+        log("FP8 speed: " + ", ".join(f"{r.recipe} {sum(r.bf16) / max(sum(r.fp8), 1e-9):.2f}x" for r in fp8_speeds))
     parallel_state.destroy_model_parallel()
 
     training: list[TrainRow] = []
@@ -552,7 +654,7 @@ def main(argv: list[str]) -> int:
             build.append(f"training: out of memory at micro-batch size {args.micro_batch_size}: retry with "
                          f"--micro-batch-size {max(args.micro_batch_size // 2, 1)}")
 
-    print(report(build, checks, speeds, training, peak), flush=True)
+    print(report(build, checks, speeds, training, peak, fp8_speeds), flush=True)
     ok = all(c.passed for c in checks) and all(math.isfinite(x) for r in training for x in r.losses)
     return 0 if ok else 1
 

@@ -1,7 +1,8 @@
 """Same model or a clear refusal: a resumed run must compute what the checkpoint's weights were trained to compute.
 
 Every model option (a ``ModelConfig`` field) counts except those that only shape training: dropout, initialization,
-the sequence length, activation recompute and the vocabulary's padding multiple (padded rows are masked out). Options
+the sequence length, activation recompute, the FP8 recipe (the same bf16 weights, their products rounded
+differently) and the vocabulary's padding multiple (padded rows are masked out). Options
 compare by the value they resolve to: an unset ``--ffn-hidden-size`` is 4 x hidden, grouped-query attention with as
 many groups as heads is plain attention, ``--rotary-base`` counts only with rotary positions and
 ``--max-position-embeddings`` only with a learned position table. A model option added later counts by default.
@@ -32,7 +33,8 @@ from megalite.data.tokenizer import Tokenizer, tokenizer_options_for
 # Model options that change how a model trains, not the function its weights compute.
 TRAINING_ONLY = frozenset({"hidden_dropout", "attention_dropout", "init_method_std", "seq_length",
                            "recompute_granularity", "recompute_method", "recompute_num_layers",
-                           "make_vocab_size_divisible_by"})
+                           "make_vocab_size_divisible_by", "fp8_format", "fp8_recipe", "fp8_margin",
+                           "fp8_amax_history_len", "fp8_amax_compute_algo"})
 
 
 def model_identity(model: ModelConfig) -> dict[str, object]:

@@ -6,6 +6,7 @@ gets a key of its own, saying where it came from::
     model/<canonical name>/tp<W>_<r>                        slice r (of W) of a parameter
     optim/<canonical name>/tp<W>_<r>/<lo>-<hi>/<state>      elements [lo, hi) of that slice's flattened optimizer state
     rng/pp<p>_tp<t>_dp<d>/<stream>                          one rank's random-generator state
+    fp8/<canonical module name>/<item>                      an FP8 linear's amax history, its scales, its steps
 
 A parameter replicated over tensor-parallel ranks is stored once, as slice 0 of 1. Optimizer states come in pieces
 because the distributed optimizer gives each data-parallel rank a contiguous range of the flat gradient buffer, which
@@ -42,6 +43,11 @@ def model_key(name: str, world: int, rank: int) -> str:
 
 def optimizer_key(name: str, world: int, rank: int, lo: int, hi: int, state: str) -> str:
     return f"optim/{name}/tp{world}_{rank}/{lo}-{hi}/{state}"
+
+
+def fp8_key(module: str, item: str) -> str:
+    """An FP8 delayed-scaling history's piece: the same on every rank holding the layer, so stored once."""
+    return f"fp8/{module}/{item}"
 
 
 def rng_key(pp_rank: int, tp_rank: int, dp_rank: int, stream: str) -> str:

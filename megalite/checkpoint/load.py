@@ -28,7 +28,7 @@ from megalite.checkpoint.contents import NO_DIGESTS, Checkpoint, open_load_check
 from megalite.checkpoint.digests import even_shares
 from megalite.checkpoint.errors import CheckpointError
 from megalite.checkpoint.identity import check_same_model
-from megalite.checkpoint.keys import OPTIMIZER_STATES, model_key, optimizer_key, optimizer_pieces, rng_key
+from megalite.checkpoint.keys import OPTIMIZER_STATES, fp8_key, model_key, optimizer_key, optimizer_pieces, rng_key
 from megalite.checkpoint.manifest import Manifest, SavedLayout
 from megalite.checkpoint.model_specs import check_fits
 from megalite.checkpoint.reshard import assemble, merge, split
@@ -37,7 +37,7 @@ from megalite.data.builder import run_tokenizer
 from megalite.data.tokenizer import Tokenizer
 from megalite.distributed import copy_into_parameter
 from megalite.optimizer import MegaliteOptimizer
-from megalite.tensor_parallel import TensorParallelRNG
+from megalite.tensor_parallel import Fp8History, TensorParallelRNG
 
 
 @dataclasses.dataclass
@@ -69,7 +69,8 @@ def check_checkpoint(cfg: MegaliteConfig, world_size: int) -> None:
 
 def load_checkpoint(cfg: MegaliteConfig, *, parameters: list[tuple[str, torch.nn.Parameter]],
                     optimizer: Optional[MegaliteOptimizer], rng: Optional[TensorParallelRNG],
-                    device: torch.device, tokenizer: Optional[Tokenizer] = None) -> Optional[LoadResult]:
+                    device: torch.device, tokenizer: Optional[Tokenizer] = None,
+                    fp8_histories: list[tuple[str, Fp8History]] = ()) -> Optional[LoadResult]:
     """Load ``cfg.checkpoint.load`` into this rank's parameters, optimizer and RNG, after checking that it holds the
     model of ``cfg`` read with ``tokenizer`` and that its bytes match their digests (collective twice: to verify
     them together, and at the end to agree that every rank succeeded). None when there is nothing to load yet
@@ -86,7 +87,8 @@ def load_checkpoint(cfg: MegaliteConfig, *, parameters: list[tuple[str, torch.nn
     checkpoint.verify(optimizer=with_optimizer, rng=with_rng)
     model_notes = check_same_model(checkpoint, cfg.model, tokenizer, c.finetune)
     check_fits(manifest, cfg.model, checkpoint.path)
-    kinds = ("model/",) + ("optim/",) * with_optimizer + ("rng/",) * with_rng
+    fp8_keys = _fp8_keys(checkpoint, fp8_histories) if not c.finetune else {}
+    kinds = ("model/",) + ("optim/",) * with_optimizer + ("rng/",) * with_rng + ("fp8/",) * bool(fp8_keys)
     _verify_together(checkpoint, [key for key in checkpoint.metadata.state_dict_metadata if key.startswith(kinds)],
                      device)
     error: Optional[Exception] = None
@@ -94,10 +96,14 @@ def load_checkpoint(cfg: MegaliteConfig, *, parameters: list[tuple[str, torch.nn
         _load_parameters(checkpoint, parameters, optimizer, with_optimizer)
         if with_rng:
             _restore_rng(checkpoint, rng, device)
+        _restore_fp8(checkpoint, fp8_histories, fp8_keys)
     except Exception as caught:   # e.g. unreadable tensor bytes, found by this rank alone: tell the others first
         error = caught
     _raise_on_every_rank(error, device)
     notes = _notes(cfg, manifest, layout, with_optimizer, with_rng, rng is not None) + model_notes
+    if fp8_histories and not fp8_keys and not c.finetune:
+        notes.append("FP8 amax histories: none in the checkpoint (saved without --fp8-recipe delayed): they start "
+                     "afresh")
     if not checkpoint.has_digests:
         notes.append(NO_DIGESTS)
     if c.finetune:
@@ -236,6 +242,29 @@ def _install_moments(optimizer: MegaliteOptimizer, moments: dict[int, dict[str, 
     # A constant --loss-scale stays the user's; a dynamic scaler continues from the saved one.
     if scaler is not None and saved is not None and set(saved) == set(scaler.state_dict()) and len(saved) > 1:
         scaler.load_state_dict(saved)
+
+
+def _fp8_keys(checkpoint: Checkpoint, histories: list[tuple[str, Fp8History]]) -> dict[str, list[str]]:
+    """Module name -> its history's keys, for the histories this checkpoint holds (at any layout: a history is the
+    same on every rank holding its layer); empty when it holds none of them."""
+    stored = checkpoint.metadata.state_dict_metadata
+    found = {name: [fp8_key(name, item) for item in history.state_dict()] for name, history in histories}
+    present = {name: keys for name, keys in found.items() if all(key in stored for key in keys)}
+    if present and len(present) < len(found):
+        missing = next(name for name in found if name not in present)
+        raise CheckpointError(f"{checkpoint.path}: incomplete checkpoint: no FP8 amax history of {missing}")
+    return present
+
+
+def _restore_fp8(checkpoint: Checkpoint, histories: list[tuple[str, Fp8History]], keys: dict[str, list[str]]) -> None:
+    if not keys:
+        return
+    values = checkpoint.read([key for name in keys for key in keys[name]])
+    for name, history in histories:
+        try:
+            history.load_state_dict({key.rsplit("/", 1)[1]: values[key] for key in keys[name]})
+        except ValueError as error:
+            raise CheckpointError(f"{checkpoint.path}: {name}: {error}") from None
 
 
 def _restore_rng(checkpoint: Checkpoint, rng: TensorParallelRNG, device: torch.device) -> None:

@@ -10,6 +10,7 @@ Who writes what, so that every piece is stored exactly once:
 - optimizer state (fp32 main parameter, Adam moments) per piece of :class:`MegaliteOptimizer`: with the
   distributed optimizer every DP rank writes the ranges it owns, without it DP rank 0 writes whole parameters;
 - RNG states: every rank, under its (pp, tp, dp) coordinates;
+- FP8 amax histories (delayed scaling), equal on every rank holding the layer: TP and DP rank 0 of its stage;
 - the manifest, with every rank's digests, and the tokenizer's files (which tools/generate.py uses): rank 0, last.
 
 :func:`start_save` returns a :class:`PendingSave`: with ``asynchronous`` (``--async-save``) the tensors are copied
@@ -33,7 +34,7 @@ import torch.distributed as dist
 from megalite import parallel_state
 from megalite.checkpoint import directory as ckpt_dir
 from megalite.checkpoint.errors import CheckpointError
-from megalite.checkpoint.keys import model_key, optimizer_key, rng_key, slice_of, stores_slice
+from megalite.checkpoint.keys import fp8_key, model_key, optimizer_key, rng_key, slice_of, stores_slice
 from megalite.checkpoint.digests import digest_bytes
 from megalite.checkpoint.manifest import MANIFEST_NAME, Digests, Manifest, SavedLayout, TensorSpec
 from megalite.checkpoint.model_specs import model_parameters
@@ -42,7 +43,7 @@ from megalite.config import MegaliteConfig, to_dict
 from megalite.data.tokenizer import Tokenizer
 from megalite.distributed import full_local_tensor, is_expert
 from megalite.optimizer import MegaliteOptimizer
-from megalite.tensor_parallel import TensorParallelRNG
+from megalite.tensor_parallel import Fp8History, TensorParallelRNG
 
 
 @dataclasses.dataclass
@@ -121,9 +122,11 @@ class PendingSave:
 def start_save(root: str | Path, *, cfg: MegaliteConfig, iteration: int, consumed_samples: int,
                parameters: list[tuple[str, torch.nn.Parameter]], optimizer: Optional[MegaliteOptimizer] = None,
                rng: Optional[TensorParallelRNG] = None, tokenizer: Optional[Tokenizer] = None,
-               device: torch.device = torch.device("cpu"), asynchronous: bool = False) -> PendingSave:
+               device: torch.device = torch.device("cpu"), asynchronous: bool = False,
+               fp8_histories: list[tuple[str, Fp8History]] = ()) -> PendingSave:
     """Begin :func:`save_checkpoint`: this rank's tensors are written (``asynchronous``: copied, then written in the
-    background) and what the manifest says is taken now; :meth:`PendingSave.finish` completes it."""
+    background) and what the manifest says is taken now; :meth:`PendingSave.finish` completes it.
+    ``fp8_histories``: (canonical module name, history) of this rank's FP8 linears."""
     at = _Coordinates.registered()
     layout_size = at.tp * at.pp * at.dp
     if layout_size not in (1, world_size()):
@@ -140,6 +143,9 @@ def start_save(root: str | Path, *, cfg: MegaliteConfig, iteration: int, consume
         tensors.update(_optimizer_tensors(optimizer, at, {id(param): name for name, param in parameters}))
     streams = _rng_states(rng, device)
     tensors.update({rng_key(at.pp_rank, at.tp_rank, at.dp_rank, s): state for s, state in streams.items()})
+    if at.tp_rank == 0 and at.dp_rank == 0:
+        tensors.update({fp8_key(name, item): value for name, history in fp8_histories
+                        for item, value in history.state_dict().items()})
     manifest = Manifest(
         iteration=iteration, consumed_samples=consumed_samples,
         layout=SavedLayout.of(cfg, parallel_state.get_data_parallel_world_size()),   # pure DP: CP is its own field

@@ -98,6 +98,19 @@ class ModelConfig:
               "(only the first --recompute-num-layers layers of each model chunk, one by one).")
     recompute_num_layers: int = option(
         1, "With full recompute: layers per recomputed group (uniform) or recomputed layers per chunk (block).")
+    fp8_format: Optional[str] = option(
+        None, "FP8 matrix products in the attention and MLP linears (torch._scaled_mm; bf16 master weights, norms, "
+              "softmax, embeddings and output layer): e4m3 (every operand e4m3) or hybrid (e4m3 forward, e5m2 "
+              "gradients), Transformer Engine's names; needs --bf16.")
+    fp8_recipe: str = option(
+        "delayed", "With --fp8-format, how FP8 scales are chosen: tensorwise (the amax of each tensor now), delayed "
+                   "(Transformer Engine's: from the amax history of earlier steps) or rowwise (per row of "
+                   "activations and gradients, per column of weights, along each product's inner dimension).")
+    fp8_margin: int = option(0, "With --fp8-format: scale FP8 values 2^margin below the format's largest value.")
+    fp8_amax_history_len: int = option(
+        1, "With --fp8-recipe delayed: steps of amax history kept per tensor.")
+    fp8_amax_compute_algo: str = option(
+        "most_recent", "With --fp8-recipe delayed: the amax a scale comes from, max (of the history) or most_recent.")
     attention_backend: str = option(
         "auto", "Megatron's choice of attention implementation (flash, fused, unfused, local or auto): megalite picks "
                 "its attention core itself (scaled_dot_product_attention, flash or memory-efficient kernels on GPUs; "

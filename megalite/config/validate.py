@@ -64,6 +64,7 @@ def validate(cfg: MegaliteConfig, world_size: int) -> None:
         _require(value % tp == 0,
                  f"{getattr(FLAG, name)} {value} is not divisible by {FLAG.tensor_model_parallel_size} {tp}")
     _check_architecture(cfg)
+    _check_fp8(cfg)
     _check_context_parallel(cfg)
     _check_experts(cfg, dp)
     _require(t.global_batch_size % (t.micro_batch_size * dp) == 0,
@@ -228,6 +229,40 @@ def _check_architecture(cfg: MegaliteConfig) -> None:
     else:
         _require(m.recompute_method is None,
                  f"{FLAG.recompute_method} applies to {FLAG.recompute_granularity} full only")
+
+
+# FP8 matrix products (torch._scaled_mm on Hopper) take dimensions that are multiples of this.
+FP8_MULTIPLE = 16
+
+
+def _check_fp8(cfg: MegaliteConfig) -> None:
+    """The FP8 recipe's options, bf16 around it, and every dimension of the FP8 products a multiple of 16: each
+    rank's slice of the attention and MLP weights, and its tokens per micro-batch (the weight gradient's inner
+    dimension)."""
+    m, p, t = cfg.model, cfg.parallel, cfg.training
+    _one_of("fp8_format", m.fp8_format, (None, "e4m3", "hybrid"))
+    _one_of("fp8_recipe", m.fp8_recipe, ("tensorwise", "delayed", "rowwise"))
+    _one_of("fp8_amax_compute_algo", m.fp8_amax_compute_algo, ("max", "most_recent"))
+    _at_least(1, [("fp8_amax_history_len", m.fp8_amax_history_len)])
+    _at_least(0, [("fp8_margin", m.fp8_margin)])
+    if m.fp8_format is None:
+        return
+    _require(t.bf16, f"{FLAG.fp8_format} needs {FLAG.bf16}: FP8 products take bf16 activations and master weights")
+    tp, cp = p.tensor_model_parallel_size, p.context_parallel_size
+    fc1 = 2 * m.ffn_size if m.swiglu else m.ffn_size
+    dims = [(f"{FLAG.hidden_size} {m.hidden_size}", m.hidden_size),
+            (f"the query/key/value projection's {m.query_size + 2 * m.query_groups * m.head_dim} outputs / TP {tp}",
+             (m.query_size + 2 * m.query_groups * m.head_dim) // tp),
+            (f"the query width {m.query_size} (heads x head dimension) / TP {tp}", m.query_size // tp),
+            (f"the MLP's first {fc1} outputs / TP {tp}", fc1 // tp),
+            (f"{FLAG.ffn_hidden_size} {m.ffn_size} / TP {tp}", m.ffn_size // tp),
+            (f"{FLAG.micro_batch_size} {t.micro_batch_size} x {FLAG.seq_length} {m.seq_length}"
+             + (f" / {FLAG.context_parallel_size} {cp}" if cp > 1 else "") + " tokens",
+             t.micro_batch_size * m.seq_length // cp)]
+    for what, value in dims:
+        _require(value % FP8_MULTIPLE == 0,
+                 f"{FLAG.fp8_format} needs every dimension of the FP8 matrix products to be a multiple of "
+                 f"{FP8_MULTIPLE}: {what} = {value} is not")
 
 
 def _check_context_parallel(cfg: MegaliteConfig) -> None:

@@ -48,7 +48,7 @@ from megalite.model.context_parallel import SequenceShard, context_parallel_atte
 from megalite.model.kv_cache import LayerCache
 from megalite.model.norms import norm
 from megalite.model.rotary import RopeScaling, RotaryEmbedding
-from megalite.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, TensorParallelRNG,
+from megalite.tensor_parallel import (ColumnParallelLinear, Fp8Recipe, RowParallelLinear, TensorParallelRNG,
                                       all_gather_tensor_parallel, mark_sequence_parallel, recompute)
 
 
@@ -87,11 +87,12 @@ class SelfAttention(nn.Module):
         # Queries are heads x head_dim wide: the hidden size, unless --kv-channels sets another head dimension.
         fused = 3 if groups == heads else (cfg.query_size, kv_size, kv_size)
         output_std = cfg.init_method_std / math.sqrt(2.0 * cfg.num_layers)   # Megatron's scaled init of outputs
+        fp8 = Fp8Recipe.of(cfg)   # --fp8-format: both projections' products in FP8 (the core stays bf16)
         self.linear_qkv = ColumnParallelLinear(cfg.hidden_size, cfg.query_size + 2 * kv_size, fused=fused,
                                                bias=bias or cfg.add_qkv_bias, init_std=cfg.init_method_std,
-                                               sequence_parallel=sequence_parallel)
+                                               sequence_parallel=sequence_parallel, fp8=fp8)
         self.linear_proj = RowParallelLinear(cfg.query_size, cfg.hidden_size, bias=bias, init_std=output_std,
-                                             sequence_parallel=sequence_parallel)
+                                             sequence_parallel=sequence_parallel, fp8=fp8)
 
     def forward(self, x: torch.Tensor, shard: SequenceShard | None = None,
                 cache: Optional[LayerCache] = None) -> torch.Tensor:

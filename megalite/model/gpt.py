@@ -35,9 +35,9 @@ from megalite.model.context_parallel import SequenceShard
 from megalite.model.kv_cache import KVCache
 from megalite.model.norms import norm, position_embedding
 from megalite.model.transformer import TransformerLayer, run_layers
-from megalite.tensor_parallel import (ColumnParallelLinear, TensorParallelRNG, VocabParallelEmbedding,
-                                      gather_from_tensor_parallel, initialize_parameters, mark_sequence_parallel,
-                                      vocab_parallel_cross_entropy)
+from megalite.tensor_parallel import (ColumnParallelLinear, Fp8History, TensorParallelRNG, VocabParallelEmbedding,
+                                      fp8_histories, gather_from_tensor_parallel, initialize_parameters,
+                                      mark_sequence_parallel, vocab_parallel_cross_entropy)
 
 
 class GPTEmbedding(nn.Module):
@@ -109,18 +109,24 @@ class GPTModel(nn.Module):
             if module is not None and module.weight is not None:
                 module.weight.is_embedding_or_output = True
 
+    def _canonical(self, name: str) -> str:
+        """``layers.1.mlp...`` of the stage that starts at layer 6 is ``layers.7.mlp...``."""
+        match = re.match(r"layers\.(\d+)\.(.*)", name)
+        return f"layers.{int(match.group(1)) + self.layer_offset}.{match.group(2)}" if match else name
+
     def canonical_named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         """Parameters with layers numbered globally (``layers.7.mlp...`` on the stage that starts at layer 6), then
         the buffers marked like parameters (state that is initialized and checkpointed but not stepped by the
         optimizer: the MoE routers' expert biases)."""
         buffers = ((name, b) for name, b in self.named_buffers() if hasattr(b, "full_shape"))
         for name, param in itertools.chain(self.named_parameters(), buffers):
-            match = re.match(r"layers\.(\d+)\.(.*)", name)
-            if match:
-                name = f"layers.{int(match.group(1)) + self.layer_offset}.{match.group(2)}"
-            elif name == "output_layer.weight" and self.holds_embedding_copy:
+            if name == "output_layer.weight" and self.holds_embedding_copy:
                 name = "embedding.word.weight"
-            yield name, param
+            yield self._canonical(name), param
+
+    def canonical_fp8_histories(self) -> list[tuple[str, Fp8History]]:
+        """The FP8 linears' amax histories (delayed recipe), named by their canonical module names."""
+        return [(self._canonical(name), history) for name, history in fp8_histories([self])]
 
     def initialize(self, seed: int) -> None:
         """Layout-independent initialization: see megalite.tensor_parallel.partition."""

@@ -21,7 +21,7 @@ from torch import nn
 from megalite.config import ModelConfig
 from megalite.kernels import DEFAULT_POLICY, KernelPolicy, fused
 from megalite.kernels.policy import BIAS_GELU
-from megalite.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megalite.tensor_parallel import ColumnParallelLinear, Fp8Recipe, RowParallelLinear
 
 
 class MLP(nn.Module):
@@ -33,10 +33,12 @@ class MLP(nn.Module):
         self.swiglu = cfg.swiglu
         self.gelu_approximation = "tanh" if cfg.openai_gelu else "none"   # F.gelu's names
         fc1_size = 2 * cfg.ffn_size if cfg.swiglu else cfg.ffn_size
+        fp8 = Fp8Recipe.of(cfg)   # --fp8-format: both linears' products in FP8
         self.linear_fc1 = ColumnParallelLinear(cfg.hidden_size, fc1_size, fused=2 if cfg.swiglu else 1, bias=bias,
-                                               init_std=cfg.init_method_std, sequence_parallel=sequence_parallel)
+                                               init_std=cfg.init_method_std, sequence_parallel=sequence_parallel,
+                                               fp8=fp8)
         self.linear_fc2 = RowParallelLinear(cfg.ffn_size, cfg.hidden_size, bias=bias, init_std=output_std,
-                                            sequence_parallel=sequence_parallel)
+                                            sequence_parallel=sequence_parallel, fp8=fp8)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.linear_fc1.bias

@@ -36,6 +36,7 @@ class Hardware:
     gpus_per_node: int = 8
     gpu_memory_gib: float = 80.0         # an "80 GB" H100 has 80 GiB of HBM (torch reports 79.1 GiB usable)
     peak_tflops: float = PEAK_BF16_TFLOPS["H100"]   # dense bf16 tensor-core peak (H100 SXM)
+    fp8_peak_ratio: float = 2.0          # dense FP8 / bf16 peak: Hopper and Ada 2 (H100 SXM 1979 / 989), A100 1 (none)
     intra_node_link: str = "nvlink"      # nvlink | pcie
     intra_node_gbps: float | None = None  # GB/s per direction per GPU; None: the link's default above
     inter_node_network: str = "infiniband"   # infiniband | roce | ethernet
@@ -55,6 +56,8 @@ class Hardware:
                              f"{self.gpus_per_node}")
         if self.num_gpus > self.gpus_per_node and self.num_gpus % self.gpus_per_node:
             raise ValueError(f"{self.num_gpus} GPUs do not fill whole nodes of {self.gpus_per_node}")
+        if self.fp8_peak_ratio < 1:
+            raise ValueError(f"the FP8 / bf16 peak ratio must be >= 1, got {self.fp8_peak_ratio}")
         if not (0 < self.efficiency <= 1 and 0 <= self.memory_headroom < 1):
             raise ValueError("efficiency must be in (0, 1] and memory headroom in [0, 1)")
 

@@ -48,6 +48,11 @@ one, else the network):
   unfused attention on a GPU, counted 3x slower than the flash kernel the other cores use
   (UNFUSED_ATTENTION_SLOWDOWN).
 
+FP8 (``--fp8-format``): the attention and MLP linears' products run at the device's FP8 rate (Hopper: twice its
+bf16 peak, ``Hardware.fp8_peak_ratio``), the attention core and the output layer at bf16's; under sequence
+parallelism the column-parallel inputs are gathered in FP8 (one byte an element). The quantization passes
+(memory-bound) are not counted, nor FP8's smaller saved activations in the memory estimate.
+
 Not modelled: kernel efficiency changing with matrix sizes (one efficiency for all), the optimizer step itself
 (memory-bound, small next to a step; with CPU offload it is the host's Adam, and --offload-params adds host-device
 copies of every shard), stragglers and network contention between groups (ZeRO-3's gathers share the links with
@@ -128,8 +133,12 @@ def step_time(model: ModelConfig, layout: Layout, hardware: Hardware, global_bat
     core_time_flops = core_flops * (UNFUSED_ATTENTION_SLOWDOWN if ring else 1.0)   # the ring's blocks are unfused
 
     def flops_of(index: int) -> tuple[float, float]:
-        """(FLOPs of layer ``index`` per micro-batch, recompute included; of which recompute)."""
-        flops = 6.0 * b * s * macs_per_token_per_layer(model, index) + core_time_flops
+        """(FLOPs of layer ``index`` per micro-batch, recompute included; of which recompute), in bf16 time: with
+        --fp8-format a dense layer's linears count 1 / fp8_peak_ratio (MoE experts stay bf16)."""
+        linears = 6.0 * b * s * macs_per_token_per_layer(model, index)
+        if model.fp8_format is not None and not moe[index]:
+            linears /= hardware.fp8_peak_ratio
+        flops = linears + core_time_flops
         recompute = {"full": flops / 3, "selective": core_time_flops / 3}.get(model.recompute_granularity, 0.0)
         return flops + recompute, recompute
 
@@ -144,6 +153,10 @@ def step_time(model: ModelConfig, layout: Layout, hardware: Hardware, global_bat
     # half, and under sequence parallelism the gather of its input and of its output's gradient.
     tp_bw, act = hardware.bandwidth(tp), b * s * h * p
     dense_units = 10 if layout.sequence_parallel else 8
+    if layout.sequence_parallel and model.fp8_format is not None:
+        # The column-parallel inputs travel in FP8, half the bytes: the two forward gathers, and the two backward
+        # re-gathers unless rowwise (which re-gathers bf16 for the weight gradient's per-column scales).
+        dense_units -= 1 if model.fp8_recipe == "rowwise" else 2
     if model.recompute_granularity == "full":
         dense_units += 4
     half = dense_units / 2

@@ -11,6 +11,10 @@ row-parallel bias) are flagged ``sequence_parallel`` so their partial gradients 
 
 Both linears compute their weight gradient with ``weight_gradient`` and can leave it to a later W step of a
 zero-bubble pipeline schedule (``weight_grad_store``, see megalite.tensor_parallel.weight_grad).
+
+Given an FP8 recipe (``fp8``), a linear computes its three products in FP8 (megalite.tensor_parallel.fp8_linear) on
+the same bf16 weight and with the same communication around them; with the delayed recipe it keeps its amax
+history in ``fp8_history``. Its weight gradient is computed in its backward (not deferred to a W step).
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from megalite import parallel_state
+from megalite.tensor_parallel.fp8 import Fp8Recipe
+from megalite.tensor_parallel.fp8_linear import Fp8History, fp8_linear
 from megalite.tensor_parallel.mappings import (SEQUENCE_DIM, all_gather, copy_to_tensor_parallel,
                                                gather_from_tensor_parallel, reduce_from_tensor_parallel,
                                                reduce_scatter, reduce_scatter_to_sequence_parallel,
@@ -85,13 +91,25 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, st
     return _Linear.apply(x, weight, bias, gather_input, scatter_output, store)
 
 
+class _Fp8Products:
+    """The FP8 side of a linear (``fp8``: its recipe or None; ``fp8_history``: its delayed amax history)."""
+
+    def _init_fp8(self, fp8: Fp8Recipe | None) -> None:
+        self.fp8 = fp8
+        self.fp8_history = Fp8History(fp8) if fp8 is not None and fp8.recipe == "delayed" else None
+
+    def _fp8_product(self, x: torch.Tensor, weight: torch.Tensor, kind: str, gather_sequence: bool = False):
+        return fp8_linear(x, weight, self.fp8, self.fp8_history, kind, gather_sequence,
+                          record=self.training and torch.is_grad_enabled())
+
+
 def mark_sequence_parallel(param: nn.Parameter | None) -> None:
     """Flag a TP-replicated parameter that acts on this rank's sequence shard (its gradient is summed over TP)."""
     if param is not None:
         param.sequence_parallel = True
 
 
-class ColumnParallelLinear(nn.Module):
+class ColumnParallelLinear(_Fp8Products, nn.Module):
     """y = x A^T + b with A's output rows split over TP. ``fused`` (a number of equal blocks, or the block sizes)
     splits each stacked block separately (a fused QKV weight [q; k; v] gives each rank its heads' q, k and v; with
     grouped-query attention the blocks are unequal). ``padded_output_size`` zero-pads the rows first (the vocabulary
@@ -102,8 +120,9 @@ class ColumnParallelLinear(nn.Module):
     def __init__(self, input_size: int, output_size: int, *, init_std: float, bias: bool = True,
                  gather_output: bool = False, fused: int | tuple[int, ...] = 1,
                  padded_output_size: int | None = None, weight_from_caller: bool = False,
-                 sequence_parallel: bool = False):
+                 sequence_parallel: bool = False, fp8: Fp8Recipe | None = None):
         super().__init__()
+        self._init_fp8(fp8)
         if gather_output and fused != 1:
             raise ValueError("a gathered output of a fused weight would interleave the blocks rank by rank")
         self.gather_output = gather_output
@@ -119,21 +138,26 @@ class ColumnParallelLinear(nn.Module):
         """``skip_bias_add``: leave the bias out, for a caller that adds it fused with what follows (bias + GeLU)."""
         weight = self.weight if weight is None else weight
         bias = None if skip_bias_add else self.bias
-        if self.sequence_parallel and parallel_state.get_tensor_model_parallel_world_size() > 1:
+        gather = self.sequence_parallel and parallel_state.get_tensor_model_parallel_world_size() > 1
+        if self.fp8 is not None:
+            y = self._fp8_product(x if gather else copy_to_tensor_parallel(x), weight, "column", gather)
+            y = y + bias if bias is not None else y
+        elif gather:
             y = _linear(x, weight, bias, self.weight_grad_store, gather_input=True)
         else:
             y = _linear(copy_to_tensor_parallel(x), weight, bias, self.weight_grad_store)
         return gather_from_tensor_parallel(y) if self.gather_output else y
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(_Fp8Products, nn.Module):
     """y = x B^T + b with B's input columns split over TP; partial products are summed by one all-reduce
     (a reduce-scatter along the sequence with ``sequence_parallel``). The bias is replicated and added once, after
     the sum."""
 
     def __init__(self, input_size: int, output_size: int, *, init_std: float, bias: bool = True,
-                 input_is_parallel: bool = True, sequence_parallel: bool = False):
+                 input_is_parallel: bool = True, sequence_parallel: bool = False, fp8: Fp8Recipe | None = None):
         super().__init__()
+        self._init_fp8(fp8)
         self.input_is_parallel = input_is_parallel
         self.sequence_parallel = sequence_parallel
         self.weight = _parameter((output_size, input_size), Partition(dim=1), normal_init(init_std))
@@ -144,10 +168,17 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if parallel_state.get_tensor_model_parallel_world_size() == 1:   # nothing to sum: the bias add fused in
+            if self.fp8 is not None:
+                y = self._fp8_product(x, self.weight, "row")
+                return y + self.bias if self.bias is not None else y
             return _linear(x, self.weight, self.bias, self.weight_grad_store)
         if not self.input_is_parallel:
             x = scatter_to_tensor_parallel(x)
-        if self.sequence_parallel:   # the sum reduce-scattered inside, so a deferred W keeps the gradient's shard
+        if self.fp8 is not None:
+            partial = self._fp8_product(x, self.weight, "row")
+            y = (reduce_scatter_to_sequence_parallel(partial) if self.sequence_parallel
+                 else reduce_from_tensor_parallel(partial))
+        elif self.sequence_parallel:   # the sum reduce-scattered inside, so a deferred W keeps the gradient's shard
             y = _linear(x, self.weight, None, self.weight_grad_store, scatter_output=True)
         else:
             y = reduce_from_tensor_parallel(_linear(x, self.weight, None, self.weight_grad_store))

@@ -36,7 +36,9 @@ from megalite.optimizer.clip_grads import counts_toward_norm
 from megalite.pipeline import (PipelineLinks, StepClock, build_schedule, chunks_of_rank, placement_of, plan_transfers,
                                run_schedule, splits_backward)
 from megalite.pipeline.partition import stage_rank
-from megalite.tensor_parallel import TensorParallelRNG, WeightGradStore, attach_weight_grad_store
+from megalite.tensor_parallel import (Fp8Recipe, TensorParallelRNG, WeightGradStore, attach_weight_grad_store,
+                                      update_delayed_scales)
+from megalite.tensor_parallel.fp8 import has_fp8_tensor_cores
 from megalite.training.housekeeping import MemoryHousekeeping
 from megalite.training.metrics import MetricsLogger
 from megalite.training.moe_statistics import MoEStatistics
@@ -159,6 +161,10 @@ class Trainer:
                     engine(**shared, select=lambda p: not is_expert(p)),
                     engine(data_group=expert_data, tensor_group=shared["tensor_group"], select=is_expert)])
         self.tied_embedding_weights = [w for chunk in self.model for w in chunk.tied_embedding_weights()]
+        # The FP8 linears' amax histories (delayed recipe), by canonical name (checkpoints keep them).
+        self.fp8_histories = [found for chunk in self.model for found in chunk.canonical_fp8_histories()]
+        self.fp8_groups = (parallel_state.get_tensor_model_parallel_group(),
+                           parallel_state.get_data_parallel_group(with_context_parallel=True))
         self.optimizer = MegaliteOptimizer(self.engine, o, cfg.training)
         self.lr_schedule = LRSchedule.from_config(o, cfg.training, m.seq_length)
         self.state = TrainState()
@@ -228,7 +234,20 @@ class Trainer:
         context = f"CP={self.cp} ({self.cfg.parallel.cp_comm_type}) x " if self.cp > 1 else ""
         return (f"megalite: TP={tp} x {context}PP={self.pp} x DP={dp} (V={self.virtual_stages}, {schedule}, "
                 f"{micro} micro-batches per step, {describe_batches(self.batches)}); {sharding}{offload}; "
-                f"{total / 1e6:.2f}M parameters{moe}; {str(self.dtype).removeprefix('torch.')}; {data}")
+                f"{total / 1e6:.2f}M parameters{moe}; {str(self.dtype).removeprefix('torch.')}{self._fp8_words()}; "
+                f"{data}")
+
+    def _fp8_words(self) -> str:
+        """What --fp8-format adds to the start-up line: the recipe, and on a device without FP8 tensor cores that
+        it will not be faster."""
+        recipe = Fp8Recipe.of(self.cfg.model)
+        if recipe is None:
+            return ""
+        words = f" with {recipe.describe()} in the attention and MLP linears"
+        if not has_fp8_tensor_cores(self.device):
+            words += (f" (no FP8 tensor cores on {self.device.type}: correct, but not faster than bf16; torch's "
+                      f"scaled matrix product or its dequantized fallback does the products)")
+        return words
 
     def canonical_named_parameters(self):
         """(canonical name, parameter) over this rank's chunks; see GPTModel.canonical_named_parameters."""
@@ -333,6 +352,8 @@ class Trainer:
                                             else o.decoupled_min_lr))
         with self.timers("optimizer"):   # unscale, clip, AdamW, and the parameter gather unless overlapped
             step = self.optimizer.step(lr, decoupled_lr)
+        # FP8 delayed scaling: this step's amaxes, maxed over the ranks holding each layer, give the next scales.
+        update_delayed_scales(self.fp8_histories, self.fp8_groups)
         self.memory.after_step()
         # Which ranks saw a NaN/Inf (only looked for when the global norm, equal on every rank, is not finite).
         norm_bad = step["grad_norm"] is not None and not math.isfinite(step["grad_norm"])
@@ -400,7 +421,8 @@ class Trainer:
         pending = checkpoint.start_save(
             directory, cfg=self.cfg, iteration=self.state.iteration, consumed_samples=self.state.consumed_samples,
             parameters=list(self.canonical_named_parameters()), optimizer=self.optimizer, rng=self.rng,
-            tokenizer=self.data.tokenizer, device=self.device, asynchronous=self.cfg.checkpoint.async_save)
+            tokenizer=self.data.tokenizer, device=self.device, asynchronous=self.cfg.checkpoint.async_save,
+            fp8_histories=self.fp8_histories)
         self._checkpointed_iteration = self.state.iteration
         self._pending_save = pending
         return self.finish_save(wait=not self.cfg.checkpoint.async_save)
@@ -424,7 +446,7 @@ class Trainer:
         start = time.perf_counter()
         result = checkpoint.load_checkpoint(self.cfg, parameters=list(self.canonical_named_parameters()),
                                             optimizer=self.optimizer, rng=self.rng, device=self.device,
-                                            tokenizer=self.data.tokenizer)
+                                            tokenizer=self.data.tokenizer, fp8_histories=self.fp8_histories)
         if result is None:
             self.logger.print(f"no checkpoint in {c.load} yet: starting from scratch")
             return None

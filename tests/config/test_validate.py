@@ -12,6 +12,7 @@ from ..helpers import tiny_config
 def test_tiny_config_is_valid_on_several_world_sizes():
     for world, tp in [(1, 1), (2, 2), (4, 2), (4, 4), (8, 2)]:
         validate(tiny_config(tp=tp), world)
+        validate(tiny_config(tp=tp, model={"fp8_format": "hybrid"}, training={"bf16": True}), world)
 
 
 @pytest.mark.parametrize("cfg, world, message", [
@@ -139,6 +140,20 @@ def test_tiny_config_is_valid_on_several_world_sizes():
      "--context-parallel-size 2"),
     (tiny_config(data={"reset_attention_mask": True, "eod_mask_loss": True}), 1,
      "--reset-attention-mask/--eod-mask-loss need documents, which --mock-data does not have"),
+    (tiny_config(model={"fp8_format": "hybrid"}), 1,
+     "--fp8-format needs --bf16: FP8 products take bf16 activations and master weights"),
+    (tiny_config(model={"fp8_format": "e5m2"}), 1, "--fp8-format must be e4m3 or hybrid, got 'e5m2'"),
+    (tiny_config(model={"fp8_format": "hybrid", "fp8_recipe": "blockwise"}, training={"bf16": True}), 1,
+     "--fp8-recipe must be tensorwise, delayed or rowwise, got 'blockwise'"),
+    (tiny_config(model={"fp8_amax_compute_algo": "mean"}), 1, "--fp8-amax-compute-algo must be max or most_recent"),
+    (tiny_config(model={"fp8_amax_history_len": 0}), 1, "--fp8-amax-history-len must be >= 1, got 0"),
+    (tiny_config(model={"fp8_format": "e4m3", "ffn_hidden_size": 200}, training={"bf16": True}), 1,
+     "--fp8-format needs every dimension of the FP8 matrix products to be a multiple of 16: the MLP's first 200 "
+     "outputs / TP 1 = 200 is not"),
+    (tiny_config(tp=4, model={"fp8_format": "e4m3", "hidden_size": 96}, training={"bf16": True}), 4,
+     "the query/key/value projection's 288 outputs / TP 4 = 72 is not"),
+    (tiny_config(model={"fp8_format": "e4m3", "seq_length": 36}, training={"bf16": True}), 1,
+     "--micro-batch-size 2 x --seq-length 36 tokens = 72 is not"),
 ])
 def test_bad_values_name_the_numbers(cfg, world, message):
     with pytest.raises(ConfigError) as error:

@@ -1,5 +1,6 @@
 """tools/gpu_check.py: without a GPU it stops at once with a clear message (exit code 2); its CPU dry run (the same
-steps through the kernels' torch ops, tiny shapes, a tiny model) passes every check and ends with the table."""
+steps through the kernels' torch ops, tiny shapes, a tiny model) passes every check, FP8's included, and ends with
+the table."""
 
 from __future__ import annotations
 
@@ -32,4 +33,10 @@ def test_cpu_dry_run_passes_and_prints_the_table_last():
             assert any(line.startswith(f" {op} ") and f"| {dtype} " in line and "PASS" in line
                        for line in table.splitlines()), (op, dtype)
     assert "attention core" in table and "torch ops (off)" in table and "fused kernels (auto)" in table
-    assert result.stdout.rstrip().splitlines()[-1].startswith("PASS: 22/22 kernel checks passed")
+    for recipe in ("tensorwise", "delayed", "rowwise"):   # FP8: checks of each recipe and format, speeds, training
+        for fmt in ("e4m3", "hybrid"):
+            assert any(line.startswith(f" FP8 linear {recipe} (") and f"| {fmt} " in line and "PASS" in line
+                       for line in table.splitlines()), (recipe, fmt)
+        assert any(line.startswith(f" {recipe} ") and "torch._scaled_mm" in line for line in table.splitlines())
+    assert "FP8 hybrid delayed, fused kernels" in table and "FP8 hybrid tensorwise, fused kernels" in table
+    assert result.stdout.rstrip().splitlines()[-1].startswith("PASS: 28/28 kernel checks passed")

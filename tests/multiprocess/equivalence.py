@@ -41,8 +41,9 @@ def full_parameters(trainer: Trainer) -> dict[str, torch.Tensor]:
     return full
 
 
-def train(cfg, ranks=None):
-    """(records, final full parameters) on member ranks, None elsewhere."""
+def train(cfg, ranks=None, inspect=None):
+    """(records, final full parameters) on member ranks, None elsewhere; ``inspect(trainer)`` runs after training,
+    inside the layout."""
     p = cfg.parallel
     with layout(p.tensor_model_parallel_size, p.pipeline_model_parallel_size, ranks=ranks,
                 cp=p.context_parallel_size, ep=p.expert_model_parallel_size,
@@ -51,6 +52,8 @@ def train(cfg, ranks=None):
             return None
         trainer = Trainer(cfg, CPU)
         records = trainer.train()
+        if inspect is not None:
+            inspect(trainer)
         return records, full_parameters(trainer)
 
 

@@ -11,10 +11,12 @@ import torch
 import torch.nn.functional as F
 
 from megalite import parallel_state
-from megalite.tensor_parallel import (ColumnParallelLinear, Partition, RowParallelLinear, VocabParallelEmbedding, shard,
+from megalite.tensor_parallel import (ColumnParallelLinear, Fp8Recipe, Partition, RowParallelLinear,
+                                      VocabParallelEmbedding, shard, update_delayed_scales,
                                       vocab_parallel_cross_entropy)
 
 from ..helpers import assert_close_to_scale
+from ..tensor_parallel.fp8_reference import reference
 from .groups import layout
 
 TP_SIZES = [2, 4]
@@ -156,3 +158,58 @@ def test_sequence_parallel_column_then_row_linear(tp):
         summed = row.bias.grad.clone()
         torch.distributed.all_reduce(summed, group=parallel_state.get_tensor_model_parallel_group().group)
         assert_close_to_scale(summed, b_bias.grad)
+
+
+
+def _fp8_case(kind: str, sequence_parallel: bool, recipe: Fp8Recipe):
+    """An FP8 linear (32 -> 48 column-parallel, 48 -> 32 row-parallel) holding its slice of a full weight, full
+    input and output-gradient tensors, and what this rank holds of each: (layer, x, w, g, mine) where ``mine`` cuts
+    a full [2, 8, n] tensor to this rank's part of the input ("x") or of the output ("y")."""
+    rank, world = _tp()
+    gen = torch.Generator().manual_seed(7)
+    inputs, outputs = (32, 48) if kind == "column" else (48, 32)
+    x = torch.randn(2, 8, inputs, generator=gen) * torch.linspace(0.1, 3, inputs)   # uneven columns
+    w = torch.randn(outputs, inputs, generator=gen) * 0.05
+    g = torch.randn(2, 8, outputs, generator=gen) * 1e-3
+    if kind == "column":
+        layer = ColumnParallelLinear(inputs, outputs, init_std=0.02, bias=False, sequence_parallel=sequence_parallel,
+                                     fp8=recipe)
+    else:   # under sequence parallelism a row-parallel input is the column-parallel output: split by columns
+        layer = RowParallelLinear(inputs, outputs, init_std=0.02, bias=False, input_is_parallel=sequence_parallel,
+                                  sequence_parallel=sequence_parallel, fp8=recipe)
+    _load_full(layer.weight, w)
+    columns = lambda t: t.chunk(world, dim=-1)[rank]                                     # noqa: E731
+    sequence = (lambda t: t.chunk(world, dim=1)[rank]) if sequence_parallel else (lambda t: t)   # noqa: E731
+    parts = ({"x": sequence, "y": columns} if kind == "column" else
+             {"x": columns if sequence_parallel else (lambda t: t), "y": sequence})
+    return layer, x, w, g, lambda which, t: parts[which](t).clone()
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "hybrid"])
+@pytest.mark.parametrize("recipe", ["tensorwise", "delayed", "rowwise"])
+def test_fp8_linears_match_the_float64_reference(recipe, fmt):
+    """TP=2, column- and row-parallel, with and without sequence parallelism: the scales are those of the whole
+    tensors (amaxes maxed over TP), so each rank's part equals the float64 reference of the single product
+    (tests/tensor_parallel/fp8_reference.py) within fp32 rounding (1e-5 of the largest magnitude). Delayed: a second
+    pass scales from the history, whose entry, maxed over TP by update_delayed_scales, is the whole tensors' amax."""
+    with layout(2):
+        for kind in ("column", "row"):
+            for sequence_parallel in (False, True):
+                layer, x, w, g, mine = _fp8_case(kind, sequence_parallel, Fp8Recipe(fmt, recipe))
+                for step in range(2 if recipe == "delayed" else 1):
+                    x_local = mine("x", x).requires_grad_()
+                    layer.weight.grad = None
+                    y = layer(x_local)
+                    y.backward(mine("y", g))
+                    amaxes = None if step == 0 else (x.abs().max(), w.abs().max(), g.abs().max())
+                    y_ref, dx_ref, dw_ref = reference(x.reshape(-1, x.shape[-1]), w, g.reshape(-1, g.shape[-1]),
+                                                      "rowwise" if recipe == "rowwise" else "tensorwise", fmt,
+                                                      amaxes=amaxes)
+                    assert_close_to_scale(y, mine("y", y_ref.float().reshape(g.shape)))
+                    assert_close_to_scale(x_local.grad, mine("x", dx_ref.float().reshape(x.shape)))
+                    assert_close_to_scale(layer.weight.grad, _my_shard(layer.weight, dw_ref.float()))
+                    if recipe == "delayed":
+                        update_delayed_scales([("layer", layer.fp8_history)],
+                                              [parallel_state.get_tensor_model_parallel_group()])
+                        whole = torch.stack([x.abs().max(), w.abs().max(), g.abs().max()]).float()
+                        assert torch.equal(layer.fp8_history.history[:, 0], whole), (kind, sequence_parallel)

@@ -17,6 +17,7 @@ from megalite.config import validate
 from megalite.pipeline import schedule_bubble
 from megalite.planner import Hardware, Layout, command_line, load_model_config, search, step_time, to_json
 from megalite.planner.memory import fully_sharded_units, padded_elements
+from megalite.model.flops import dense_macs_per_token_per_layer
 from megalite.planner.performance import context_parallel_bytes
 from megalite.planner.search import _variants
 from megalite.planner.search import estimate as estimate_layout
@@ -218,6 +219,23 @@ def test_tensor_parallel_traffic_is_8bsh_times_t_minus_1_over_t():
         assert time.tp == pytest.approx(per_layer + ends)
         sequence_parallel = step_time(model, Layout(tp=tp, dp=8 // tp, sequence_parallel=True), hardware, 8 // tp)
         assert sequence_parallel.tp == pytest.approx(per_layer * 10 / 8 + ends)
+
+
+def test_fp8_linears_at_the_fp8_rate_and_their_gathers_in_one_byte():
+    """--fp8-format: the linears' FLOPs at twice the rate on Hopper (the attention core and output layer not), none
+    on a device without FP8 (ratio 1); under sequence parallelism the column-parallel gathers move FP8."""
+    model = load_model_config("gpt2_medium", num_layers=1)
+    fp8 = dataclasses.replace(model, fp8_format="hybrid", fp8_recipe="tensorwise")
+    layout = Layout(tp=2, dp=4, micro_batch_size=1, sequence_parallel=True)
+    hardware = Hardware(num_gpus=8, intra_node_gbps=1.0)
+    bf16_time, fp8_time = (step_time(m, layout, hardware, 4) for m in (model, fp8))
+    b, s, h = 1, model.seq_length, model.hidden_size
+    dense = 6.0 * b * s * dense_macs_per_token_per_layer(model) / (2 * hardware.peak_flops * hardware.efficiency)
+    assert bf16_time.compute - fp8_time.compute == pytest.approx(dense / 2)
+    assert step_time(fp8, layout, Hardware(num_gpus=8, fp8_peak_ratio=1.0), 4).compute == pytest.approx(
+        step_time(model, layout, Hardware(num_gpus=8), 4).compute)
+    per_unit = b * s * h * 1 / 2 * 2 / 1e9   # b s h bf16 elements x (t-1)/t, in seconds at 1 GB/s
+    assert bf16_time.tp - fp8_time.tp == pytest.approx(2 * per_unit)   # 4 of the 10 units at half the bytes
 
 
 def test_zero3_moves_the_parameters_three_times_per_micro_batch():

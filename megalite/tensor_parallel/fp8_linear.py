@@ -1,0 +1,236 @@
+"""The column- and row-parallel linears' three products in FP8 (megalite.tensor_parallel.fp8 for the numerics):
+y = x W^T forward, dx = dy W and dW = dy^T x backward, each quantize -> scaled product -> dequantize, with the
+master weight, the activations and the gradients outside these products in bf16.
+
+Every scale is the one a single process would use for the whole tensor: where an amax spans a dimension that TP
+splits, it is the max over the TP group (one small all-reduce). Tensorwise, a column-parallel weight and output
+gradient are split (by output rows) and a row-parallel weight and input (by input columns); rowwise, the amax is
+along each product's inner dimension, split in a row-parallel forward and a column-parallel input gradient.
+
+With sequence parallelism a column-parallel linear quantizes its sequence shard and all-gathers it in FP8 (as
+uint8, which every backend carries: gloo refuses FP8 types): half the bf16 traffic. Tensorwise and delayed, its
+weight gradient re-gathers that FP8 shard; rowwise, whose weight gradient scales x per column over all tokens,
+re-gathers the bf16 shard.
+
+Delayed scaling (:class:`Fp8History`, one per linear): during a step the scales come from the amax history of the
+steps before it, so the products need no all-reduce; each forward and backward records the running amax of its
+input, weight and output gradient, and :func:`update_delayed_scales`, after the optimizer step, takes the max over
+TP and DP x CP ranks (every rank holding the layer then agrees, and the scale of a step is that of the global batch
+whatever the layout), pushes it into the history and computes the next scales. The first step, with no history
+yet, scales tensorwise.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Optional
+
+import torch
+import torch.distributed as dist
+
+from megalite import parallel_state
+from megalite.parallel_state import GroupInfo
+from megalite.tensor_parallel.fp8 import Fp8Recipe, amax, quantize, scale_from_amax, scaled_mm
+from megalite.tensor_parallel.mappings import SEQUENCE_DIM, all_gather, reduce_scatter
+
+INPUT, WEIGHT, GRAD_OUTPUT = 0, 1, 2   # rows of an Fp8History
+ROLES = ("input", "weight", "grad_output")
+
+
+class Fp8History:
+    """A linear's amax history (delayed scaling): ``history`` [3, len] (input, weight, output gradient; the most
+    recent step first), the ``scales`` they give, the ``running`` amax of the step under way, and how many ``steps``
+    were recorded. Plain tensors, not buffers: casting the model to bf16 leaves them fp32."""
+
+    def __init__(self, recipe: Fp8Recipe):
+        self.recipe = recipe
+        self.history = torch.zeros(3, recipe.amax_history_len)
+        self.scales = torch.ones(3)
+        self.running = torch.zeros(3)
+        self.steps = 0
+
+    def to(self, device: torch.device) -> "Fp8History":
+        if self.history.device != device:
+            self.history, self.scales, self.running = (t.to(device) for t in (self.history, self.scales,
+                                                                                self.running))
+        return self
+
+    def record(self, role: int, value: torch.Tensor) -> None:
+        self.running[role] = torch.maximum(self.running[role], value.detach().amax())
+
+    def push(self, amaxes: torch.Tensor) -> None:
+        """End of a step: ``amaxes`` [3] (already the max over every rank holding the layer) enters the history."""
+        r = self.recipe
+        self.history = torch.roll(self.history, 1, dims=1)
+        self.history[:, 0] = amaxes
+        chosen = self.history.amax(dim=1) if r.amax_compute_algo == "max" else self.history[:, 0]
+        dtypes = (r.forward_dtype, r.forward_dtype, r.backward_dtype)
+        fresh = torch.stack([scale_from_amax(chosen[i], dtypes[i], r.margin) for i in range(3)])
+        self.scales = torch.where(chosen > 0, fresh, self.scales)   # a tensor seen as all zeros keeps its scale
+        self.running = torch.zeros_like(self.running)
+        self.steps += 1
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {"history": self.history.clone(), "scales": self.scales.clone(),
+                "steps": torch.tensor(self.steps, dtype=torch.int64)}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        if tuple(state["history"].shape) != tuple(self.history.shape):
+            raise ValueError(f"an FP8 amax history of shape {tuple(state['history'].shape)} cannot load into "
+                             f"{tuple(self.history.shape)} (another --fp8-amax-history-len)")
+        device = self.history.device
+        self.history, self.scales = state["history"].to(device).clone(), state["scales"].to(device).clone()
+        self.steps = int(state["steps"])
+        self.running = torch.zeros_like(self.running)
+
+
+def _max_over(value: torch.Tensor, reduce: bool) -> torch.Tensor:
+    """``value`` maxed over the TP group when ``reduce`` (the amax spans a dimension TP splits)."""
+    info = parallel_state.get_tensor_model_parallel_group()
+    if reduce and info.size > 1:
+        value = value.contiguous().clone()
+        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=info.group)
+    return value
+
+
+def _gather_fp8(q: torch.Tensor) -> torch.Tensor:
+    """All-gather an FP8 tensor along the sequence as its bytes (gloo has no FP8 types)."""
+    return all_gather(q.view(torch.uint8), SEQUENCE_DIM).view(q.dtype)
+
+
+class _Plan:
+    """What one linear's products need to know: the recipe, its history (delayed), its kind ("column" or "row"),
+    whether its input is a sequence shard to gather, and whether this call records amaxes."""
+
+    def __init__(self, recipe: Fp8Recipe, history: Optional[Fp8History], kind: str, gather_sequence: bool,
+                 record: bool):
+        self.recipe, self.history, self.kind = recipe, history, kind
+        self.gather_sequence, self.record = gather_sequence, record
+        self.split = parallel_state.get_tensor_model_parallel_world_size() > 1
+        delayed = recipe.recipe == "delayed"
+        self.use_history = delayed and history is not None and history.steps > 0
+        self.track = delayed and history is not None and record
+
+    def scale(self, role: int, x: torch.Tensor, dtype: torch.dtype, split: bool,
+              inner_dim: Optional[int] = None) -> torch.Tensor:
+        """The scale of ``x`` in its ``role``: from the history (delayed, after the first step), else the current
+        amax (of the whole tensor, or along ``inner_dim`` for rowwise), maxed over TP where ``split``."""
+        if self.use_history:
+            if self.track:
+                self.history.record(role, amax(x))
+            return self.history.scales[role]
+        current = _max_over(amax(x, inner_dim), split and self.split)
+        if self.track:
+            self.history.record(role, current)
+        return scale_from_amax(current, dtype, self.recipe.margin)
+
+
+def _quantized(plan: _Plan, role: int, x: torch.Tensor, dtype: torch.dtype, split: bool,
+               inner_dim: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(FP8 values, inverse scale) of ``x``."""
+    scale = plan.scale(role, x, dtype, split, inner_dim)
+    return quantize(x, scale, dtype), scale.reciprocal()
+
+
+class _Fp8Linear(torch.autograd.Function):
+    """y = x W^T with the three products in FP8; ``x`` is [..., in] (with ``gather_sequence``: this rank's sequence
+    shard [batch, seq / TP, in]), ``weight`` [out, in] this rank's slice."""
+
+    @staticmethod
+    def forward(ctx, x, weight, plan: _Plan):
+        r = plan.recipe
+        fwd, column, row = r.forward_dtype, plan.kind == "column", plan.kind == "row"
+        if r.recipe == "rowwise":
+            # Inner dimension: the input features, split over TP in a row-parallel linear.
+            x_q, x_inv = _quantized(plan, INPUT, x, fwd, split=row, inner_dim=-1)
+            w_q, w_inv = _quantized(plan, WEIGHT, weight, fwd, split=row, inner_dim=1)
+            saved_x = x   # the weight gradient scales x per column (over tokens): kept in bf16
+        else:
+            # A column-parallel input is whole (or a sequence shard, then the amax is over TP); a row-parallel one
+            # is split by columns. Both linears split their weight.
+            x_q, x_inv = _quantized(plan, INPUT, x, fwd, split=row or plan.gather_sequence)
+            w_q, w_inv = _quantized(plan, WEIGHT, weight, fwd, split=True)
+            saved_x = x_q
+        if plan.gather_sequence:
+            x_q = _gather_fp8(x_q)
+            if x_inv.dim() > 0:
+                x_inv = all_gather(x_inv, SEQUENCE_DIM)
+        lead = x_q.shape[:-1]
+        rows = x_q.reshape(-1, x_q.shape[-1])
+        y = scaled_mm(rows, w_q.t(), x_inv.reshape(-1, 1) if x_inv.dim() else x_inv,
+                      w_inv.reshape(1, -1) if w_inv.dim() else w_inv, x.dtype)
+        ctx.plan, ctx.column, ctx.x_dtype, ctx.w_dtype, ctx.lead = plan, column, x.dtype, weight.dtype, lead
+        if r.recipe == "rowwise":
+            ctx.save_for_backward(saved_x, weight)
+        else:   # FP8 copies of x and W: half the bytes of bf16, and the backward uses the forward's quantization
+            ctx.save_for_backward(saved_x, w_q, w_inv, x_inv)
+        # [tokens, out]; the caller restores the leading dims (a view made here could not be summed in place by
+        # the row-parallel all-reduce).
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        plan = ctx.plan
+        r = plan.recipe
+        bwd, fwd = r.backward_dtype, r.forward_dtype
+        g = grad
+        grad_input = grad_weight = None
+        if r.recipe == "rowwise":
+            x, weight = ctx.saved_tensors
+            if plan.gather_sequence:
+                x = all_gather(x, SEQUENCE_DIM)
+            x = x.reshape(-1, x.shape[-1])
+            # Input gradient dy [T, out] W [out, in]: inner dimension the outputs, split in a column-parallel linear.
+            g_q, g_inv = _quantized(plan, GRAD_OUTPUT, g, bwd, split=ctx.column, inner_dim=1)
+            w_q, w_inv = _quantized(plan, WEIGHT, weight, fwd, split=ctx.column, inner_dim=0)
+            grad_input = scaled_mm(g_q, w_q, g_inv, w_inv, ctx.x_dtype)
+            # Weight gradient dy^T [out, T] x [T, in]: inner dimension the tokens, never split over TP.
+            gt_q, gt_inv = _quantized(plan, GRAD_OUTPUT, g.t(), bwd, split=False, inner_dim=1)
+            xt_q, xt_inv = _quantized(plan, INPUT, x, fwd, split=False, inner_dim=0)
+            grad_weight = scaled_mm(gt_q, xt_q, gt_inv, xt_inv, ctx.w_dtype)
+        else:
+            x_q, w_q, w_inv, x_inv = ctx.saved_tensors
+            if plan.gather_sequence:
+                x_q = _gather_fp8(x_q)
+            x_q = x_q.reshape(-1, x_q.shape[-1])
+            g_q, g_inv = _quantized(plan, GRAD_OUTPUT, g, bwd, split=ctx.column)
+            grad_input = scaled_mm(g_q, w_q, g_inv, w_inv, ctx.x_dtype)
+            grad_weight = scaled_mm(g_q.t(), x_q, g_inv, x_inv, ctx.w_dtype)
+        grad_input = grad_input.reshape(*ctx.lead, grad_input.shape[-1])
+        if plan.gather_sequence:
+            grad_input = reduce_scatter(grad_input, SEQUENCE_DIM)
+        return grad_input, grad_weight, None
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, recipe: Fp8Recipe, history: Optional[Fp8History], kind: str,
+               gather_sequence: bool = False, record: bool = True) -> torch.Tensor:
+    """x W^T in FP8 (see the module docstring); ``kind`` "column" or "row"; ``record``: a training pass, whose
+    amaxes enter the delayed history."""
+    if history is not None:
+        history.to(x.device)
+    y = _Fp8Linear.apply(x, weight, _Plan(recipe, history, kind, gather_sequence, record))
+    lead = x.shape[:-1] if not gather_sequence else (*x.shape[:SEQUENCE_DIM], -1, *x.shape[SEQUENCE_DIM + 1:-1])
+    return y.view(*lead, y.shape[-1])
+
+
+def fp8_histories(modules: Iterable[torch.nn.Module]) -> list[tuple[str, Fp8History]]:
+    """(module name, history) of every FP8 linear in ``modules`` (model chunks), in a fixed order."""
+    found = []
+    for chunk in modules:
+        for name, module in chunk.named_modules():
+            history = getattr(module, "fp8_history", None)
+            if history is not None:
+                found.append((name, history))
+    return found
+
+
+def update_delayed_scales(found: list[tuple[str, Fp8History]], groups: Iterable[GroupInfo]) -> None:
+    """After an optimizer step: every history's running amaxes, maxed over ``groups`` (TP and DP x CP: the ranks
+    holding those layers), enter the history; one all-reduce per group for all of them."""
+    if not found:
+        return
+    running = torch.stack([history.running for _, history in found])
+    for info in groups:
+        if info is not None and info.size > 1:
+            dist.all_reduce(running, op=dist.ReduceOp.MAX, group=info.group)
+    for (_, history), amaxes in zip(found, running):
+        history.push(amaxes)

@@ -1,0 +1,126 @@
+"""FP8 linears against a float64 reference of quantize -> matrix product -> dequantize, written here from the
+formulas (Transformer Engine's scale fp8_max / amax / 2^margin, saturating casts), for every recipe and format:
+the forward product and both gradients, at TP=1 (tests/multiprocess/test_tensor_parallel_layers.py: TP=2)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megalite.tensor_parallel import fp8 as fp8_numerics
+from megalite.tensor_parallel.fp8 import E4M3, E5M2, Fp8Recipe, quantized_matmul, scaled_mm
+from megalite.tensor_parallel.fp8_linear import Fp8History, fp8_linear, update_delayed_scales
+
+from .fp8_reference import reference
+
+pytestmark = pytest.mark.usefixtures("single_process_layout")
+
+def _operands(dtype=torch.float32, tokens=48, inputs=64, outputs=32):
+    gen = torch.Generator().manual_seed(0)
+    x = (torch.randn(tokens, inputs, generator=gen) * torch.linspace(0.1, 3, inputs)).to(dtype)   # uneven columns
+    w = (torch.randn(outputs, inputs, generator=gen) * 0.02).to(dtype)
+    g = (torch.randn(tokens, outputs, generator=gen) * torch.linspace(1e-4, 1e-3, tokens)[:, None]).to(dtype)
+    return x, w, g
+
+
+def _run(x, w, g, recipe: Fp8Recipe, history=None, kind="column"):
+    x, w = x.clone().requires_grad_(), w.clone().requires_grad_()
+    y = fp8_linear(x, w, recipe, history, kind)
+    y.backward(g)
+    return y.detach(), x.grad, w.grad
+
+
+def _close(got, want, rtol):
+    """Each result within ``rtol`` of the reference's largest magnitude (the products' output rounding)."""
+    error = (got.double() - want).abs().max() / want.abs().max()
+    assert error <= rtol, f"relative error {error:.2e} > {rtol:.0e}"
+    return float(error)
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "hybrid"])
+@pytest.mark.parametrize("recipe", ["tensorwise", "delayed", "rowwise"])
+def test_linear_matches_the_float64_reference(recipe, fmt):
+    """fp32 activations: the products accumulate in fp32, so what is left is fp32 rounding; the FP8 error itself (vs
+    the unquantized product) is orders larger, which shows the quantization took place. The delayed recipe's first
+    step scales tensorwise."""
+    x, w, g = _operands()
+    history = Fp8History(Fp8Recipe(fmt, recipe)) if recipe == "delayed" else None
+    got = _run(x, w, g, Fp8Recipe(fmt, recipe), history)
+    want = reference(x, w, g, "rowwise" if recipe == "rowwise" else "tensorwise", fmt)
+    exact = (x.double() @ w.double().t(), g.double() @ w.double(), g.double().t() @ x.double())
+    for name, a, b, c in zip(("y", "dx", "dW"), got, want, exact):
+        _close(a, b, 1e-5)
+        assert (b - c).abs().max() / c.abs().max() > 1e-3, f"{name}: no FP8 error at all"
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "hybrid"])
+@pytest.mark.parametrize("recipe", ["tensorwise", "delayed", "rowwise"])
+def test_linear_in_bf16(recipe, fmt):
+    """bf16 activations and weights (what training uses): the reference within bf16's rounding of the output."""
+    x, w, g = _operands(torch.bfloat16)
+    got = _run(x, w, g, Fp8Recipe(fmt, recipe), Fp8History(Fp8Recipe(fmt, recipe)) if recipe == "delayed" else None)
+    want = reference(x, w, g, "rowwise" if recipe == "rowwise" else "tensorwise", fmt)
+    for a, b in zip(got, want):
+        assert a.dtype == torch.bfloat16
+        _close(a, b, 2 ** -7)
+
+
+@pytest.mark.parametrize("algo", ["max", "most_recent"])
+def test_delayed_scales_come_from_the_history(algo):
+    """After two steps with different amaxes the third scales by max(history) or the most recent amax, whatever
+    the tensor's own amax now (values above it saturate); the running amaxes of the step are recorded."""
+    recipe = Fp8Recipe("hybrid", "delayed", amax_history_len=4, amax_compute_algo=algo, margin=1)
+    history = Fp8History(recipe)
+    x, w, g = _operands()
+    big, small = (x.abs().max(), w.abs().max(), g.abs().max()), None
+    history.running = torch.stack([v.float() for v in big])
+    update_delayed_scales([("linear", history)], [])
+    small = tuple(v * 0.5 for v in big)
+    history.running = torch.stack([v.float() for v in small])
+    update_delayed_scales([("linear", history)], [])
+    assert history.steps == 2 and torch.equal(history.history[:, 0], torch.stack(small).float())
+    got = _run(x, w, g, recipe, history)
+    amaxes = big if algo == "max" else small
+    want = reference(x, w, g, "tensorwise", "hybrid", amaxes=amaxes, margin=1)
+    for a, b in zip(got, want):
+        _close(a, b, 1e-5)
+    assert torch.allclose(history.running, torch.stack(big).float())   # this step's own amaxes, for the next
+
+
+def test_history_saves_and_loads_bit_for_bit():
+    recipe = Fp8Recipe("e4m3", "delayed", amax_history_len=3)
+    history = Fp8History(recipe)
+    for step in range(4):
+        history.running = torch.rand(3, generator=torch.Generator().manual_seed(step))
+        history.push(history.running)
+    other = Fp8History(recipe)
+    other.load_state_dict(history.state_dict())
+    assert other.steps == 4 and torch.equal(other.history, history.history) and torch.equal(other.scales,
+                                                                                            history.scales)
+    with pytest.raises(ValueError, match="history-len"):
+        Fp8History(Fp8Recipe("e4m3", "delayed", amax_history_len=2)).load_state_dict(history.state_dict())
+
+
+@pytest.mark.parametrize("a_dtype, b_dtype", [(E4M3, E4M3), (E4M3, E5M2), (E5M2, E4M3)])
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_scaled_product_and_its_dequantized_fallback_agree(recipe, a_dtype, b_dtype, monkeypatch):
+    """torch._scaled_mm (where this torch has it on CPU) and the dequantized fp32 product it falls back to give the
+    same numbers; a failing kernel is taken over by the fallback."""
+    a, b = torch.randn(32, 64), torch.randn(64, 48)
+    kernel = quantized_matmul(a, b, a_dtype, b_dtype, recipe)
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("no kernel")
+    monkeypatch.setattr(fp8_numerics, "_backends", {})
+    monkeypatch.setattr(torch, "_scaled_mm", refuse)
+    fallback = quantized_matmul(a, b, a_dtype, b_dtype, recipe)
+    assert torch.allclose(kernel, fallback, rtol=1e-5, atol=1e-5)
+    assert set(fp8_numerics.backends().values()) == {"dequantized fp32"}
+
+
+def test_saturating_cast_and_margin():
+    x = torch.tensor([1.0, -2.0, 8.0])
+    q = scaled_mm(fp8_numerics.quantize(x[None], torch.tensor(64.0), E4M3), torch.ones(3, 1).to(E4M3),
+                  torch.tensor(0.5), torch.tensor(1.0), torch.float32)
+    assert q.item() == (64 - 128 + 448) * 0.5   # 512 saturates at e4m3's 448 instead of becoming NaN
+    assert fp8_numerics.scale_from_amax(torch.tensor(448.0), E4M3, margin=2).item() == 0.25

@@ -16,7 +16,9 @@ The reduction depends on the optimizer:
 Sums, not means: the loss is already normalized by the global token count. After the optimizer step, the
 distributed optimizer writes updated shards into the flat parameter buffer and ``gather_params`` all-gathers each
 bucket (asynchronously with ``overlap_param_gather``: a forward pre-hook waits for a module's buckets just before
-the module runs).
+the module runs). Gathers are launched in the order forward first needed the buckets (recorded by those hooks), so
+the first layer's parameters arrive first and each wait is on the oldest gather in flight; reductions go in the
+order backward finished the buckets (as each finishes with ``overlap_grad_reduce``, else at the end in that order).
 
 Tied word embeddings split across pipeline stages are "deferred": their bucket waits until the end, where their
 gradient is first summed with the other stage's copy over the embedding group, then reduced over DP like the rest.
@@ -105,6 +107,11 @@ class DataParallel(DataParallelEngine):
         self._pending_reductions: list[tuple[Optional[dist.Work], Callable[[], None]]] = []
         # bucket index -> (gather work, its input buffer, kept alive until the gather completes)
         self._pending_gathers: dict[int, tuple[dist.Work, torch.Tensor]] = {}
+        # Buckets in the order forward first needed them (recorded by the pre-hooks, the same on every DP rank, as
+        # they run the same model): the order their gathers are launched in.
+        self._forward_order: list[int] = []
+        # Buckets in the order backward finished them in the last micro-batch: the order their reductions go in.
+        self._backward_order: list[int] = []
         if overlap_param_gather:
             for m in modules:
                 for sub in m.modules():
@@ -156,6 +163,7 @@ class DataParallel(DataParallelEngine):
         self._waiting = {b.index: len(b.params) for b in self.buckets}
         self._micro_batches_done = {b.index: 0 for b in self.buckets}
         self._launched: set[int] = set()
+        self._backward_order = []
 
     def _on_grad_ready(self, param: torch.nn.Parameter) -> None:
         if not self.zero2:
@@ -174,6 +182,8 @@ class DataParallel(DataParallelEngine):
         if bucket.deferred:
             return
         last = self._micro_batches_done[bucket.index] == self.num_micro_batches
+        if last:
+            self._backward_order.append(bucket.index)
         if self.zero2:
             self._launch(bucket, async_op=self.overlap_grad_reduce)   # every micro-batch: frees the gradients
         elif last and self.overlap_grad_reduce:
@@ -213,7 +223,9 @@ class DataParallel(DataParallelEngine):
         """Sum tied-embedding gradients across stages, reduce every bucket not yet reduced, wait for all, then sum
         the sequence-parallel parameters' gradients over TP."""
         self._sum_tied_gradients()
-        for bucket in self.buckets:
+        finished = set(self._backward_order)   # the order backward finished them, then those it never finished
+        for bucket in [self.buckets[i] for i in self._backward_order] + [b for b in self.buckets
+                                                                         if b.index not in finished]:
             if self.zero2:
                 if bucket.deferred or any(p.grad is not None for p in bucket.params):
                     self._launch(bucket, async_op=False)   # deferred, or a parameter that got no gradient hook
@@ -274,7 +286,7 @@ class DataParallel(DataParallelEngine):
         """All-gather every bucket's updated shards into the full parameters."""
         if not self.distributed or self.dp == 1:
             return
-        for bucket in self.buckets:
+        for bucket in self.gather_order():
             start, end = self.shard(bucket)
             local = self.param_buffer[start:end].clone()   # gloo does not promise in-place gathers
             work = _all_gather(self.param_buffer[bucket.start:bucket.end], local,
@@ -283,9 +295,19 @@ class DataParallel(DataParallelEngine):
                 self._pending_gathers[bucket.index] = (work, local)
         # Without overlap the gathers completed above.
 
+    def gather_order(self) -> list[Bucket]:
+        """The buckets in the order forward needs them: as its pre-hooks first asked for them, then any it never
+        asked for, from the first parameters defined (the layout is reversed: the last bucket holds them)."""
+        seen = set(self._forward_order)
+        return [self.buckets[i] for i in self._forward_order] + [b for b in reversed(self.buckets)
+                                                                 if b.index not in seen]
+
     def _wait_for_params(self, module: torch.nn.Module, _inputs) -> None:
         for p in module.parameters(recurse=False):
-            pending = self._pending_gathers.pop(self.plan.bucket_of.get(id(p), -1), None)
+            index = self.plan.bucket_of.get(id(p), -1)
+            if index >= 0 and index not in self._forward_order:
+                self._forward_order.append(index)
+            pending = self._pending_gathers.pop(index, None)
             if pending is not None:
                 pending[0].wait()
 

@@ -16,6 +16,7 @@ import dataclasses
 import math
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -48,6 +49,18 @@ def _sum_over_data_parallel(value: torch.Tensor) -> torch.Tensor:
     if info.size > 1:
         dist.all_reduce(value, group=info.group)
     return value
+
+
+def _start_sum_over_data_parallel(value: torch.Tensor) -> Callable[[], torch.Tensor]:
+    """The same sum, launched now: returns a function that waits for it (once) and gives ``value``."""
+    info = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    work = [dist.all_reduce(value, group=info.group, async_op=True)] if info.size > 1 else []
+
+    def result() -> torch.Tensor:
+        while work:
+            work.pop().wait()
+        return value
+    return result
 
 
 def _gather_over_pipeline(value: torch.Tensor) -> list[torch.Tensor]:
@@ -228,10 +241,13 @@ class Trainer:
         num_micro_batches = self.micro_batches_in(global_batch_size)
         micro_batches = self._micro_batches(dataset, consumed_samples, num_micro_batches)
         if self.cfg.data.eod_mask_loss:   # the tokens that count, over every rank's share of the global batch
-            global_tokens = _sum_over_data_parallel(torch.stack([b.loss_mask.sum() for b in micro_batches]).sum())
-            global_tokens = global_tokens.clamp(min=1.0)
+            # Waited for only where the first loss is scaled by it: overlapped parameter gathers still in flight on
+            # this group come before it, and the first forward need not wait for them all.
+            counting = _start_sum_over_data_parallel(torch.stack([b.loss_mask.sum() for b in micro_batches]).sum())
+            global_tokens_now = lambda: counting().clamp(min=1.0)   # noqa: E731
         else:   # every token counts (our samples have no padding): the count needs no all-reduce
-            global_tokens = torch.tensor(float(global_batch_size * self.cfg.model.seq_length), device=self.device)
+            tokens = torch.tensor(float(global_batch_size * self.cfg.model.seq_length), device=self.device)
+            global_tokens_now = lambda: tokens   # noqa: E731
         loss_sums: list[torch.Tensor] = []
         loss_scale = self.optimizer.loss_scale   # 1 unless fp16
 
@@ -244,7 +260,7 @@ class Trainer:
                 return output
             loss_sum = (output.float() * mask).sum()
             loss_sums.append(loss_sum.detach())
-            return loss_sum * (loss_scale / global_tokens)
+            return loss_sum * (loss_scale / global_tokens_now())
 
         schedule = self.schedule(num_micro_batches)
         steps = schedule if not forward_only else [s for s in schedule if s.kind == "F"]
@@ -254,7 +270,7 @@ class Trainer:
                              virtual_stages=self.virtual_stages, links=self.links, forward_only=forward_only,
                              record_steps=record_steps)
         loss_sum = torch.stack(loss_sums).sum() if loss_sums else torch.zeros((), device=self.device)
-        return loss_sum, global_tokens, stats
+        return loss_sum, global_tokens_now(), stats
 
     def train_step(self) -> dict:
         """One optimizer step over one global batch; returns the iteration's metrics."""
@@ -274,6 +290,11 @@ class Trainer:
         self.timers.add("pipeline-wait", stats.total_s - stats.busy_s)
         with self.timers("grads-reduce"):
             self.engine.finish_grad_sync()
+        # Only the last stage has the loss: sum it over DP before the optimizer step launches the parameter
+        # gathers (overlapped ones would otherwise queue this all-reduce, on the same group, behind every one of
+        # them, and the next forward behind it).
+        local_bad = not bool(torch.isfinite(loss_sum))
+        loss = _sum_over_data_parallel(loss_sum.clone()) / global_tokens
 
         iteration = self.state.iteration + 1
         o, consumed = self.cfg.optimizer, self.state.consumed_samples + batch
@@ -286,12 +307,10 @@ class Trainer:
         self.memory.after_step()
         # Which ranks saw a NaN/Inf (only looked for when the global norm, equal on every rank, is not finite).
         norm_bad = step["grad_norm"] is not None and not math.isfinite(step["grad_norm"])
-        local_bad = not bool(torch.isfinite(loss_sum)) or (norm_bad and self.optimizer.has_nonfinite_grads())
+        local_bad = local_bad or (norm_bad and self.optimizer.has_nonfinite_grads())
         self.engine.zero_grad()
 
-        # Only the last stage has the loss: sum it over DP, then share it (and each stage's schedule statistics)
-        # along the pipeline so rank 0 can report it.
-        loss = _sum_over_data_parallel(loss_sum) / global_tokens
+        # Share the loss (and each stage's schedule statistics) along the pipeline so rank 0 can report it.
         per_stage = _gather_over_pipeline(torch.stack([loss, torch.tensor(stats.bubble_fraction, device=self.device),
                                                        torch.tensor(float(stats.peak_in_flight), device=self.device)]))
         self.state.iteration = iteration

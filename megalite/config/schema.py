@@ -267,6 +267,9 @@ class DataConfig:
     num_workers: Optional[int] = option(
         None, "Megatron's data-loader worker processes: megalite reads samples in the training process (the "
               "memory-mapped files need no workers).", accepted_only=True)
+    no_data_prefetch: bool = option(
+        False, "Read each global batch's samples on the training thread when the step starts, instead of during "
+               "the step before in a background thread (into pinned memory on a GPU).")
     no_mmap_bin_files: bool = option(
         False, "Megatron's switch from memory-mapped to read() access of the .bin files: megalite always maps them.",
         accepted_only=True)
@@ -391,8 +394,8 @@ class LoggingConfig:
     metrics_file: Optional[str] = option(None, "Rank 0 appends one JSON object per logged iteration to this file.")
     tensorboard_dir: Optional[str] = option(None, "Write TensorBoard scalars to this directory (rank 0).")
     timing_log_level: int = option(
-        0, "Per-phase timers in the log and metrics (min/max over ranks): 0 none, 1 forward-backward, gradient "
-           "reduction and optimizer step, 2 also the pipeline's wait for its neighbours and, with --metrics-file, "
+        0, "Per-phase timers in the log and metrics (min/max over ranks): 0 none, 1 waiting for the batch "
+           "(batch-generator), forward-backward, gradient reduction and optimizer step, 2 also the pipeline's wait for its neighbours and, with --metrics-file, "
            "each pipeline step's times in FILE.steps.jsonl beside it (tools/plot_schedule.py draws them).")
     peak_tflops: Optional[float] = option(
         None, "The device's peak TFLOP/s for MFU; default: known for A100/H100/H200 (bf16 dense), else no MFU.")

@@ -40,6 +40,7 @@ from megalite.training.metrics import MetricsLogger
 from megalite.training.profiling import StepProfiler
 from megalite.training.step_times import StepTimeRecorder
 from megalite.training.stopping import StopRequests, check_finite, check_loss_scale
+from megalite.training.prefetch import BatchPrefetcher
 from megalite.training.timers import Timers, peak_memory_gib, peak_tflops
 
 
@@ -178,6 +179,8 @@ class Trainer:
         self._pending_save: checkpoint.PendingSave | None = None   # an --async-save still being written
         self.stop_requests = StopRequests(cfg.training, device)
         self.timers = Timers(cfg.logging.timing_log_level, device)
+        self.prefetcher = BatchPrefetcher(lambda consumed, n: self._samples(self.data.train, consumed, n),
+                                          enabled=not cfg.data.no_data_prefetch)
         self.memory = MemoryHousekeeping(cfg.training, device)
         self.peak_tflops = peak_tflops(device, cfg.logging.peak_tflops)
         self.flops_per_sample = model_flops_per_iteration(m, 1)
@@ -219,27 +222,37 @@ class Trainer:
                                                                 self.virtual_stages)
         return self._schedules[num_micro_batches]
 
-    def _micro_batches(self, dataset, consumed_samples: int, num_micro_batches: int) -> list[MicroBatch]:
-        """This rank's micro-batches of the global batch: its DP rank's samples, its CP rank's tokens of them."""
+    def _samples(self, dataset, consumed_samples: int, num_micro_batches: int) -> list[torch.Tensor]:
+        """This DP rank's samples of the global batch, one [micro-batch, seq + 1] tensor per micro-batch, on the host
+        (in pinned memory on a GPU, for an asynchronous copy); run by the prefetch thread for training batches."""
         t = self.cfg.training
         indices = micro_batch_indices(consumed_samples, t.micro_batch_size, num_micro_batches,
                                       parallel_state.get_data_parallel_rank(),
                                       parallel_state.get_data_parallel_world_size())
+        stacked = [torch.stack([dataset[i] for i in batch]) for batch in indices]
+        return [s.pin_memory() for s in stacked] if self.device.type == "cuda" else stacked
+
+    def _micro_batches(self, samples: list[torch.Tensor]) -> list[MicroBatch]:
+        """This rank's micro-batches of the global batch: its DP rank's samples, its CP rank's tokens of them."""
         d = self.cfg.data
         packing = d.reset_position_ids or d.reset_attention_mask or d.eod_mask_loss
         eod = self.data.tokenizer.eod if packing else None   # validation refused packing without a tokenizer
-        return [MicroBatch.of(torch.stack([dataset[i] for i in batch]).to(self.device), self.cfg, eod)
-                for batch in indices]
+        cuda = self.device.type == "cuda"
+        return [MicroBatch.of(s.to(self.device, non_blocking=cuda), self.cfg, eod) for s in samples]
 
     def _run_global_batch(self, dataset, consumed_samples: int, forward_only: bool,
-                          global_batch_size: int | None = None, record_steps: bool = False):
+                          global_batch_size: int | None = None, record_steps: bool = False,
+                          samples: list[torch.Tensor] | None = None):
         """Forward (and backward) one global batch (of ``global_batch_size`` samples, default the largest) through
-        the pipeline schedule (``record_steps``: with its steps' times, clocks aligned over the pipeline).
+        the pipeline schedule (``record_steps``: with its steps' times, clocks aligned over the pipeline); its
+        ``samples`` (from :meth:`_samples`) are read here unless given.
 
         Returns (loss summed over this rank's tokens, token count of the whole global batch, schedule stats)."""
         global_batch_size = global_batch_size or self.cfg.training.global_batch_size
         num_micro_batches = self.micro_batches_in(global_batch_size)
-        micro_batches = self._micro_batches(dataset, consumed_samples, num_micro_batches)
+        if samples is None:
+            samples = self._samples(dataset, consumed_samples, num_micro_batches)
+        micro_batches = self._micro_batches(samples)
         if self.cfg.data.eod_mask_loss:   # the tokens that count, over every rank's share of the global batch
             # Waited for only where the first loss is scaled by it: overlapped parameter gathers still in flight on
             # this group come before it, and the first forward need not wait for them all.
@@ -275,15 +288,21 @@ class Trainer:
     def train_step(self) -> dict:
         """One optimizer step over one global batch; returns the iteration's metrics."""
         self.model.train()
-        batch = self.batches.at(self.state.consumed_samples)
+        consumed = self.state.consumed_samples
+        batch = self.batches.at(consumed)
+        with self.timers("batch-generator"):   # ~0 once warm: the batch was assembled during the last step
+            samples = self.prefetcher.get(consumed, self.micro_batches_in(batch))
+        if self.state.iteration + 1 < self.train_iters:
+            following = self.batches.at(consumed + batch)
+            self.prefetcher.ahead(consumed + batch, self.micro_batches_in(following))
         self.engine.start_iteration(self.micro_batches_in(batch))
         # Step times are recorded at the largest batch only: the recorder's schedules are those of that batch.
         record_steps = (self.step_times is not None and batch == self.cfg.training.global_batch_size
                         and self.step_times.records(self.state.iteration + 1))
         with self.timers("forward-backward"):
-            loss_sum, global_tokens, stats = self._run_global_batch(self.data.train, self.state.consumed_samples,
-                                                                    forward_only=False, global_batch_size=batch,
-                                                                    record_steps=record_steps)
+            loss_sum, global_tokens, stats = self._run_global_batch(self.data.train, consumed, forward_only=False,
+                                                                    global_batch_size=batch,
+                                                                    record_steps=record_steps, samples=samples)
         self.memory.after_forward_backward()
         if record_steps:
             self.step_times.write(self.state.iteration + 1, stats.step_times, stats.wall_start)
@@ -451,6 +470,7 @@ class Trainer:
             self.save_checkpoint(self.cfg.checkpoint.save)
         self.finish_save()   # the end of training waits for a save still in flight
         self.engine.finish_param_sync()
+        self.prefetcher.close()
         self.memory.finish()
         self.logger.close()
         return records

@@ -17,7 +17,9 @@ one, else the network):
   8 b s h (t-1)/t elements (Narayanan et al. 2021). Sequence parallelism turns each into an all-gather and a
   reduce-scatter (the same volume) but megalite's column-parallel linears all-gather their input again in backward
   for the weight gradient (not keeping it saves activation memory): 10 b s h (t-1)/t. Full recompute repeats the
-  forward's 4 b s h (t-1)/t. The embedding adds one all-reduce forward and the output layer one backward.
+  forward's 4 b s h (t-1)/t. The embedding adds one all-reduce forward and the output layer one backward. With G < t
+  key/value heads, the r = t/G ranks sharing one gather its [k; v] (2 b s d elements) over those r ranks forward
+  and reduce-scatter its gradient backward, (r-1)/r of each (again forward under full recompute).
 - PP, per micro-batch and model chunk: the activation forward and its gradient backward, b s h (/ t with sequence
   parallelism) each, to the neighbouring stage.
 - DP, per step: megalite reduces fp32 gradients: an all-reduce of 4 bytes per parameter (plain DP), or a
@@ -137,6 +139,10 @@ def step_time(model: ModelConfig, layout: Layout, hardware: Hardware, global_bat
         units += 4
     tp_layer = units * (tp - 1) / tp * act / tp_bw if tp > 1 else 0.0
     tp_end = 2 * (tp - 1) / tp * act / tp_bw if tp > 1 else 0.0   # embedding forward / output layer backward
+    sharing = max(tp // model.query_groups, 1)   # ranks sharing a key/value head
+    kv_gathers = 3 if model.recompute_granularity == "full" else 2
+    tp_layer += kv_gathers * ring_gather_time(kv_head_gather_elements(model, layout) * p, sharing,
+                                              hardware.bandwidth(sharing))
 
     pp_message = act * sp_share / hardware.bandwidth(hardware.num_gpus) if pp > 1 else 0.0
 
@@ -173,6 +179,14 @@ def step_time(model: ModelConfig, layout: Layout, hardware: Hardware, global_bat
                     recompute=slowest_recompute * m, imbalance=(slowest_compute - total_compute / pp) * m, step=step,
                     model_flops=model_flops_per_iteration(model, global_batch_size),
                     cp=slowest_layers * cp_total * m, cp_exposed=slowest_layers * cp_exposed * m)
+
+
+def kv_head_gather_elements(model: ModelConfig, layout: Layout) -> int:
+    """Elements of the [k; v] of one key/value head that the TP/G ranks sharing it gather, per layer and micro-batch
+    (forward; backward reduce-scatters as many): 2 b s d, or 0 when G >= TP and no head is shared."""
+    if layout.tp <= model.query_groups:
+        return 0
+    return 2 * layout.micro_batch_size * (model.seq_length // layout.cp) * model.head_dim
 
 
 def context_parallel_bytes(model: ModelConfig, layout: Layout, dtype_bytes: int) -> dict[str, float]:

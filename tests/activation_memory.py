@@ -2,6 +2,9 @@
 
 ``saved_bytes`` runs a forward under saved-tensor hooks and adds up the distinct storages autograd keeps for
 backward (parameters excluded): a saved view keeps its whole storage alive, so storages, not tensors, are counted.
+``HeldActivations`` does the same over a whole pipeline schedule, counting what is still held at any moment: what
+autograd keeps for backwards still to run (a saved tensor is released when its node's backward has run) and what
+a zero-bubble schedule's deferred weight gradients keep until their W step.
 
 ``korthikanti_bytes`` is Table 2 of Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
 Models", per layer, written with the bytes of an activation element (p) and of a dropout-mask element (m) left free:
@@ -22,7 +25,8 @@ which the paper neglects.
 
 from __future__ import annotations
 
-from typing import Callable
+import contextlib
+from typing import Callable, Iterable
 
 import torch
 
@@ -43,6 +47,55 @@ def saved_bytes(function: Callable[..., torch.Tensor], *inputs: torch.Tensor,
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         output = function(*inputs)
     return sum(storages.values()), output
+
+
+class _Held:
+    """What a saved-tensor pack hook returns: autograd drops it when it no longer needs the tensor."""
+    __slots__ = ("tensor", "counts")
+
+    def __init__(self, tensor: torch.Tensor, counts: dict[int, list[int]]):
+        self.tensor, self.counts = tensor, counts
+        entry = counts.setdefault(tensor.untyped_storage().data_ptr(), [0, tensor.untyped_storage().nbytes()])
+        entry[0] += 1
+
+    def __del__(self):
+        key = self.tensor.untyped_storage().data_ptr()
+        self.counts[key][0] -= 1
+        if not self.counts[key][0]:
+            del self.counts[key]
+
+
+class HeldActivations:
+    """Bytes of distinct storages held for backward inside ``tracking()``, read by ``sample()`` (parameters
+    excluded; ``also`` adds tensors held elsewhere, e.g. a WeightGradStore's)."""
+
+    def __init__(self, exclude: Iterable[torch.Tensor] = ()):
+        self.excluded = {t.untyped_storage().data_ptr() for t in exclude}
+        self.counts: dict[int, list[int]] = {}
+        self.peak = 0
+
+    def _pack(self, tensor: torch.Tensor):
+        if tensor.untyped_storage().data_ptr() in self.excluded:
+            return tensor
+        return _Held(tensor, self.counts)
+
+    @staticmethod
+    def _unpack(packed):
+        return packed.tensor if isinstance(packed, _Held) else packed
+
+    @contextlib.contextmanager
+    def tracking(self):
+        with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+            yield self
+
+    def sample(self, also: Iterable[torch.Tensor] = ()) -> int:
+        storages = {key: nbytes for key, (_, nbytes) in self.counts.items()}
+        for t in also:
+            if t.untyped_storage().data_ptr() not in self.excluded:
+                storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        held = sum(storages.values())
+        self.peak = max(self.peak, held)
+        return held
 
 
 def korthikanti_bytes(s: int, b: int, h: int, a: int, t: int = 1, *, sequence_parallel: bool = False,

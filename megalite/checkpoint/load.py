@@ -148,9 +148,10 @@ def _loads_optimizer(cfg: MegaliteConfig, manifest: Manifest) -> bool:
 
 
 def _same_ranks(a: SavedLayout, b: SavedLayout) -> bool:
-    """RNG states belong to (pp, tp, dp, cp) ranks running the same chunks: the optimizer's sharding does not
-    matter."""
-    return (a.tp, a.pp, a.virtual_stages, a.dp, a.cp) == (b.tp, b.pp, b.virtual_stages, b.dp, b.cp)
+    """RNG states belong to (pp, tp, dp, cp) ranks running the same chunks in the same order (the schedule): the
+    optimizer's sharding does not matter."""
+    return ((a.tp, a.pp, a.virtual_stages, a.dp, a.cp, a.pipeline_schedule)
+            == (b.tp, b.pp, b.virtual_stages, b.dp, b.cp, b.pipeline_schedule))
 
 
 def _loads_rng(cfg: MegaliteConfig, manifest: Manifest, layout: SavedLayout, cuda: bool) -> bool:

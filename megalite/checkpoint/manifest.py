@@ -42,13 +42,15 @@ class SavedLayout:
     dp: int = 1
     zero: int = 0      # OptimizerConfig.zero_level
     cp: int = 1        # context-parallel size (manifests from before it was saved: 1)
+    pipeline_schedule: str = "1f1b"   # which layers a rank holds (zbv: the v-shape) and in which order it runs them
 
     @classmethod
     def of(cls, cfg: MegaliteConfig, dp: int) -> "SavedLayout":
         """The layout ``cfg`` runs at this data-parallel size."""
         p = cfg.parallel
         return cls(p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
-                   p.virtual_stages(cfg.model.num_layers), dp, cfg.optimizer.zero_level, p.context_parallel_size)
+                   p.virtual_stages(cfg.model.num_layers), dp, cfg.optimizer.zero_level, p.context_parallel_size,
+                   p.pipeline_schedule if p.pipeline_model_parallel_size > 1 else "1f1b")
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> "SavedLayout":
@@ -64,6 +66,8 @@ class SavedLayout:
             text += f" (V={self.virtual_stages})"
         if self.cp > 1:
             text += f" x CP={self.cp}"
+        if self.pipeline_schedule != "1f1b":
+            text += f" {self.pipeline_schedule}"
         text += f" x DP={self.dp}"
         if self.zero == 3:
             text += ", fully sharded (ZeRO-3)"

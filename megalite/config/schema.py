@@ -155,15 +155,19 @@ class ParallelConfig:
     num_layers_per_virtual_pipeline_stage: Optional[int] = option(
         None, "Layers per model chunk for the interleaved schedule (alternative to the next option).")
     num_virtual_stages_per_pipeline_rank: Optional[int] = option(
-        None, "Model chunks per pipeline rank (V); V > 1 selects the interleaved 1F1B schedule.")
+        None, "Model chunks per pipeline rank (V); V > 1 interleaves the schedule.")
+    pipeline_schedule: str = option(
+        "1f1b", "1f1b (interleaved when V > 1), zero-bubble (ZB-H1: each backward's weight gradients deferred to "
+                "fill the bubble, at 1F1B's activation memory; interleaved when V > 1) or zbv (ZB-V: two chunks per "
+                "rank placed in a V, chunk 0 down the ranks and chunk 1 back up; V defaults to 2).")
 
     def virtual_stages(self, num_layers: int) -> int:
-        """V, the number of model chunks per pipeline rank (1 unless an interleaving option is set)."""
+        """V, the number of model chunks per pipeline rank (1 unless an interleaving option is set; 2 for zbv)."""
         if self.num_virtual_stages_per_pipeline_rank is not None:
             return self.num_virtual_stages_per_pipeline_rank
         if self.num_layers_per_virtual_pipeline_stage is not None:
             return num_layers // (self.num_layers_per_virtual_pipeline_stage * self.pipeline_model_parallel_size)
-        return 1
+        return 2 if self.pipeline_schedule == "zbv" else 1
 
 
 @dataclass

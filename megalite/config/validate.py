@@ -124,7 +124,8 @@ def _check_batch_ramp(cfg: MegaliteConfig, dp: int) -> None:
 
 
 def _check_pipeline(cfg: MegaliteConfig, dp: int) -> None:
-    """Layers split evenly over PP x V chunks; the interleaved schedule needs micro-batches in multiples of PP."""
+    """Layers split evenly over PP x V chunks; the interleaved schedules need micro-batches in multiples of PP; the
+    schedule's name, its PP > 1, its chunks (zbv: 2) and its engine (W steps: not FSDP2)."""
     p, m, t = cfg.parallel, cfg.model, cfg.training
     pp, per_chunk, v = (p.pipeline_model_parallel_size, p.num_layers_per_virtual_pipeline_stage,
                         p.num_virtual_stages_per_pipeline_rank)
@@ -142,8 +143,18 @@ def _check_pipeline(cfg: MegaliteConfig, dp: int) -> None:
              f"{FLAG.num_layers} {m.num_layers} is not divisible by {FLAG.pipeline_model_parallel_size} {pp} x "
              f"virtual stages {chunks} = {pp * chunks}")
     _require(chunks == 1 or pp > 1, f"virtual pipeline stages ({chunks}) need {FLAG.pipeline_model_parallel_size} > 1")
+    _one_of("pipeline_schedule", p.pipeline_schedule, ("1f1b", "zero-bubble", "zbv"))
+    if p.pipeline_schedule != "1f1b":
+        _require(pp > 1, f"{FLAG.pipeline_schedule} {p.pipeline_schedule} needs {FLAG.pipeline_model_parallel_size} > 1")
+        _require(cfg.optimizer.zero_stage != 3,
+                 f"{FLAG.pipeline_schedule} {p.pipeline_schedule} defers weight gradients to later steps, which "
+                 f"FSDP2's per-layer gradient reduction ({FLAG.zero_stage} 3) does not wait for: use "
+                 f"{FLAG.pipeline_schedule} 1f1b with ZeRO-3")
+    if p.pipeline_schedule == "zbv":
+        _require(chunks == 2, f"{FLAG.pipeline_schedule} zbv places exactly 2 chunks on each pipeline rank, got "
+                              f"{chunks} virtual stages")
     micro_batch_product = t.micro_batch_size * dp
-    if chunks > 1 and t.global_batch_size % micro_batch_product == 0:
+    if chunks > 1 and p.pipeline_schedule != "zbv" and t.global_batch_size % micro_batch_product == 0:
         num_micro = t.global_batch_size // micro_batch_product
         _require(num_micro % pp == 0,
                  f"the interleaved schedule needs the number of micro-batches ({FLAG.global_batch_size} "

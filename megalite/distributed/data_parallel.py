@@ -21,7 +21,8 @@ the first layer's parameters arrive first and each wait is on the oldest gather 
 order backward finished the buckets (as each finishes with ``overlap_grad_reduce``, else at the end in that order).
 
 Tied word embeddings split across pipeline stages are "deferred": their bucket waits until the end, where their
-gradient is first summed with the other stage's copy over the embedding group, then reduced over DP like the rest.
+gradient is first summed with the other stage's copy over the embedding group (or with the copy on the same rank,
+when one rank holds both the first and the last stage), then reduced over DP like the rest.
 Parameters flagged ``sequence_parallel`` (replicated over TP, applied to a sequence shard) get a last reduction,
 over TP, once the DP reductions are done.
 """
@@ -166,6 +167,8 @@ class DataParallel(DataParallelEngine):
         self._backward_order = []
 
     def _on_grad_ready(self, param: torch.nn.Parameter) -> None:
+        if param.grad is None:   # a zero-bubble B step left this weight's gradient to its W step, which brings it
+            return
         if not self.zero2:
             if id(param) in self._fresh:   # the step's first gradient: write it, no zeroed buffer to add to
                 param.main_grad.copy_(param.grad)
@@ -252,14 +255,23 @@ class DataParallel(DataParallelEngine):
             all_reduce_packed([piece.grad for piece in self.pieces() if id(piece.param) in wanted], self.tensor_group)
 
     def _sum_tied_gradients(self) -> None:
+        """Sum the tied word embedding's gradient over its copies: over the embedding group, or here where both
+        copies are on this rank (the v-shape placement puts the first and the last stage on one rank)."""
         group = self.embedding_group
-        if group is None or group.size == 1:
+        across = group is not None and group.size > 1
+        if not across and len(self.tied_params) < 2:
             return
         self._zero_fresh(self.tied_params)
+        grads = []
         for p in self.tied_params:
-            grad = p.grad if self.zero2 else p.main_grad
-            if grad is None:
-                grad = p.grad = torch.zeros_like(p)
+            if self.zero2 and p.grad is None:
+                p.grad = torch.zeros_like(p)
+            grads.append(p.grad if self.zero2 else p.main_grad)
+        if len(grads) > 1:
+            total = torch.stack(grads).sum(dim=0)
+            for grad in grads:
+                grad.copy_(total)
+        for grad in grads if across else []:
             dist.all_reduce(grad, group=group.group)
 
     def _zero_fresh(self, params) -> None:

@@ -1,9 +1,13 @@
-"""Pipeline parallelism: layer partition, schedules (pure orderings), point-to-point links and the engine."""
+"""Pipeline parallelism: layer placement, schedules (pure orderings), their transfer plans and simulated bubble,
+point-to-point links and the engine."""
 
-from megalite.pipeline.engine import ScheduleStats, run_schedule
+from megalite.pipeline.engine import ScheduleStats, StepClock, run_schedule
 from megalite.pipeline.p2p import PipelineLinks
 from megalite.pipeline.partition import Chunk, chunks_of_rank
-from megalite.pipeline.schedules import Step, build_schedule, peak_in_flight
+from megalite.pipeline.schedules import SCHEDULES, Step, build_schedule, peak_in_flight, placement_of, splits_backward
+from megalite.pipeline.simulation import schedule_bubble
+from megalite.pipeline.transfers import RankPlan, plan_transfers
 
-__all__ = ["ScheduleStats", "run_schedule", "PipelineLinks", "Chunk", "chunks_of_rank", "Step", "build_schedule",
-           "peak_in_flight"]
+__all__ = ["ScheduleStats", "StepClock", "run_schedule", "PipelineLinks", "Chunk", "chunks_of_rank", "SCHEDULES",
+           "Step", "build_schedule", "peak_in_flight", "placement_of", "splits_backward", "schedule_bubble",
+           "RankPlan", "plan_transfers"]

@@ -1,14 +1,24 @@
 """Which layers each pipeline rank holds.
 
-The layer stack is cut into PP x V equal chunks ("virtual stages"). Chunk ``c`` of pipeline rank ``r`` is virtual
-stage ``c * PP + r``: chunks go round-robin over the ranks, so with PP=2, V=2 and 8 layers, rank 0 holds layers 0-1
-(chunk 0) and 4-5 (chunk 1), rank 1 holds 2-3 and 6-7. The embedding lives on virtual stage 0 (rank 0, chunk 0) and
-the output layer and loss on the last one (rank PP-1, chunk V-1). An uneven split is an error, never a silent drop.
+The layer stack is cut into PP x V equal chunks ("virtual stages", numbered in layer order); an uneven split is an
+error, never a silent drop. How the chunks go to the ranks is the *placement*:
+
+- ``round-robin`` (Megatron's interleaving): chunk ``c`` of rank ``r`` is virtual stage ``c * PP + r``. With PP=2,
+  V=2 and 8 layers, rank 0 holds layers 0-1 (chunk 0) and 4-5 (chunk 1), rank 1 holds 2-3 and 6-7. Activations go
+  down the ranks and wrap around from the last rank to the first.
+- ``v-shape`` (ZB-V, Qi et al. 2023; exactly 2 chunks per rank): chunk 0 runs the stages down the ranks, chunk 1 back
+  up: chunk 0 of rank ``r`` is stage ``r``, chunk 1 is stage ``2 PP - 1 - r``. With PP=2 and 8 layers, rank 0 holds
+  layers 0-1 and 6-7, rank 1 holds 2-3 and 4-5; rank 0 has both the embedding and the loss, and the hand-over at
+  the bottom of the V stays on the last rank.
+
+The embedding lives on virtual stage 0 and the output layer and loss on the last one.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+PLACEMENTS = ("round-robin", "v-shape")
 
 
 @dataclass(frozen=True)
@@ -21,7 +31,30 @@ class Chunk:
     is_last: bool      # holds the output layer and the loss
 
 
-def chunks_of_rank(num_layers: int, pp: int, virtual_stages: int, rank: int) -> list[Chunk]:
+def _check_placement(placement: str, virtual_stages: int) -> None:
+    if placement not in PLACEMENTS:
+        raise ValueError(f"unknown placement {placement!r}: expected one of {', '.join(PLACEMENTS)}")
+    if placement == "v-shape" and virtual_stages != 2:
+        raise ValueError(f"the v-shape placement holds exactly 2 chunks per rank, got {virtual_stages}")
+
+
+def virtual_stage(rank: int, chunk: int, pp: int, placement: str = "round-robin") -> int:
+    """The virtual stage that chunk ``chunk`` of pipeline rank ``rank`` runs."""
+    if placement == "v-shape":
+        return rank if chunk == 0 else 2 * pp - 1 - rank
+    return chunk * pp + rank
+
+
+def stage_rank(stage: int, pp: int, placement: str = "round-robin") -> int:
+    """The pipeline rank holding virtual stage ``stage``."""
+    if placement == "v-shape":
+        return stage if stage < pp else 2 * pp - 1 - stage
+    return stage % pp
+
+
+def chunks_of_rank(num_layers: int, pp: int, virtual_stages: int, rank: int,
+                   placement: str = "round-robin") -> list[Chunk]:
+    _check_placement(placement, virtual_stages)
     total = pp * virtual_stages
     if num_layers % total:
         raise ValueError(f"num-layers {num_layers} is not divisible by pipeline-model-parallel-size {pp} x "
@@ -29,6 +62,6 @@ def chunks_of_rank(num_layers: int, pp: int, virtual_stages: int, rank: int) -> 
     per_chunk = num_layers // total
     chunks = []
     for c in range(virtual_stages):
-        stage = c * pp + rank
+        stage = virtual_stage(rank, c, pp, placement)
         chunks.append(Chunk(stage, stage * per_chunk, per_chunk, stage == 0, stage == total - 1))
     return chunks

@@ -14,6 +14,7 @@ import torch
 from megalite.config import MegaliteConfig
 from megalite.config.batches import batch_schedule, describe
 from megalite.data import run_vocab_size
+from megalite.pipeline.simulation import schedule_bubble
 from megalite.planner.hardware import GiB
 from megalite.planner.layout import Layout
 from megalite.planner.memory import Numerics, StageMemory, memory_per_stage
@@ -47,18 +48,32 @@ def run_memory(cfg: MegaliteConfig, world_size: int, cuda: bool | None = None) -
     return layout, stages
 
 
+def _pipeline_line(layout: Layout, num_micro_batches: int) -> list[str]:
+    """The schedule and its bubble beside 1F1B's, with PP > 1."""
+    if layout.pp == 1:
+        return []
+    bubble = schedule_bubble(layout.pipeline_schedule, layout.pp, num_micro_batches, layout.virtual_stages)
+    line = (f"pipeline schedule {layout.pipeline_schedule}: bubble {bubble:.1%} of compute at equal forward, "
+            f"backward and weight-gradient costs")
+    if layout.pipeline_schedule != "1f1b":
+        v = 1 if layout.pipeline_schedule == "zbv" else layout.virtual_stages
+        line += f" (1f1b at V={v}: {schedule_bubble('1f1b', layout.pp, num_micro_batches, v):.1%})"
+    return [line]
+
+
 def format_dry_run(cfg: MegaliteConfig, world_size: int, cuda: bool | None = None) -> str:
     """What --dry-run prints: the layout, the parameters, and each stage's memory split, most loaded marked."""
     cuda = torch.cuda.is_available() if cuda is None else cuda
     layout, stages = run_memory(cfg, world_size, cuda)
     model = dataclasses.replace(cfg.model, vocab_size=run_vocab_size(cfg))
-    params = count_parameters(model, layout.tp, layout.pp, layout.virtual_stages)
+    params = count_parameters(model, layout.tp, layout.pp, layout.virtual_stages, layout.placement)
     m = layout.num_micro_batches(cfg.training.global_batch_size)   # the largest batch, when it ramps up
     batches = batch_schedule(cfg.training, cfg.model.seq_length)
     ramp = f" at the largest {describe(batches)}" if batches.ramps else ""
     lines = [f"megalite: dry run: {layout.describe()}, {m} micro-batches per step{ramp}; {params.total / 1e6:,.2f}M "
              f"parameters; {'bf16' if cfg.training.bf16 else 'fp16' if cfg.training.fp16 else 'fp32'}; "
              f"activations as {'CUDA' if cuda else 'the CPU'} keeps them",
+             *_pipeline_line(layout, m),
              "memory per GPU (GiB), DP rank 0:",
              f"  {'stage':>5}  {'params':>12}  {'weights':>8}  {'grads':>8}  {'optimizer':>9}  "
              + (f"{'gathered':>8}  " if layout.zero == 3 else "") + f"{'activations':>11}  {'total':>8}"]

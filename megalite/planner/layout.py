@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from megalite.config import MegaliteConfig, ModelConfig, OptimizerConfig, flags
+from megalite.pipeline.schedules import placement_of
 
 
 @dataclass(frozen=True)
@@ -19,7 +20,8 @@ class Layout:
     tp: int = 1                          # tensor-parallel size
     pp: int = 1                          # pipeline-parallel size
     dp: int = 1                          # data-parallel size
-    virtual_stages: int = 1              # V: model chunks per pipeline rank (interleaved 1F1B when > 1)
+    virtual_stages: int = 1              # V: model chunks per pipeline rank (interleaved when > 1; zbv: 2)
+    pipeline_schedule: str = "1f1b"      # ParallelConfig.pipeline_schedule: 1f1b | zero-bubble | zbv
     micro_batch_size: int = 1
     zero: int = 0                        # OptimizerConfig.zero_level: 0 plain DP, 1-2 the distributed optimizer
                                          # (states, then gradients sharded), 3 parameters too (FSDP2)
@@ -45,6 +47,11 @@ class Layout:
         return {0: "DDP", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3"}[self.zero] + offload + \
             ("+params" if self.offload_params else "")
 
+    @property
+    def placement(self) -> str:
+        """How the schedule puts the model chunks on the ranks (megalite.pipeline.partition)."""
+        return placement_of(self.pipeline_schedule)
+
     def num_micro_batches(self, global_batch_size: int) -> int:
         return global_batch_size // (self.micro_batch_size * self.dp)
 
@@ -53,6 +60,8 @@ class Layout:
         parts = [f"TP={self.tp} x {context}PP={self.pp} x DP={self.dp}"]
         if self.virtual_stages > 1:
             parts.append(f"V={self.virtual_stages}")
+        if self.pipeline_schedule != "1f1b" and self.pp > 1:
+            parts.append(self.pipeline_schedule)
         parts.append(f"micro-batch {self.micro_batch_size}")
         parts.append(self.optimizer_name)
         if self.sequence_parallel:
@@ -73,7 +82,8 @@ class Layout:
             cfg.parallel, tensor_model_parallel_size=self.tp, pipeline_model_parallel_size=self.pp,
             context_parallel_size=self.cp, cp_comm_type=self.cp_comm_type,
             sequence_parallel=self.sequence_parallel, num_layers_per_virtual_pipeline_stage=None,
-            num_virtual_stages_per_pipeline_rank=self.virtual_stages if self.virtual_stages > 1 else None)
+            num_virtual_stages_per_pipeline_rank=self.virtual_stages if self.virtual_stages > 1 else None,
+            pipeline_schedule=self.pipeline_schedule)
         # Overlap whatever our engine can: ZeRO-3 refuses these options (FSDP2 overlaps its own gathers and
         # reductions), and there is nothing to reduce without data parallelism.
         optimizer = dataclasses.replace(
@@ -96,6 +106,7 @@ class Layout:
         return cls(tp=tp, pp=pp, dp=world_size // (tp * cp * pp),
                    virtual_stages=p.virtual_stages(cfg.model.num_layers),
                    micro_batch_size=cfg.training.micro_batch_size, zero=o.zero_level,
+                   pipeline_schedule=p.pipeline_schedule,
                    sequence_parallel=p.sequence_parallel, recompute=cfg.model.recompute_granularity,
                    optimizer_cpu_offload=o.optimizer_cpu_offload, offload_params=o.offload_params, cp=cp,
                    cp_comm_type=p.cp_comm_type)

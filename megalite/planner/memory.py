@@ -93,13 +93,15 @@ attention); ``Numerics.cpu`` describes the CPU (p = 4, float dropout noise m = 4
 dropout is on), which is what the tests measure.
 
 Per micro-batch and stage, besides the layers: the first stage keeps the token ids and the embedding dropout mask;
-every stage but the last keeps its output until the backward (megalite's pipeline engine does not free sent outputs
-yet); the last stage keeps the final norm's and output layer's inputs and the fp32 softmax of vocab-parallel cross
+a stage's output is freed once sent (the engine keeps only its graph); the last stage keeps the final norm's and output layer's inputs and the fp32 softmax of vocab-parallel cross
 entropy, 4 x b s V / t bytes, plus transiently the logits and two fp32 working copies of them.
 
 Micro-batches in flight: counted by running megalite's own schedules (megalite.pipeline.schedules). The first stage
 of 1F1B holds PP micro-batches of its L/PP layers, L layers' worth; interleaved 1F1B holds L (1 + (PP - 1)/(PP V))
-layers' worth, Megatron's factor (Korthikanti et al. 2022, for Narayanan et al. 2021's schedule). The most loaded
+layers' worth, Megatron's factor (Korthikanti et al. 2022, for Narayanan et al. 2021's schedule). The zero-bubble
+schedules hold a micro-batch from its F to its W; after its B only what the W needs (``weight_gradient_bytes``:
+the linear layers' inputs and output gradients). ZB-H1's first stage holds what 1F1B's does (PP micro-batches, each
+W right after its B), later stages more than in 1F1B but not more than the first (Qi et al. 2023). The most loaded
 stage is the one with the largest total.
 """
 
@@ -177,13 +179,14 @@ def model_state_bytes(model: ModelConfig, layout: Layout, pp_rank: int = 0, *, d
     replicas = layout.replicas   # DP x CP: the ranks the gradients are reduced over and the states sharded over
     if layout.zero == 3:
         key = (dataclasses.astuple(model), layout.tp, layout.pp, layout.virtual_stages, replicas,
-               layout.optimizer_cpu_offload, layout.offload_params, pp_rank, dtype_bytes, dp_rank, prefetch_bucket_size)
+               layout.optimizer_cpu_offload, layout.offload_params, pp_rank, dtype_bytes, dp_rank,
+               prefetch_bucket_size)   # 1f1b only
         if key not in _STATES_CACHE:
             _STATES_CACHE[key] = _fully_sharded_state_bytes(model, *key[1:])
         return _STATES_CACHE[key]
     key = (dataclasses.astuple(model), layout.tp, layout.pp, layout.virtual_stages, replicas, layout.zero,
            layout.optimizer_cpu_offload, pp_rank, dtype_bytes, dp_rank, bucket_size or default_bucket_size(replicas),
-           grad_bytes)
+           grad_bytes, layout.placement)
     if key not in _STATES_CACHE:   # the search asks again for every micro-batch size and recompute option
         _STATES_CACHE[key] = _model_state_bytes(model, *key[1:])
     return _STATES_CACHE[key]
@@ -193,8 +196,9 @@ _STATES_CACHE: dict[tuple, ModelStates] = {}
 
 
 def _model_state_bytes(model: ModelConfig, tp: int, pp: int, v: int, dp: int, zero: int, offload: bool, pp_rank: int,
-                       dtype_bytes: int, dp_rank: int, bucket_size: int, grad_bytes: int) -> ModelStates:
-    tensors = [t for chunk in rank_tensors(model, tp, pp, v, pp_rank) for t in chunk]
+                       dtype_bytes: int, dp_rank: int, bucket_size: int, grad_bytes: int,
+                       placement: str) -> ModelStates:
+    tensors = [t for chunk in rank_tensors(model, tp, pp, v, pp_rank, placement) for t in chunk]
     params = [_Sized(t.numel) for t in tensors]
     plan = plan_buckets(params, bucket_size, dp, [p for p, t in zip(params, tensors) if t.deferred])
     weights = plan.total * dtype_bytes
@@ -449,9 +453,28 @@ def _chunk_activation_bytes(model: ModelConfig, layout: Layout, num_layers: int,
     if is_last:
         kept += output_activation_bytes(model, tp, sp, b, numerics)
         transient = max(transient, logits_working_bytes(model, tp, b, numerics))
-    else:   # the pipeline engine keeps each sent output until the backward
-        kept += numerics.activation_bytes * model.seq_length * b * model.hidden_size / (tp if sp else 1)
+    # A sent output is freed once its transfer completes (the pipeline engine keeps only its graph): not kept.
     return kept, transient
+
+
+def weight_gradient_bytes(model: ModelConfig, layout: Layout, num_layers: int, is_last: bool,
+                          numerics: Numerics) -> float:
+    """Bytes a chunk's deferred W step holds per micro-batch between its B and its W (zero-bubble schedules): each
+    linear layer's input, which the forward kept anyway, and the gradient of its output, which the B computed: per
+    layer the QKV and fc1 inputs (norm outputs, a sequence shard under sequence parallelism), the projection and fc2
+    inputs and the QKV and fc1 output gradients (split over TP), and the projection and fc2 output gradients (whole,
+    the row-parallel linears' outputs being partial sums; a sequence shard under sequence parallelism, gathered
+    again in the W step); on the last stage the output layer's input and the logits' gradient."""
+    tp, h, f = layout.tp, model.hidden_size, model.ffn_size
+    p, sb = numerics.activation_bytes, model.seq_length * layout.micro_batch_size
+    share = 1 / tp if layout.sequence_parallel else 1.0
+    qkv = h + 2 * model.query_groups * model.head_dim
+    inputs = 2 * h * share + h / tp + f / tp
+    grads = qkv / tp + 2 * h * share + f * (2 if model.swiglu else 1) / tp
+    total = num_layers * p * sb * (inputs + grads)
+    if is_last:
+        total += p * sb * (h * share + model.padded_vocab_size(tp) / tp)
+    return total
 
 
 def _simulated_micro_batches(pp: int, v: int, num_micro_batches: int) -> int:
@@ -464,26 +487,32 @@ def _simulated_micro_batches(pp: int, v: int, num_micro_batches: int) -> int:
 
 @functools.lru_cache(maxsize=4096)
 def peak_in_flight_bytes(pp: int, rank: int, num_micro_batches: int, virtual_stages: int,
-                         chunk_bytes: tuple[float, ...]) -> float:
+                         chunk_bytes: tuple[float, ...], schedule: str = "1f1b",
+                         deferred_bytes: Optional[tuple[float, ...]] = None) -> float:
     """Most bytes held at once by micro-batches between their forward and backward on pipeline rank ``rank``,
-    chunk c holding ``chunk_bytes[c]`` per micro-batch, in megalite's schedule for the layout."""
+    chunk c holding ``chunk_bytes[c]`` per micro-batch, in megalite's ``schedule`` for the layout. Where the schedule
+    defers weight gradients, a micro-batch holds ``deferred_bytes[c]`` from its B to its W instead."""
     m = _simulated_micro_batches(pp, virtual_stages, num_micro_batches)
     live = peak = 0.0
-    for step in build_schedule(pp, rank, m, virtual_stages):
-        live += chunk_bytes[step.chunk] if step.kind == "F" else -chunk_bytes[step.chunk]
+    for step in build_schedule(pp, rank, m, virtual_stages, schedule):
+        deferred = deferred_bytes[step.chunk] if deferred_bytes and schedule != "1f1b" else 0.0
+        live += {"F": chunk_bytes[step.chunk], "B": deferred - chunk_bytes[step.chunk], "W": -deferred}[step.kind]
         peak = max(peak, live)
     return peak
 
 
 def activation_bytes(model: ModelConfig, layout: Layout, pp_rank: int, num_micro_batches: int,
-                     numerics: Numerics) -> float:
+                     numerics: Numerics, transients: bool = True) -> float:
     """Peak activation bytes of one rank of pipeline stage ``pp_rank``: the in-flight micro-batches' kept bytes
-    plus the largest transient (a recomputed group's backward, or the logits on the last stage)."""
-    chunks = chunks_of_rank(model.num_layers, layout.pp, layout.virtual_stages, pp_rank)
+    (those waiting for a deferred W step holding what it needs) plus, with ``transients``, the largest transient (a
+    recomputed group's backward, or the logits on the last stage)."""
+    chunks = chunks_of_rank(model.num_layers, layout.pp, layout.virtual_stages, pp_rank, layout.placement)
     kept, transient = zip(*(_chunk_activation_bytes(model, layout, c.num_layers, c.is_first, c.is_last, numerics)
                             for c in chunks))
-    return peak_in_flight_bytes(layout.pp, pp_rank, num_micro_batches, layout.virtual_stages, tuple(kept)) + \
-        max(transient)
+    deferred = tuple(weight_gradient_bytes(model, layout, c.num_layers, c.is_last, numerics) for c in chunks)
+    held = peak_in_flight_bytes(layout.pp, pp_rank, num_micro_batches, layout.virtual_stages, tuple(kept),
+                                layout.pipeline_schedule if layout.pp > 1 else "1f1b", deferred)
+    return held + (max(transient) if transients else 0.0)
 
 
 # ---- a whole stage --------------------------------------------------------------------------------------------------

@@ -102,10 +102,11 @@ def chunk_tensors(cfg: ModelConfig, tp: int, first_layer: int, num_layers: int, 
     return tensors
 
 
-def rank_tensors(cfg: ModelConfig, tp: int, pp: int, virtual_stages: int, pp_rank: int) -> list[list[Tensor]]:
+def rank_tensors(cfg: ModelConfig, tp: int, pp: int, virtual_stages: int, pp_rank: int,
+                 placement: str = "round-robin") -> list[list[Tensor]]:
     """Every model chunk of pipeline rank ``pp_rank`` (megalite.pipeline.partition), each a list of tensors."""
     return [chunk_tensors(cfg, tp, c.first_layer, c.num_layers, c.is_first, c.is_last)
-            for c in chunks_of_rank(cfg.num_layers, pp, virtual_stages, pp_rank)]
+            for c in chunks_of_rank(cfg.num_layers, pp, virtual_stages, pp_rank, placement)]
 
 
 @dataclass(frozen=True)
@@ -116,12 +117,13 @@ class ParameterCount:
     per_layer: int             # one transformer layer, canonical
 
 
-def count_parameters(cfg: ModelConfig, tp: int = 1, pp: int = 1, virtual_stages: int = 1) -> ParameterCount:
+def count_parameters(cfg: ModelConfig, tp: int = 1, pp: int = 1, virtual_stages: int = 1,
+                     placement: str = "round-robin") -> ParameterCount:
     """The model's size and what each rank holds at this layout."""
-    per_stage = [sum(t.numel for chunk in rank_tensors(cfg, tp, pp, virtual_stages, r) for t in chunk)
+    per_stage = [sum(t.numel for chunk in rank_tensors(cfg, tp, pp, virtual_stages, r, placement) for t in chunk)
                  for r in range(pp)]
     canonical = {t.name: t.full_numel for r in range(pp)
-                 for chunk in rank_tensors(cfg, tp, pp, virtual_stages, r) for t in chunk}
+                 for chunk in rank_tensors(cfg, tp, pp, virtual_stages, r, placement) for t in chunk}
     per_layer = sum(t.full_numel for t in layer_tensors(cfg, 1, 0))
     embedding = canonical["embedding.word.weight"] + canonical.get("embedding.position.weight", 0)
     return ParameterCount(sum(canonical.values()), per_stage, embedding, per_layer)

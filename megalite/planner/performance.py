@@ -6,8 +6,10 @@ core (4 L s^2 h B).
 
 Time per micro-batch on a GPU of the slowest pipeline stage: its FLOPs / (TP x peak x efficiency), plus the
 tensor-parallel and pipeline transfers, which megalite does not overlap with compute. A step is M of those plus the
-pipeline bubble, (PP - 1)/V more of them (Narayanan et al. 2021: bubble fraction (PP - 1) / (V M)), plus the part of
-the data-parallel reduction that does not hide behind backward.
+pipeline bubble, the schedule's bubble fraction of them (megalite.pipeline.simulation.schedule_bubble, at equal
+forward, input-gradient and weight-gradient costs: (PP - 1) / (V M) for 1F1B, Narayanan et al. 2021; a third of
+that for the zero-bubble schedules, (PP - 1) / (6 M) for ZB-V, Qi et al. 2023), plus the part of the data-parallel
+reduction that does not hide behind backward.
 
 Communication (ring collectives over n ranks: all-reduce 2(n-1)/n x bytes / bandwidth, reduce-scatter and
 all-gather (n-1)/n x bytes / bandwidth; a group uses the slowest link it spans: inside a node when its ranks fit in
@@ -62,6 +64,7 @@ from megalite.config import ModelConfig
 from megalite.distributed.data_parallel import default_bucket_size
 from megalite.model.flops import dense_macs_per_token_per_layer, model_flops_per_iteration
 from megalite.pipeline.partition import chunks_of_rank
+from megalite.pipeline.simulation import schedule_bubble
 from megalite.planner.hardware import Hardware
 from megalite.planner.layout import Layout
 from megalite.planner.memory import fully_sharded_units, model_state_bytes, padded_elements
@@ -89,7 +92,7 @@ class StepTime:
     pp: float                # pipeline transfers per step (not hidden)
     dp: float                # data-parallel communication per step, total
     dp_exposed: float        # ... the part that does not hide behind compute
-    bubble: float            # (PP - 1) / (V M)
+    bubble: float            # the schedule's bubble fraction: (PP - 1) / (V M) for 1F1B
     bubble_time: float       # seconds the slowest stage idles in the bubble
     recompute: float         # seconds of recomputed forward per step (included in compute)
     imbalance: float         # seconds per step the slowest stage computes beyond the stages' mean
@@ -151,7 +154,7 @@ def step_time(model: ModelConfig, layout: Layout, hardware: Hardware, global_bat
     for rank in range(pp):
         compute = tp_time = recompute = 0.0
         layers = 0
-        for chunk in chunks_of_rank(model.num_layers, pp, v, rank):
+        for chunk in chunks_of_rank(model.num_layers, pp, v, rank, layout.placement):
             layers += chunk.num_layers
             compute += chunk.num_layers * layer_flops / rate
             recompute += chunk.num_layers * recompute_flops / rate
@@ -164,8 +167,8 @@ def step_time(model: ModelConfig, layout: Layout, hardware: Hardware, global_bat
         if slot > slowest_slot:
             slowest_compute, slowest_slot, slowest_tp, slowest_recompute = compute, slot, tp_time, recompute
             slowest_layers = layers
-    bubble = (pp - 1) / (v * m)
-    pipeline = slowest_slot * (m + (pp - 1) / v)
+    bubble = schedule_bubble(layout.pipeline_schedule, pp, m, v)
+    pipeline = slowest_slot * m * (1 + bubble)
 
     if layout.zero == 3:   # modelled at PP = 1 (what the search proposes): one stage, equal layers
         layer_forward = (layer_flops - recompute_flops) / 3 / rate
@@ -175,7 +178,7 @@ def step_time(model: ModelConfig, layout: Layout, hardware: Hardware, global_bat
         dp_total, dp_exposed = _data_parallel_time(model, layout, hardware, m, slowest_compute, dtype_bytes)
     step = pipeline + dp_exposed
     return StepTime(compute=slowest_compute * m, tp=slowest_tp * m, pp=2 * v * pp_message * m, dp=dp_total,
-                    dp_exposed=dp_exposed, bubble=bubble, bubble_time=slowest_slot * (pp - 1) / v,
+                    dp_exposed=dp_exposed, bubble=bubble, bubble_time=slowest_slot * m * bubble,
                     recompute=slowest_recompute * m, imbalance=(slowest_compute - total_compute / pp) * m, step=step,
                     model_flops=model_flops_per_iteration(model, global_batch_size),
                     cp=slowest_layers * cp_total * m, cp_exposed=slowest_layers * cp_exposed * m)

@@ -62,13 +62,14 @@ def _seconds(value: float) -> str:
     return "-" if value == 0 else f"{value:.2g}"
 
 
-_HEADER = ("#", "TP", "CP", "PP", "V", "DP", "mbs", "optimizer", "SP", "recompute", "weights", "grads", "optim",
-           "gather", "activ", "total", "TP s", "CP s", "PP s", "DP s", "bubble", "step s", "tokens/s", "MFU")
+_HEADER = ("#", "TP", "CP", "PP", "V", "schedule", "DP", "mbs", "optimizer", "SP", "recompute", "weights", "grads",
+           "optim", "gather", "activ", "total", "TP s", "CP s", "PP s", "DP s", "bubble", "step s", "tokens/s", "MFU")
 
 
 def _row(i: int, e: Estimate, plan: Plan) -> tuple[str, ...]:
     lay, peak, t = e.layout, e.peak, e.time
-    return (str(i), str(lay.tp), str(lay.cp) + (f" {lay.cp_comm_type}" if lay.cp > 1 else ""), str(lay.pp), str(lay.virtual_stages), str(lay.dp),
+    return (str(i), str(lay.tp), str(lay.cp) + (f" {lay.cp_comm_type}" if lay.cp > 1 else ""), str(lay.pp),
+            str(lay.virtual_stages), lay.pipeline_schedule if lay.pp > 1 else "-", str(lay.dp),
             str(lay.micro_batch_size), lay.optimizer_name, "yes" if lay.sequence_parallel else "-",
             lay.recompute or "-", _g(peak.weights), _g(peak.gradients), _g(peak.optimizer),
             _g(peak.gathered) if peak.gathered else "-", _g(peak.activations), _g(peak.total), _seconds(t.tp),
@@ -78,7 +79,7 @@ def _row(i: int, e: Estimate, plan: Plan) -> tuple[str, ...]:
 
 def _table(rows: list[tuple[str, ...]]) -> list[str]:
     widths = [max(len(row[c]) for row in rows) for c in range(len(rows[0]))]
-    left = {7, 9}   # optimizer and recompute names read better left-aligned
+    left = {5, 8, 10}   # schedule, optimizer and recompute names read better left-aligned
     return ["  ".join(cell.ljust(w) if c in left else cell.rjust(w) for c, (cell, w) in enumerate(zip(row, widths)))
             for row in rows]
 
@@ -131,7 +132,8 @@ def _memory_json(stage: StageMemory) -> dict:
 def estimate_json(e: Estimate, plan: Plan) -> dict:
     t = e.time
     argv = pretrain_argv(plan, e)
-    held = count_parameters(plan.model, e.layout.tp, e.layout.pp, e.layout.virtual_stages).per_stage
+    held = count_parameters(plan.model, e.layout.tp, e.layout.pp, e.layout.virtual_stages,
+                            e.layout.placement).per_stage
     return {"layout": dataclasses.asdict(e.layout), "description": e.layout.describe(),
             "parameters_per_stage": held,   # held by one GPU of each pipeline stage
             "memory": _memory_json(e.peak), "memory_per_stage": [_memory_json(s) for s in e.memory],

@@ -20,6 +20,8 @@ Search space (each candidate is also passed through megalite.config.validate, so
   megalite's blocks are unfused attention on a GPU, slower than flash) or of a2a's all-to-alls (not hidden; its core is
   flash attention). It wins for long sequences, where activations would not fit otherwise or force recompute.
   Searched from 16k tokens on (MIN_CONTEXT_PARALLEL_SEQUENCE); DP = GPUs / (TP x CP x PP).
+- with PP > 1 the pipeline schedule: 1f1b, zero-bubble (ZB-H1, interleaved at V = 2) and at V = 2 zbv; a zero-bubble
+  schedule wins where its smaller bubble pays for the weight-gradient inputs it holds a while longer.
 
 A layout fits when its most loaded GPU's estimate stays under the device memory minus the headroom. Ranking: step
 time; layouts within 0.5% of each other count as tied and the simpler wins (no recompute, then smaller TP, PP and V,
@@ -131,16 +133,20 @@ def _powers_of_two(limit: int) -> list[int]:
 
 
 def _variants(tp: int, pp: int, v: int, dp: int, global_batch_size: int, cp: int = 1):
-    """Every micro-batch size, optimizer sharding and recompute option of one (TP, CP, PP, V) shape."""
+    """Every micro-batch size, optimizer sharding, recompute option and pipeline schedule of one (TP, CP, PP, V)
+    shape (zbv: its v-shape at V = 2)."""
     per_replica = global_batch_size // dp
+    schedules = ("1f1b", "zero-bubble") + (("zbv",) if v == 2 else ()) if pp > 1 else ("1f1b",)
     for mbs in MICRO_BATCH_SIZES:
         if per_replica % mbs or (v > 1 and (per_replica // mbs) % pp):
             continue
         for zero in ((0, 1, 2) + ((3,) if pp == 1 else ()) if dp * cp > 1 else (0,)):
             for recompute in RECOMPUTE:
                 for comm_type in (CP_COMM_TYPES if cp > 1 else ("p2p",)):
-                    yield Layout(tp=tp, pp=pp, dp=dp, virtual_stages=v, micro_batch_size=mbs, zero=zero,
-                                 sequence_parallel=tp > 1, recompute=recompute, cp=cp, cp_comm_type=comm_type)
+                    for schedule in schedules:
+                        yield Layout(tp=tp, pp=pp, dp=dp, virtual_stages=v, micro_batch_size=mbs, zero=zero,
+                                     sequence_parallel=tp > 1, recompute=recompute, cp=cp, cp_comm_type=comm_type,
+                                     pipeline_schedule=schedule)
 
 
 def search(model: ModelConfig, hardware: Hardware, global_batch_size: int, *, model_name: Optional[str] = None,

@@ -1,5 +1,5 @@
 """Tensor parallelism: communication ops, parallel layers, vocab-parallel loss, dropout RNG, sharding specs,
-sequence-parallel mappings and activation recompute."""
+sequence-parallel mappings, activation recompute and deferred weight gradients."""
 
 from megalite.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megalite.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
@@ -10,6 +10,7 @@ from megalite.tensor_parallel.mappings import (all_gather_over, all_gather_tenso
 from megalite.tensor_parallel.partition import Partition, initialize_parameters, shard, unshard
 from megalite.tensor_parallel.random import TensorParallelRNG
 from megalite.tensor_parallel.recompute import recompute
+from megalite.tensor_parallel.weight_grad import WeightGradStore, attach_weight_grad_store, weight_gradient
 
 __all__ = [
     "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "vocab_parallel_cross_entropy",
@@ -17,5 +18,6 @@ __all__ = [
     "gather_from_tensor_parallel", "all_gather_tensor_parallel", "reduce_scatter_to_sequence_parallel",
     "all_gather_over", "Partition",
     "initialize_parameters",
-    "shard", "unshard", "TensorParallelRNG", "recompute",
+    "shard", "unshard", "TensorParallelRNG", "recompute", "WeightGradStore", "attach_weight_grad_store",
+    "weight_gradient",
 ]

@@ -8,6 +8,9 @@ With ``sequence_parallel`` the activations outside that pair are split along the
 all-gathers its input (and reduce-scatters the input's gradient), a row-parallel linear and the embedding
 reduce-scatter their output instead of all-reducing it. Replicated parameters applied to a sequence shard (the
 row-parallel bias) are flagged ``sequence_parallel`` so their partial gradients are summed over TP.
+
+Both linears compute their weight gradient with ``weight_gradient`` and can leave it to a later W step of a
+zero-bubble pipeline schedule (``weight_grad_store``, see megalite.tensor_parallel.weight_grad).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from megalite.tensor_parallel.mappings import (SEQUENCE_DIM, all_gather, copy_to
                                                reduce_scatter, reduce_scatter_to_sequence_parallel,
                                                scatter_to_tensor_parallel)
 from megalite.tensor_parallel.partition import REPLICATED, Partition, local_shape, mark, normal_init, zeros_init
+from megalite.tensor_parallel.weight_grad import WeightGradStore, weight_gradient
 
 
 def _parameter(full_shape: tuple[int, ...], partition: Partition, init_fn) -> nn.Parameter:
@@ -30,27 +34,55 @@ def _parameter(full_shape: tuple[int, ...], partition: Partition, init_fn) -> nn
     return mark(param, full_shape, partition, init_fn)
 
 
-class _SequenceGatheredLinear(torch.autograd.Function):
-    """y = all-gather(x along the sequence) A^T + b, saving only this rank's sequence shard of x: backward gathers it
-    again (Megatron's trade: one more all-gather instead of keeping TP times the input for the weight gradient)."""
+class _Linear(torch.autograd.Function):
+    """y = x A^T + b under sequence parallelism's collectives, fused so that backward keeps shards only.
+
+    ``gather_input`` (column-parallel): x is this rank's sequence shard, all-gathered here; only the shard is saved
+    and backward gathers it again (Megatron's trade: one more all-gather instead of keeping TP times the input for
+    the weight gradient), reduce-scattering the input's gradient. ``scatter_output`` (row-parallel): the partial
+    product is reduce-scattered here; backward all-gathers the output gradient. The weight gradient is
+    ``weight_gradient``'s, computed here or, inside a zero-bubble B step, deferred to ``store`` for the W step
+    (megalite.tensor_parallel.weight_grad) with the shards only: the W step gathers them again."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias):
+    def forward(ctx, x, weight, bias, gather_input: bool, scatter_output: bool, store: WeightGradStore | None):
         ctx.save_for_backward(x, weight)
-        ctx.has_bias = bias is not None
-        return F.linear(all_gather(x, SEQUENCE_DIM), weight, bias)
+        ctx.has_bias, ctx.gather_input, ctx.scatter_output, ctx.store = (bias is not None, gather_input,
+                                                                         scatter_output, store)
+        y = F.linear(all_gather(x, SEQUENCE_DIM) if gather_input else x, weight, bias)
+        return reduce_scatter(y, SEQUENCE_DIM) if scatter_output else y
 
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
-        grad_input = reduce_scatter(grad.matmul(weight), SEQUENCE_DIM) if ctx.needs_input_grad[0] else None
-        grad_weight = grad_bias = None
+        grad_output = all_gather(grad, SEQUENCE_DIM) if ctx.scatter_output else grad
+        grad_input = grad_weight = grad_bias = None
+        if ctx.needs_input_grad[0]:
+            grad_input = grad_output.matmul(weight)
+            if ctx.gather_input:
+                grad_input = reduce_scatter(grad_input, SEQUENCE_DIM)
         if ctx.needs_input_grad[1]:
-            total = all_gather(x, SEQUENCE_DIM)
-            grad_weight = grad.reshape(-1, grad.shape[-1]).t().matmul(total.reshape(-1, total.shape[-1]))
+            if ctx.store is not None and ctx.store.defers(weight):
+                ctx.store.defer(weight, _weight_gradient, grad, x, ctx.gather_input, ctx.scatter_output)
+            else:
+                grad_weight = _weight_gradient(grad_output, x, ctx.gather_input, False)
         if ctx.has_bias and ctx.needs_input_grad[2]:
-            grad_bias = grad.reshape(-1, grad.shape[-1]).sum(dim=0)
-        return grad_input, grad_weight, grad_bias
+            grad_bias = grad_output.reshape(-1, grad_output.shape[-1]).sum(dim=0)
+        return grad_input, grad_weight, grad_bias, None, None, None
+
+
+def _weight_gradient(grad: torch.Tensor, x: torch.Tensor, gather_input: bool, gather_grad: bool) -> torch.Tensor:
+    return weight_gradient(all_gather(grad, SEQUENCE_DIM) if gather_grad else grad,
+                           all_gather(x, SEQUENCE_DIM) if gather_input else x)
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, store: WeightGradStore | None, *,
+            gather_input: bool = False, scatter_output: bool = False) -> torch.Tensor:
+    """Torch's own linear where nothing is gathered, scattered or deferred (its backward runs in C++), else
+    ``_Linear``."""
+    if not gather_input and not scatter_output and store is None:
+        return F.linear(x, weight, bias)
+    return _Linear.apply(x, weight, bias, gather_input, scatter_output, store)
 
 
 def mark_sequence_parallel(param: nn.Parameter | None) -> None:
@@ -80,6 +112,7 @@ class ColumnParallelLinear(nn.Module):
         self.weight = (None if weight_from_caller
                        else _parameter((output_size, input_size), partition, normal_init(init_std)))
         self.bias = _parameter((output_size,), partition, zeros_init) if bias else None
+        self.weight_grad_store: WeightGradStore | None = None   # see megalite.tensor_parallel.weight_grad
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None,
                 skip_bias_add: bool = False) -> torch.Tensor:
@@ -87,9 +120,9 @@ class ColumnParallelLinear(nn.Module):
         weight = self.weight if weight is None else weight
         bias = None if skip_bias_add else self.bias
         if self.sequence_parallel and parallel_state.get_tensor_model_parallel_world_size() > 1:
-            y = _SequenceGatheredLinear.apply(x, weight, bias)
+            y = _linear(x, weight, bias, self.weight_grad_store, gather_input=True)
         else:
-            y = F.linear(copy_to_tensor_parallel(x), weight, bias)
+            y = _linear(copy_to_tensor_parallel(x), weight, bias, self.weight_grad_store)
         return gather_from_tensor_parallel(y) if self.gather_output else y
 
 
@@ -107,15 +140,17 @@ class RowParallelLinear(nn.Module):
         self.bias = _parameter((output_size,), REPLICATED, zeros_init) if bias else None
         if sequence_parallel:
             mark_sequence_parallel(self.bias)
+        self.weight_grad_store: WeightGradStore | None = None   # see megalite.tensor_parallel.weight_grad
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if parallel_state.get_tensor_model_parallel_world_size() == 1:
-            return F.linear(x, self.weight, self.bias)   # nothing to sum: the bias add fused into the matmul
+        if parallel_state.get_tensor_model_parallel_world_size() == 1:   # nothing to sum: the bias add fused in
+            return _linear(x, self.weight, self.bias, self.weight_grad_store)
         if not self.input_is_parallel:
             x = scatter_to_tensor_parallel(x)
-        partial = F.linear(x, self.weight)
-        y = (reduce_scatter_to_sequence_parallel(partial) if self.sequence_parallel
-             else reduce_from_tensor_parallel(partial))
+        if self.sequence_parallel:   # the sum reduce-scattered inside, so a deferred W keeps the gradient's shard
+            y = _linear(x, self.weight, None, self.weight_grad_store, scatter_output=True)
+        else:
+            y = reduce_from_tensor_parallel(_linear(x, self.weight, None, self.weight_grad_store))
         return y + self.bias if self.bias is not None else y
 
 

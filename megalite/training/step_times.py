@@ -6,8 +6,8 @@ rank 0 its steps in the order run, each ``[kind, chunk, micro_batch, start_ms, e
 milliseconds from the start of the earliest rank's schedule. The ranks' times are put on one clock by the wall-clock
 time each one's schedule started (``time.time()``: one clock for the ranks of a machine, as close as the machines'
 clock synchronization across nodes), and the ranks of the pipeline pass a barrier just before a recorded schedule,
-so they start together. On a GPU the engine synchronizes the device around each step, so a step's time is its
-kernels' time. Other iterations are not recorded and cost nothing extra.
+so they start together. On a GPU a step's times are CUDA events recorded on the compute stream around it
+(megalite.pipeline.engine.StepClock), read once after the schedule. Other iterations are not recorded.
 """
 
 from __future__ import annotations

@@ -33,8 +33,10 @@ from megalite.model.context_parallel import SequenceShard, shard_sequence
 from megalite.model.flops import model_flops_per_iteration
 from megalite.optimizer import LRSchedule, MegaliteOptimizer
 from megalite.optimizer.clip_grads import counts_toward_norm
-from megalite.pipeline import PipelineLinks, build_schedule, chunks_of_rank, run_schedule
-from megalite.tensor_parallel import TensorParallelRNG
+from megalite.pipeline import (PipelineLinks, StepClock, build_schedule, chunks_of_rank, placement_of, plan_transfers,
+                               run_schedule, splits_backward)
+from megalite.pipeline.partition import stage_rank
+from megalite.tensor_parallel import TensorParallelRNG, WeightGradStore, attach_weight_grad_store
 from megalite.training.housekeeping import MemoryHousekeeping
 from megalite.training.metrics import MetricsLogger
 from megalite.training.profiling import StepProfiler
@@ -120,6 +122,10 @@ class Trainer:
         self.pp = parallel_state.get_pipeline_model_parallel_world_size()
         self.pp_rank = parallel_state.get_pipeline_model_parallel_rank()
         self.virtual_stages = cfg.parallel.virtual_stages(m.num_layers)
+        self.schedule_name = cfg.parallel.pipeline_schedule if self.pp > 1 else "1f1b"
+        self.placement = placement_of(self.schedule_name)
+        # The rank holding the last stage (and the loss): the last one, or the first with the v-shape placement.
+        self.loss_rank = stage_rank(self.pp * self.virtual_stages - 1, self.pp, self.placement)
         self.rng = rng = TensorParallelRNG(seed, parallel_state.get_tensor_model_parallel_rank(), self.pp_rank,
                                            device, parallel_state.get_context_parallel_rank())
         kernels = KernelPolicy.from_config(cfg.kernels)   # fused CUDA kernels or torch ops, per op
@@ -127,17 +133,19 @@ class Trainer:
             GPTModel(m, rng, pre_process=c.is_first, post_process=c.is_last, layer_offset=c.first_layer,
                      num_layers=c.num_layers, sequence_parallel=cfg.parallel.sequence_parallel,
                      kernels=kernels)
-            for c in chunks_of_rank(m.num_layers, self.pp, self.virtual_stages, self.pp_rank)).to(device)
+            for c in chunks_of_rank(m.num_layers, self.pp, self.virtual_stages, self.pp_rank, self.placement)
+        ).to(device)
         for chunk in self.model:
             chunk.initialize(seed)   # in fp32, then cast: the same initial weights for every dtype and layout
         self.dtype = (torch.bfloat16 if cfg.training.bf16 else torch.float16 if cfg.training.fp16
                       else torch.float32)
         o = cfg.optimizer
         # Context-parallel ranks hold the same weights: gradients are summed over DP x CP, and the distributed
-        # optimizer and ZeRO-3 shard over it.
+        # optimizer and ZeRO-3 shard over it. With the first and last stage on one rank (v-shape) both embedding
+        # copies are here: summed locally.
         shared = dict(data_group=parallel_state.get_data_parallel_group(with_context_parallel=True),
                       tensor_group=parallel_state.get_tensor_model_parallel_group(),
-                      embedding_group=parallel_state.get_embedding_group(),
+                      embedding_group=parallel_state.get_embedding_group() if self.loss_rank != 0 else None,
                       tied_params=[w for chunk in self.model for w in chunk.tied_embedding_weights()])
         self.engine: DataParallelEngine
         grad_dtype = torch.bfloat16 if o.grad_reduce_in_bf16 else torch.float32
@@ -158,13 +166,17 @@ class Trainer:
         self.state = TrainState()
         # Micro-batches per step at the largest (evaluation's) global batch; a ramp-up runs fewer while it grows.
         self.num_micro_batches = self.micro_batches_in(cfg.training.global_batch_size)
-        self._schedules: dict[int, list] = {}
+        self._plans: dict[int, tuple] = {}
         self.cp = parallel_state.get_context_parallel_world_size()
+        # Zero-bubble schedules: each B leaves the linear layers' weight gradients to its W step.
+        self.weight_grads = WeightGradStore() if splits_backward(self.schedules(self.num_micro_batches)[0]) else None
+        attach_weight_grad_store(self.model, self.weight_grads)
+        self.clock = StepClock(device, measure_gpu=cfg.logging.timing_log_level > 0)
         lg = cfg.logging   # --timing-log-level 2: the logged iterations' step times, for timelines
         self.step_times = (StepTimeRecorder(
-            lg.metrics_file, lg.log_interval, self.train_iters,
-            [build_schedule(self.pp, r, self.num_micro_batches, self.virtual_stages) for r in range(self.pp)],
-            self.virtual_stages, device) if StepTimeRecorder.wanted(lg.timing_log_level, lg.metrics_file) else None)
+            lg.metrics_file, lg.log_interval, self.train_iters, self.schedules(self.num_micro_batches),
+            self.virtual_stages, device, self.schedule_name)
+            if StepTimeRecorder.wanted(lg.timing_log_level, lg.metrics_file) else None)
         self.links = (PipelineLinks(parallel_state.get_pipeline_model_parallel_group(),
                                     (cfg.training.micro_batch_size,   # this rank's tokens: its CP and SP shard
                                      m.seq_length // self.cp // (parallel_state.get_tensor_model_parallel_world_size()
@@ -193,7 +205,11 @@ class Trainer:
             dist.all_reduce(counted, group=info.group)
         tp = parallel_state.get_tensor_model_parallel_world_size()
         dp = parallel_state.get_data_parallel_world_size()
-        schedule = ("interleaved 1F1B" if self.virtual_stages > 1 else "1F1B") if self.pp > 1 else "no pipelining"
+        schedule = {"1f1b": "1F1B", "zero-bubble": "ZB-H1", "zbv": "ZB-V"}[self.schedule_name]
+        if self.pp == 1:
+            schedule = "no pipelining"
+        elif self.virtual_stages > 1 and self.schedule_name != "zbv":
+            schedule = f"interleaved {schedule}"
         data = "mock data" if self.data.tokenizer is None else f"vocabulary {self.data.vocab_size}"
         o = self.cfg.optimizer
         sharding = {0: "unsharded optimizer", 3: "ZeRO-3 (FSDP2)"}.get(o.zero_level, f"ZeRO-{o.zero_level}")
@@ -215,12 +231,21 @@ class Trainer:
         """Micro-batches each DP rank runs for one global batch of ``global_batch_size`` samples."""
         return global_batch_size // (self.cfg.training.micro_batch_size * parallel_state.get_data_parallel_world_size())
 
-    def schedule(self, num_micro_batches: int) -> list:
-        """This rank's pipeline schedule for a step of ``num_micro_batches`` (one per size a ramp-up reaches)."""
-        if num_micro_batches not in self._schedules:
-            self._schedules[num_micro_batches] = build_schedule(self.pp, self.pp_rank, num_micro_batches,
-                                                                self.virtual_stages)
-        return self._schedules[num_micro_batches]
+    def schedules(self, num_micro_batches: int) -> list[list]:
+        """Every pipeline rank's schedule for a step of ``num_micro_batches``."""
+        return [build_schedule(self.pp, r, num_micro_batches, self.virtual_stages, self.schedule_name)
+                for r in range(self.pp)]
+
+    def plans(self, num_micro_batches: int) -> tuple:
+        """This rank's (training, evaluation) transfer plans for a step of ``num_micro_batches`` (one per size a
+        ramp-up reaches)."""
+        if num_micro_batches not in self._plans:
+            schedules = self.schedules(num_micro_batches)
+            forward_only = [[s for s in steps if s.kind == "F"] for steps in schedules]
+            self._plans[num_micro_batches] = tuple(
+                plan_transfers(steps, self.pp, self.virtual_stages, self.placement)[self.pp_rank]
+                for steps in (schedules, forward_only))
+        return self._plans[num_micro_batches]
 
     def _samples(self, dataset, consumed_samples: int, num_micro_batches: int) -> list[torch.Tensor]:
         """This DP rank's samples of the global batch, one [micro-batch, seq + 1] tensor per micro-batch, on the host
@@ -275,13 +300,11 @@ class Trainer:
             loss_sums.append(loss_sum.detach())
             return loss_sum * (loss_scale / global_tokens_now())
 
-        schedule = self.schedule(num_micro_batches)
-        steps = schedule if not forward_only else [s for s in schedule if s.kind == "F"]
+        train_plan, eval_plan = self.plans(num_micro_batches)
         if record_steps:
             self.step_times.align()
-        stats = run_schedule(steps, forward_step, pp=self.pp, rank=self.pp_rank,
-                             virtual_stages=self.virtual_stages, links=self.links, forward_only=forward_only,
-                             record_steps=record_steps)
+        stats = run_schedule(eval_plan if forward_only else train_plan, forward_step, self.links,
+                             forward_only=forward_only, weight_grads=self.weight_grads, clock=self.clock)
         loss_sum = torch.stack(loss_sums).sum() if loss_sums else torch.zeros((), device=self.device)
         return loss_sum, global_tokens_now(), stats
 
@@ -306,7 +329,8 @@ class Trainer:
         self.memory.after_forward_backward()
         if record_steps:
             self.step_times.write(self.state.iteration + 1, stats.step_times, stats.wall_start)
-        self.timers.add("pipeline-wait", stats.total_s - stats.busy_s)
+        if stats.busy_s is not None:
+            self.timers.add("pipeline-wait", stats.total_s - stats.busy_s)
         with self.timers("grads-reduce"):
             self.engine.finish_grad_sync()
         # Only the last stage has the loss: sum it over DP before the optimizer step launches the parameter
@@ -330,11 +354,13 @@ class Trainer:
         self.engine.zero_grad()
 
         # Share the loss (and each stage's schedule statistics) along the pipeline so rank 0 can report it.
-        per_stage = _gather_over_pipeline(torch.stack([loss, torch.tensor(stats.bubble_fraction, device=self.device),
-                                                       torch.tensor(float(stats.peak_in_flight), device=self.device)]))
+        measured = stats.busy_s is not None
+        schedule_stats = torch.tensor([stats.busy_s if measured else -1.0, stats.total_s if measured else -1.0,
+                                       float(stats.peak_in_flight)], dtype=torch.float64, device=self.device)
+        per_stage = _gather_over_pipeline(torch.cat([loss.double().reshape(1), schedule_stats]))
         self.state.iteration = iteration
         self.state.consumed_samples = consumed
-        record = {"iteration": iteration, "loss": float(per_stage[-1][0]), "grad_norm": step["grad_norm"],
+        record = {"iteration": iteration, "loss": float(per_stage[self.loss_rank][0]), "grad_norm": step["grad_norm"],
                   "lr": lr, "consumed_samples": self.state.consumed_samples}
         if decoupled_lr is not None:
             record["decoupled_lr"] = decoupled_lr
@@ -352,10 +378,12 @@ class Trainer:
         elif t.fp16 and not t.no_check_for_nan_in_loss_and_grad:   # ... until they overflow at the lowest scale
             check_loss_scale(iteration, self.optimizer.scaler)
         if self.pp > 1:
-            bubble = [float(stage[1]) for stage in per_stage]
-            record["pipeline_bubble"] = sum(bubble) / len(bubble)   # idle / compute time, mean over stages
-            record["pipeline_bubble_per_stage"] = bubble
-            record["pipeline_peak_in_flight"] = [int(stage[2]) for stage in per_stage]
+            if measured:   # idle / compute time up to the end of the slowest stage (the optimizer waits for it)
+                span = max(float(stage[2]) for stage in per_stage)
+                bubble = [(span - float(stage[1])) / float(stage[1]) for stage in per_stage]
+                record["pipeline_bubble"] = sum(bubble) / len(bubble)
+                record["pipeline_bubble_per_stage"] = bubble
+            record["pipeline_peak_in_flight"] = [int(stage[3]) for stage in per_stage]
         return record
 
     @torch.no_grad()
@@ -372,7 +400,7 @@ class Trainer:
             tokens += global_tokens
         self.model.train()
         total = _sum_over_data_parallel(total)
-        return float(_gather_over_pipeline(total / tokens)[-1])
+        return float(_gather_over_pipeline(total / tokens)[self.loss_rank])
 
     def save_checkpoint(self, directory: str):
         """Save model, optimizer, data position and RNG states into ``directory`` (collective; megalite.checkpoint).

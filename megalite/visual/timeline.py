@@ -7,13 +7,15 @@ A timeline comes from one of two places:
   after the previous stage's F of its micro-batch; a B after the next stage's B (on the last stage, after its own
   F); any other kind, such as zero-bubble's W, after the B of its micro-batch on its stage. Transfers are free. B is
   the backward's input-gradient part and W its weight-gradient part: a schedule without W steps does both in B, which
-  then costs B + W (unit costs thus give 1F1B its usual backward of twice a forward). ``stage_of(rank, chunk)`` says
-  which virtual stage a rank's chunk is (default: Megatron's interleaving, chunk c of rank r is stage c PP + r).
+  then costs B + W (unit costs thus give 1F1B its usual backward of twice a forward). The placement says which
+  virtual stage a rank's chunk is (Megatron's interleaving, chunk c of rank r is stage c PP + r; ZB-V's v-shape).
+  The timing itself is megalite.pipeline.simulation's.
 - :func:`from_recorded`: the step times a run recorded (``--timing-log-level 2``, megalite.training.step_times).
 
 The bubble is each rank's idle time over its compute time up to the end of the last rank (the optimizer step waits
-for it), averaged over ranks, as the metrics file's ``pipeline_bubble``: (PP - 1) / (V M) for 1F1B and interleaved
-1F1B at equal stage costs and M >= PP (Narayanan et al. 2021).
+for it), averaged over ranks, as the metrics file's ``pipeline_bubble``: at equal step costs and M >= PP, (PP - 1) /
+(V M) for 1F1B and interleaved 1F1B (Narayanan et al. 2021), (PP - 1) / (3 V M) for zero-bubble and (PP - 1) / (6 M)
+for ZB-V (Qi et al. 2023).
 
 :func:`draw_timeline` draws one row per rank (rank 0 on top), one box per step coloured by kind (a chunk's shade
 lighter the later the chunk), its micro-batch number inside, on a grey band: what shows grey is idle time.
@@ -23,13 +25,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Mapping, Optional, Sequence
+from typing import Mapping, Optional, Sequence
 
 from megalite.config import ConfigError
+from megalite.pipeline.simulation import BUBBLE_FORMULAS, UNIT_COSTS, bubble_formula, run_steps
 from megalite.visual.figures import DEFAULT_COLOUR, KIND_COLOURS, lighter, new_figure, text_colour
 from megalite.visual.records import read_records
-
-UNIT_COSTS = {"F": 1.0, "B": 1.0, "W": 1.0}
 
 
 @dataclass(frozen=True)
@@ -64,22 +65,13 @@ class Timeline:
         return 1 + max((s.chunk for steps in self.ranks for s in steps), default=0)
 
 
-def one_f_one_b_bubble(pp: int, num_micro_batches: int, virtual_stages: int = 1) -> float:
-    """The bubble of 1F1B, interleaved when V > 1, at equal stage costs: (PP - 1) / (V M) (Narayanan et al. 2021)."""
-    return (pp - 1) / (virtual_stages * num_micro_batches) if pp > 1 else 0.0
-
-
-# The papers' bubble per schedule name (as --pipeline-schedule spells it) and its formula as text.
-THEORY: dict[str, tuple[Callable[[int, int, int], float], str]] = {"1f1b": (one_f_one_b_bubble, "(PP-1)/(V M)")}
-
-
 def theory_bubble(schedule: str, pp: int, num_micro_batches: int,
                   virtual_stages: int = 1) -> Optional[tuple[float, str]]:
-    """(bubble, formula) the papers give ``schedule`` at equal step costs, or None where none is known here."""
-    if schedule not in THEORY:
+    """(bubble, formula) the papers give ``schedule`` at equal step costs (megalite.pipeline.simulation), or None
+    where none is known."""
+    if schedule not in BUBBLE_FORMULAS:
         return None
-    formula, text = THEORY[schedule]
-    return formula(pp, num_micro_batches, virtual_stages), text
+    return bubble_formula(schedule, pp, num_micro_batches, virtual_stages), BUBBLE_FORMULAS[schedule]
 
 
 def step_costs(schedules: Sequence[Sequence], costs: Mapping[str, float] = UNIT_COSTS) -> dict[str, float]:
@@ -91,40 +83,14 @@ def step_costs(schedules: Sequence[Sequence], costs: Mapping[str, float] = UNIT_
 
 
 def simulate(schedules: Sequence[Sequence], costs: Mapping[str, float] = UNIT_COSTS,
-             stage_of: Optional[Callable[[int, int], int]] = None) -> Timeline:
-    """Time every rank's steps (``schedules[rank]``, objects with ``kind``, ``chunk`` and ``micro_batch``) as the
-    module docstring says; a kind without a cost costs 1. Raises ValueError if the schedules cannot finish."""
-    pp = len(schedules)
+             placement: str = "round-robin") -> Timeline:
+    """Time every rank's steps (``schedules[rank]``) as megalite.pipeline.simulation does, keeping each step's
+    start and end; ``placement`` says which virtual stage each rank's chunk is (megalite.pipeline.partition). Raises
+    ValueError if the schedules cannot finish."""
     chunks = 1 + max((s.chunk for steps in schedules for s in steps), default=0)
-    stage_of = stage_of or (lambda rank, chunk: chunk * pp + rank)
-    last = pp * chunks - 1
-    cost = step_costs(schedules, costs)
-    finished: dict[tuple[str, int, int], float] = {}
-    position, free = [0] * pp, [0.0] * pp
-    timed: list[list[TimedStep]] = [[] for _ in range(pp)]
-    while any(position[r] < len(schedules[r]) for r in range(pp)):
-        progressed = False
-        for rank in range(pp):
-            while position[rank] < len(schedules[rank]):
-                step = schedules[rank][position[rank]]
-                stage = stage_of(rank, step.chunk)
-                if step.kind == "F":
-                    needed = ("F", stage - 1, step.micro_batch) if stage > 0 else None
-                elif step.kind == "B":
-                    needed = ("B", stage + 1, step.micro_batch) if stage < last else ("F", stage, step.micro_batch)
-                else:
-                    needed = ("B", stage, step.micro_batch)
-                if needed is not None and needed not in finished:
-                    break
-                start = max(free[rank], finished[needed] if needed is not None else 0.0)
-                free[rank] = start + cost.get(step.kind, 1.0)
-                finished[(step.kind, stage, step.micro_batch)] = free[rank]
-                timed[rank].append(TimedStep(step.kind, step.chunk, step.micro_batch, start, free[rank]))
-                position[rank] += 1
-                progressed = True
-        if not progressed:
-            raise ValueError(f"the schedules cannot finish: the ranks stop at steps {position}")
-    return Timeline(tuple(tuple(steps) for steps in timed))
+    timed = run_steps([list(steps) for steps in schedules], len(schedules), chunks, placement, dict(costs))
+    return Timeline(tuple(tuple(TimedStep(s.kind, s.chunk, s.micro_batch, start, end) for s, start, end in steps)
+                          for steps in timed))
 
 
 def read_recorded(path: str | Path, iteration: Optional[int] = None) -> dict:

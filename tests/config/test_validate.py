@@ -29,6 +29,16 @@ def test_tiny_config_is_valid_on_several_world_sizes():
      "--num-virtual-stages-per-pipeline-rank 3 disagrees with --num-layers-per-virtual-pipeline-stage 2"),
     (tiny_config(model={"num_layers": 8}, parallel={"num_virtual_stages_per_pipeline_rank": 2}), 1,
      "virtual pipeline stages (2) need --pipeline-model-parallel-size > 1"),
+    (tiny_config(pp=2, parallel={"pipeline_schedule": "zb-h2"}), 2,
+     "--pipeline-schedule must be 1f1b, zero-bubble or zbv, got 'zb-h2'"),
+    (tiny_config(parallel={"pipeline_schedule": "zero-bubble"}), 1,
+     "--pipeline-schedule zero-bubble needs --pipeline-model-parallel-size > 1"),
+    (tiny_config(pp=2, model={"num_layers": 6}, parallel={"pipeline_schedule": "zbv",
+                                                          "num_virtual_stages_per_pipeline_rank": 3}), 2,
+     "--pipeline-schedule zbv places exactly 2 chunks on each pipeline rank, got 3 virtual stages"),
+    (tiny_config(pp=2, model={"num_layers": 4}, parallel={"pipeline_schedule": "zbv"}, optimizer={"zero_stage": 3}),
+     4, "--pipeline-schedule zbv defers weight gradients to later steps, which FSDP2's per-layer gradient reduction "
+        "(--zero-stage 3) does not wait for"),
     (tiny_config(training={"global_batch_size": 6}), 2,
      "--global-batch-size 6 is not divisible by --micro-batch-size 2 x data-parallel size 2 = 4"),
     (tiny_config(model={"hidden_size": 66}), 1, "--hidden-size 66 is not divisible by --num-attention-heads 4"),
@@ -145,6 +155,11 @@ def test_context_parallel_layouts():
                                        "sequence_parallel": tp > 1}), world)
     # ZeRO-3 shards over DP x CP: CP alone gives it ranks to shard over.
     validate(tiny_config(optimizer={"zero_stage": 3}, parallel={"context_parallel_size": 2}), 2)
+def test_zbv_has_two_chunks_and_any_number_of_micro_batches():
+    cfg = tiny_config(pp=2, model={"num_layers": 4}, parallel={"pipeline_schedule": "zbv"},
+                      training={"global_batch_size": 6})   # 3 micro-batches: no multiple of PP needed
+    assert cfg.parallel.virtual_stages(4) == 2
+    validate(cfg, 2)
 
 
 def test_virtual_stages_from_either_option():

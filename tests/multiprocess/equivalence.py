@@ -53,6 +53,15 @@ def train(cfg, ranks=None):
 
 
 _REFERENCES: dict[str, tuple] = {}   # reference runs by configuration: layouts of one model share one run
+def resumed_losses(cfg, tp: int, pp: int, ranks, iteration: int):
+    """The losses of ``cfg`` resumed (its --load holds iteration ``iteration``) at TP x PP over ``ranks``; None on
+    ranks outside the layout."""
+    with layout(tp, pp, ranks=ranks) as member:
+        if not member:
+            return None
+        trainer = Trainer(cfg, CPU)
+        assert trainer.state.iteration == iteration
+        return [r["loss"] for r in trainer.train() if "loss" in r]
 
 
 def reference(cfg):

@@ -107,6 +107,11 @@ def test_dry_run_of_a_pipeline_marks_the_most_loaded_stage(monkeypatch, capsys):
     assert pretrain_gpt.main(argv) == 0
     out = capsys.readouterr().out
     assert "TP=1 x PP=2 x DP=2" in out and out.count("<- most loaded") == 1
+    assert "pipeline schedule 1f1b: bubble 50.0% of compute" in out     # (PP - 1) / M, M = 32 / (DP 2 x 8)
+    assert pretrain_gpt.main(argv + ["--pipeline-schedule", "zbv", "--num-layers", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "V=2, zbv" in out and "pipeline schedule zbv: bubble 8.3% of compute" in out   # (PP - 1) / (6 M)
+    assert "(1f1b at V=1: 50.0%)" in out
 
 
 def _states_exceed(argv, world_size):

@@ -14,6 +14,7 @@ import pytest
 from megalite.config import flags
 from megalite.config.cli import parse_args
 from megalite.config import validate
+from megalite.pipeline import schedule_bubble
 from megalite.planner import Hardware, Layout, command_line, load_model_config, search, step_time, to_json
 from megalite.planner.memory import fully_sharded_units, padded_elements
 from megalite.planner.performance import context_parallel_bytes
@@ -153,8 +154,9 @@ def test_json_has_the_table_the_reasons_and_the_command(llama_70b_on_64_nvlink):
     first = data["ranked"][0]
     assert {"weights_bytes", "gradients_bytes", "optimizer_bytes", "activations_bytes"} <= first["memory"].keys()
     assert {"tp", "pp", "dp", "dp_exposed"} <= first["communication_s"].keys()
-    assert first["bubble"] == pytest.approx((first["layout"]["pp"] - 1) / (
-        first["layout"]["virtual_stages"] * 1024 // (first["layout"]["dp"] * first["layout"]["micro_batch_size"])))
+    lay = first["layout"]
+    assert first["bubble"] == pytest.approx(schedule_bubble(lay["pipeline_schedule"], lay["pp"], 1024 // (
+        lay["dp"] * lay["micro_batch_size"]), lay["virtual_stages"]))
     assert data["parameters"]["total"] == 68_976_648_192
     assert len(data["why"]) == 3 and data["rejected"] and data["command"].startswith("torchrun --nnodes 8")
 
@@ -244,3 +246,9 @@ def test_bubble_and_interleaving():
     interleaved = step_time(model, Layout(pp=4, dp=2, virtual_stages=2, micro_batch_size=1), hardware, 64)
     assert plain.bubble == pytest.approx(3 / 32) and interleaved.bubble == pytest.approx(3 / 64)
     assert interleaved.bubble_time < plain.bubble_time
+    # The zero-bubble schedules: a third of 1F1B's bubble, ZB-V half of that again (Qi et al. 2023).
+    zb = step_time(model, Layout(pp=4, dp=2, micro_batch_size=1, pipeline_schedule="zero-bubble"), hardware, 64)
+    zbv = step_time(model, Layout(pp=4, dp=2, virtual_stages=2, micro_batch_size=1, pipeline_schedule="zbv"),
+                    hardware, 64)
+    assert zb.bubble == pytest.approx(3 / 96) and zbv.bubble == pytest.approx(3 / 192)
+    assert zbv.step < zb.step < plain.step

@@ -7,9 +7,10 @@ from __future__ import annotations
 import pytest
 
 from megalite.pipeline.schedules import Step, build_schedule
+from megalite.pipeline.schedules import placement_of
+from megalite.pipeline.simulation import bubble_formula
 from megalite.visual.figures import DEFAULT_COLOUR, KIND_COLOURS
-from megalite.visual.timeline import (draw_timeline, from_recorded, kind_colour, one_f_one_b_bubble, simulate,
-                                      step_costs, theory_bubble)
+from megalite.visual.timeline import draw_timeline, from_recorded, kind_colour, simulate, step_costs, theory_bubble
 
 from .helpers import needs_matplotlib, svg_ids, tool
 
@@ -27,7 +28,7 @@ def test_unit_cost_bubbles_are_the_papers(pp, m, v):
         assert [(s.kind, s.chunk, s.micro_batch) for s in timeline.ranks[rank]] == \
             [(s.kind, s.chunk, s.micro_batch) for s in steps[rank]]
         assert all(a.end <= b.start for a, b in zip(timeline.ranks[rank], timeline.ranks[rank][1:]))
-    assert timeline.bubble == pytest.approx(one_f_one_b_bubble(pp, m, v))
+    assert timeline.bubble == pytest.approx(bubble_formula("1f1b", pp, m, v))
     assert theory_bubble("1f1b", pp, m, v)[0] == pytest.approx(timeline.bubble)
     # No W steps: B does the whole backward, B + W.
     assert step_costs(steps) == {"F": 1.0, "B": 2.0}
@@ -49,6 +50,19 @@ def test_a_zero_bubble_order_with_weight_gradient_steps():
     assert longer.ranks[1][-1].start == 7 and longer.makespan == 9.5
     assert kind_colour("R") == DEFAULT_COLOUR and kind_colour("W") == KIND_COLOURS["W"]
     assert kind_colour("F", 1, 2) != kind_colour("F", 0, 2)   # later chunks lighter
+
+
+@pytest.mark.parametrize("schedule, v", [("zero-bubble", 1), ("zero-bubble", 2), ("zbv", 2)])
+def test_zero_bubble_timelines_have_the_papers_bubbles(schedule, v, tmp_path, capsys):
+    steps = [build_schedule(4, rank, 8, v, schedule) for rank in range(4)]
+    timeline = simulate(steps, placement=placement_of(schedule))
+    assert timeline.bubble == pytest.approx(bubble_formula(schedule, 4, 8, v)) == theory_bubble(schedule, 4, 8, v)[0]
+    assert any(s.kind == "W" for s in timeline.ranks[0])
+    if schedule == "zbv":   # the tool draws it too, its V implied
+        needs_matplotlib()
+        out = tmp_path / "zbv.svg"
+        assert tool("plot_schedule").main(["--pipeline-schedule", "zbv", "--output", str(out)]) == 0
+        assert "(PP-1)/(6 M)" in capsys.readouterr().out and len(svg_ids(out, "step-")) == sum(map(len, steps))
 
 
 def test_a_schedule_that_cannot_finish_is_an_error():

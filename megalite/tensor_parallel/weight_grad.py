@@ -1,0 +1,84 @@
+"""A linear layer's weight gradient, computed in its backward or deferred to a later W step (zero-bubble pipelines).
+
+The backward of y = x A^T + b has two halves: dx = dy A, which the layer before it (and the pipeline stage before
+this one) waits for, and dA = dy^T x, which nothing reads until the optimizer step. Zero-bubble schedules (Qi et al.
+2023; Megatron's delay-wgrad does the same at its linear layers) compute dx in the B step and dA in a W step that
+runs later, where the pipeline would otherwise idle.
+
+``weight_gradient`` is the one function that computes a linear's weight gradient, whether in B or in W: the place
+to hook in where it should change (accumulating straight into the fp32 main gradient, FP8).
+
+A :class:`WeightGradStore` is what a B step defers into. The pipeline engine runs each B step of a zero-bubble
+schedule inside ``store.deferring(key)``; there a linear layer's backward (megalite.tensor_parallel.layers) hands the
+store its weight and what dA needs (the input it saved and the gradient of its output) instead of computing dA, and
+returns no gradient for the weight. The W step calls ``store.run(key)``: every deferred dA of that step is computed
+and given to autograd as the gradient of its weight (``torch.autograd.backward`` on the weights themselves), so it
+is added to ``.grad`` exactly as a backward would add it, and the parameters' post-accumulate hooks fire: the
+data-parallel engine sums it into its bucket and, once the bucket's last W of the step is done, starts the
+bucket's reduction. Weights that are not leaves, and backwards run outside ``deferring``, compute dA at once.
+
+``attach_weight_grad_store(module, store)`` points every layer of ``module`` that can defer (those with a
+``weight_grad_store`` attribute: the column- and row-parallel linears) at ``store``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Hashable, Iterator, Optional
+
+import torch
+
+
+def weight_gradient(grad_output: torch.Tensor, total_input: torch.Tensor) -> torch.Tensor:
+    """dA of y = x A^T over every token: grad_output [..., out] and the (sequence-gathered) input [..., in]."""
+    return grad_output.reshape(-1, grad_output.shape[-1]).t().matmul(total_input.reshape(-1, total_input.shape[-1]))
+
+
+class WeightGradStore:
+    """Weight-gradient work deferred by B steps, keyed by step (e.g. (chunk, micro-batch)), run by W steps."""
+
+    def __init__(self):
+        self._collecting: Optional[Hashable] = None
+        self._pending: dict[Hashable, list[tuple[torch.Tensor, Callable[..., torch.Tensor], tuple]]] = {}
+
+    @contextlib.contextmanager
+    def deferring(self, key: Hashable) -> Iterator[None]:
+        """Inside the block, linear layers' weight gradients are deferred under ``key``."""
+        if key in self._pending:
+            raise RuntimeError(f"weight gradients of {key} are already deferred and not yet run")
+        self._collecting, self._pending[key] = key, []
+        try:
+            yield
+        finally:
+            self._collecting = None
+
+    def defers(self, weight: torch.Tensor) -> bool:
+        """Whether a backward running now should leave ``weight``'s gradient to the store."""
+        return self._collecting is not None and weight.is_leaf
+
+    def defer(self, weight: torch.Tensor, compute: Callable[..., torch.Tensor], *args) -> None:
+        """Queue ``compute(*args)`` as ``weight``'s gradient (only while ``defers(weight)``)."""
+        self._pending[self._collecting].append((weight, compute, args))
+
+    def run(self, key: Hashable) -> None:
+        """Compute the gradients deferred under ``key`` and accumulate them into their weights (in the order the
+        backward deferred them, the same on every tensor-parallel rank: the computation may gather over TP)."""
+        work = self._pending.pop(key)
+        if work:
+            torch.autograd.backward([weight for weight, _, _ in work],
+                                    [compute(*args) for _, compute, args in work])
+
+    def pending(self) -> list:
+        """The keys still waiting for their W step."""
+        return list(self._pending)
+
+    def held_tensors(self) -> list[torch.Tensor]:
+        """What the deferred work keeps alive (saved inputs, output gradients), for memory accounting."""
+        return [t for work in self._pending.values() for _, _, args in work for t in args if torch.is_tensor(t)]
+
+
+def attach_weight_grad_store(module: torch.nn.Module, store: Optional[WeightGradStore]) -> None:
+    """Point every layer of ``module`` that can defer its weight gradient at ``store`` (None: never defer)."""
+    for sub in module.modules():
+        if hasattr(sub, "weight_grad_store"):
+            sub.weight_grad_store = store

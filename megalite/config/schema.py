@@ -206,6 +206,10 @@ class OptimizerConfig:
     grad_reduce_in_bf16: bool = option(
         False, "With --bf16: accumulate and reduce gradients in bfloat16 (half the gradient memory and traffic); the "
                "optimizer still steps fp32 main parameters.")
+    no_gradient_accumulation_fusion: bool = option(
+        False, "Megatron's switch off of gradient-accumulation fusion: by default the column- and row-parallel "
+               "linears add their weight gradient straight into the main-gradient buffer in their backward (no "
+               "param.grad, no hook), except under ZeRO-2 and ZeRO-3, which keep no such buffer.")
     ddp_bucket_size: Optional[int] = option(
         None, "Elements per gradient-reduction bucket; default max(40M, 1M x data-parallel size).")
     zero3_prefetch_bucket_size: Optional[int] = option(

@@ -1,10 +1,13 @@
 """The data-parallel engine: gradients in contiguous fp32 buckets, reduced over DP ranks, optionally overlapped.
 
 Each parameter's gradient is accumulated (in fp32, whatever the parameter dtype; in bf16 with
-``--grad-reduce-in-bf16``, half the memory and traffic) into its slice of a flat buffer by a hook that runs as soon as autograd has produced it. A bucket whose parameters all have their gradient for the
-*last* micro-batch of the global batch is ready; with ``overlap_grad_reduce`` its reduction starts there and then,
-asynchronously, while backward goes on with the other buckets; otherwise all buckets are reduced at the end. No
-reduction ever happens for the earlier micro-batches.
+``--grad-reduce-in-bf16``, half the memory and traffic) into its slice of a flat buffer by a hook that runs as soon
+as autograd has produced it. With gradient-accumulation fusion (the default; not under ZeRO-2, which has no such
+buffer) the column- and row-parallel linears' weights skip autograd's gradient and the hook: the linear's backward
+adds dA into the slice by one matmul and reports it (megalite.tensor_parallel.weight_grad). A bucket whose
+parameters all have their gradient for the *last* micro-batch of the global batch is ready; with
+``overlap_grad_reduce`` its reduction starts there and then, asynchronously, while backward goes on with the other
+buckets; otherwise all buckets are reduced at the end. No reduction ever happens for the earlier micro-batches.
 
 The reduction depends on the optimizer:
 - plain data parallel: all-reduce each bucket (every rank gets the whole summed gradient);
@@ -29,6 +32,8 @@ over TP, once the DP reductions are done.
 
 from __future__ import annotations
 
+import functools
+from collections import Counter
 from typing import Callable, Optional
 
 import torch
@@ -37,6 +42,7 @@ import torch.distributed as dist
 from megalite.distributed.buckets import Bucket, plan_buckets
 from megalite.distributed.engine import DataParallelEngine, Piece
 from megalite.parallel_state import GroupInfo
+from megalite.tensor_parallel.weight_grad import MAIN_GRAD_ACCUMULATOR
 
 
 def default_bucket_size(dp: int) -> int:
@@ -60,12 +66,25 @@ _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
+def _fusable_weights(modules: list[torch.nn.Module], params: list[torch.nn.Parameter],
+                     tied: list[torch.nn.Parameter]) -> set[int]:
+    """ids of the weights whose gradient a linear layer can add into the buffer itself: those that the column- and
+    row-parallel linears own (the layers with a ``weight_grad_store``, which compute their weight gradient through
+    megalite.tensor_parallel.weight_grad) and that nothing else uses (not a tied embedding, not shared)."""
+    owned = [sub.weight for m in modules for sub in m.modules()
+             if hasattr(sub, "weight_grad_store") and isinstance(getattr(sub, "weight", None), torch.nn.Parameter)]
+    uses = Counter(id(w) for w in owned)
+    trained, excluded = {id(p) for p in params}, {id(p) for p in tied}
+    return {id(w) for w in owned if uses[id(w)] == 1 and id(w) in trained and id(w) not in excluded}
+
+
 class DataParallel(DataParallelEngine):
     def __init__(self, modules: list[torch.nn.Module], *, data_group: GroupInfo,
                  embedding_group: Optional[GroupInfo] = None, tied_params: list[torch.nn.Parameter] = (),
                  bucket_size: Optional[int] = None, zero: int = 0,
                  overlap_grad_reduce: bool = False, overlap_param_gather: bool = False,
-                 tensor_group: Optional[GroupInfo] = None, grad_dtype: torch.dtype = torch.float32):
+                 tensor_group: Optional[GroupInfo] = None, grad_dtype: torch.dtype = torch.float32,
+                 gradient_accumulation_fusion: bool = False):
         self.group = data_group
         self.grad_dtype = grad_dtype
         self.embedding_group = embedding_group
@@ -104,7 +123,17 @@ class DataParallel(DataParallelEngine):
 
         # Parameters with no gradient yet this step (see zero_grad); ZeRO-2 has no full-size buffer to overwrite.
         self._fresh: set[int] = set() if self.zero2 else {id(p) for p in self.params}
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.params]
+        # Gradient-accumulation fusion: the linears' own weights get their gradient added into the buffer by the
+        # linear's backward, which then reports it here (_accumulate_weight_gradient); they need no hook.
+        self.fused = (_fusable_weights(modules, self.params, self.tied_params)
+                      if gradient_accumulation_fusion and not self.zero2 else set())
+        for p in self.params:
+            if id(p) in self.fused:
+                setattr(p, MAIN_GRAD_ACCUMULATOR, functools.partial(self._accumulate_weight_gradient, p))
+            elif hasattr(p, MAIN_GRAD_ACCUMULATOR):   # an earlier engine's
+                delattr(p, MAIN_GRAD_ACCUMULATOR)
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.params
+                       if id(p) not in self.fused]
         self._pending_reductions: list[tuple[Optional[dist.Work], Callable[[], None]]] = []
         # bucket index -> (gather work, its input buffer, kept alive until the gather completes)
         self._pending_gathers: dict[int, tuple[dist.Work, torch.Tensor]] = {}
@@ -176,6 +205,28 @@ class DataParallel(DataParallelEngine):
             else:
                 param.main_grad.add_(param.grad)
             param.grad = None
+        self._count_ready(param)
+
+    @torch.no_grad()   # also when a zero-bubble W step runs it, outside backward
+    def _accumulate_weight_gradient(self, param: torch.nn.Parameter, grad_output: torch.Tensor,
+                                    total_input: torch.Tensor) -> None:
+        """A fused linear's dA = grad_output^T total_input ([tokens, out] and [tokens, in]), written (the step's
+        first) or added into the parameter's main gradient by one matmul; then counted for its bucket."""
+        target, first = param.main_grad, id(param) in self._fresh
+        if grad_output.dtype == target.dtype:
+            if first:
+                torch.mm(grad_output.t(), total_input, out=target)
+            else:
+                target.addmm_(grad_output.t(), total_input)
+        else:   # bf16 activations into an fp32 buffer: the product in their dtype, then added, as unfused
+            product = grad_output.t().matmul(total_input)
+            target.copy_(product) if first else target.add_(product)
+        self._fresh.discard(id(param))
+        self._count_ready(param)
+
+    def _count_ready(self, param: torch.nn.Parameter) -> None:
+        """One more parameter of its bucket has this micro-batch's gradient; a full bucket is reduced (now if
+        overlapped and the last micro-batch's, or every micro-batch under ZeRO-2)."""
         bucket = self.bucket_of(param)
         self._waiting[bucket.index] -= 1
         if self._waiting[bucket.index] > 0:

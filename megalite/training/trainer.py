@@ -159,7 +159,8 @@ class Trainer:
             self.engine = DataParallel(
                 list(self.model), **shared, bucket_size=o.ddp_bucket_size,
                 zero=o.zero_level, grad_dtype=grad_dtype,
-                overlap_grad_reduce=o.overlap_grad_reduce, overlap_param_gather=o.overlap_param_gather)
+                overlap_grad_reduce=o.overlap_grad_reduce, overlap_param_gather=o.overlap_param_gather,
+                gradient_accumulation_fusion=not o.no_gradient_accumulation_fusion)
         self.tied_embedding_weights = [w for chunk in self.model for w in chunk.tied_embedding_weights()]
         self.optimizer = MegaliteOptimizer(self.engine, o, cfg.training)
         self.lr_schedule = LRSchedule.from_config(o, cfg.training, m.seq_length)

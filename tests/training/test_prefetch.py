@@ -3,6 +3,7 @@ batch-generator timer) where reading it on the spot costs the whole read, and th
 
 from __future__ import annotations
 
+import statistics
 import time
 
 import pytest
@@ -34,7 +35,7 @@ class SlowReads:
 def _run(prefetch: bool) -> tuple[list[float], list[float]]:
     """(ms waited for the batch per step, losses)."""
     cfg = tiny_config(data={"no_data_prefetch": not prefetch, "eval_interval": 0},
-                      logging={"timing_log_level": 1}, training={"train_iters": 3, "global_batch_size": 4})
+                      logging={"timing_log_level": 1}, training={"train_iters": 4, "global_batch_size": 4, "micro_batch_size": 1})
     trainer = Trainer(cfg, CPU)
     trainer.data.train = SlowReads(trainer.data.train)
     waited, records = [], []
@@ -54,4 +55,5 @@ def test_a_warm_step_does_not_wait_for_its_data():
     assert got == expected
     assert min(on_the_spot) >= 4 * READ_S * 1000
     assert prefetched[0] >= 4 * READ_S * 1000   # the first batch has nothing before it to hide behind
-    assert max(prefetched[1:]) < 0.25 * 4 * READ_S * 1000   # "near zero": under a quarter of the read
+    warm = prefetched[1:]   # "near zero": the median warm step waits under a tenth of the read, and none as long
+    assert statistics.median(warm) < 0.1 * 4 * READ_S * 1000 and max(warm) < min(on_the_spot)

@@ -1,6 +1,6 @@
 """Count what a step hands to torch.distributed: elements and bytes per collective / point-to-point call, by process
-group kind (tensor, context, pipeline, data, data_context, embedding, model, expert, expert_data, world), without
-touching megalite.
+group kind (tensor, tensor_share, context, pipeline, data, data_context, embedding, model, expert, expert_data,
+world), without touching megalite.
 
 ``with count_communication() as counter: step()`` swaps the torch.distributed functions (and the aliases megalite
 modules took of them at import time, e.g. ``megalite.distributed.data_parallel._reduce_scatter``, which torch 2.13's
@@ -64,6 +64,9 @@ def _group_kinds() -> dict[int, str]:
         info = getattr(state, kind)
         if info is not None and info.group is not None:
             kinds.setdefault(id(info.group), kind)
+    for info in state.tensor_shares.values():   # the TP/G ranks sharing a key/value head
+        if info.group is not None:
+            kinds.setdefault(id(info.group), "tensor_share")
     return kinds
 
 

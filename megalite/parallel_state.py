@@ -36,7 +36,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterator, Optional, Sequence
 
 import torch
@@ -70,6 +70,9 @@ class ParallelState:
     expert_data: GroupInfo   # DP x CP / EP: the ranks holding the same experts (expert gradients are summed over it)
     expert_tensor: GroupInfo   # the TP group if experts are split over TP, else this rank alone
     embedding: Optional[GroupInfo]   # first and last pipeline stage (tied word embeddings); None elsewhere
+    # size -> the group of that many consecutive ranks of this rank's TP group, for every size that divides TP
+    # (1 < size < TP): the ranks sharing one key/value head when there are fewer key/value heads than TP ranks.
+    tensor_shares: dict[int, GroupInfo] = field(default_factory=dict, hash=False)
 
 
 _STATE: Optional[ParallelState] = None
@@ -137,6 +140,14 @@ def layout_groups(num_ranks: int, tp: int, pp: int, cp: int = 1, ep: int = 1,
     return groups
 
 
+def tensor_share_groups(num_ranks: int, tp: int, pp: int, cp: int = 1) -> dict[int, list[list[int]]]:
+    """size -> every TP group cut into groups of ``size`` consecutive ranks, for each size 1 < size < TP dividing
+    TP (pure function): the TP / G ranks that share a key/value head under grouped-query attention with G < TP."""
+    tensor = layout_groups(num_ranks, tp, pp, cp)["tensor"]
+    return {size: [members[i:i + size] for members in tensor for i in range(0, tp, size)]
+            for size in range(2, tp) if tp % size == 0}
+
+
 def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1,
                               ranks: Optional[Sequence[int]] = None,
                               timeout: Optional[datetime.timedelta] = None,
@@ -169,9 +180,17 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_mode
                 made[global_members] = dist.new_group(list(global_members), timeout=timeout)
             if me in global_members:
                 mine[kind] = GroupInfo(made.get(global_members), global_members)
+    shares: dict[int, GroupInfo] = {}
+    for size, members_list in tensor_share_groups(len(ranks), tensor_model_parallel_size,
+                                                  pipeline_model_parallel_size, context_parallel_size).items():
+        for members in members_list:   # every rank creates every one, in this same order
+            global_members = tuple(ranks[r] for r in members)
+            group = dist.new_group(list(global_members), timeout=timeout)
+            if me in global_members:
+                shares[size] = GroupInfo(group, global_members)
     if me not in ranks:
         return None
-    _STATE = ParallelState(**{"embedding": None, **mine})
+    _STATE = ParallelState(**{"embedding": None, **mine}, tensor_shares=shares)
     return _STATE
 
 
@@ -217,7 +236,11 @@ def simulated_layout(tp: int = 1, pp: int = 1, dp: int = 1, *, cp: int = 1, tp_r
     mine = {kind: _SimulatedGroupInfo(None, tuple(m), m.index(me))
             for kind, members in layout_groups(tp * cp * dp * pp, tp, pp, cp, ep, etp).items() for m in members
             if me in m}
-    previous, _STATE = _STATE, ParallelState(**{"embedding": None, **mine})   # a middle stage has no embedding group
+    shares = {size: _SimulatedGroupInfo(None, tuple(m), m.index(me))
+              for size, members in tensor_share_groups(tp * cp * dp * pp, tp, pp, cp).items()
+              for m in members if me in m}
+    # A middle stage has no embedding group.
+    previous, _STATE = _STATE, ParallelState(**{"embedding": None, **mine}, tensor_shares=shares)
     try:
         yield _STATE
     finally:
@@ -229,7 +252,8 @@ def destroy_model_parallel() -> None:
     global _STATE
     if _STATE is not None and dist.is_initialized():
         seen = set()
-        for info in vars(_STATE).values():
+        infos = [info for kind, info in vars(_STATE).items() if kind != "tensor_shares"]
+        for info in infos + list(_STATE.tensor_shares.values()):
             if info is not None and info.group is not None and id(info.group) not in seen:
                 seen.add(id(info.group))
                 dist.destroy_process_group(info.group)
@@ -256,6 +280,17 @@ def get_tensor_model_parallel_rank() -> int:
 
 def get_tensor_model_parallel_world_size() -> int:
     return state().tensor.size
+
+
+def get_tensor_model_parallel_subgroup(size: int) -> GroupInfo:
+    """The ``size`` consecutive ranks of this rank's TP group that include it (``size`` > 1 divides TP): the whole TP
+    group or one of :func:`tensor_share_groups`."""
+    tensor = state().tensor
+    if size == tensor.size:
+        return tensor
+    if size not in state().tensor_shares:
+        raise ValueError(f"a group of {size} tensor-parallel ranks does not divide TP {tensor.size}")
+    return state().tensor_shares[size]
 
 
 def get_pipeline_model_parallel_group() -> GroupInfo:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from megalite import extensions
+from megalite.kernels import self_check
 
 from .data.helpers import Corpus, build_corpus, build_hf_tokenizer
 from .helpers import single_layout
@@ -38,3 +39,5 @@ def fresh_extension_cache(monkeypatch, tmp_path):
     monkeypatch.delenv(extensions.DISABLE_ENV, raising=False)
     monkeypatch.setattr(extensions, "_modules", {})
     monkeypatch.setattr(extensions, "_failures", {})
+    monkeypatch.setattr(self_check, "_verdicts", {})   # and the kernels check themselves afresh
+    monkeypatch.setattr(self_check, "_warned", set())

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import types
 from pathlib import Path
 
 import torch
@@ -82,3 +83,14 @@ def assert_close_to_scale(actual, expected, rel: float = REL_TO_SCALE) -> None:
     """``actual`` equals ``expected`` within ``rel`` of ``expected``'s largest magnitude (see REL_TO_SCALE)."""
     scale = expected.detach().abs().max().item() if expected.numel() else 0.0
     torch.testing.assert_close(actual, expected, atol=rel * max(scale, 1.0), rtol=0)
+
+
+def fake_fused_extension(**replaced) -> types.ModuleType:
+    """A stand-in for the CUDA extension: the kernels' torch ops (megalite/kernels/torch_ops.py), which pass the
+    self-check, with the functions named in ``replaced`` swapped (e.g. for a wrong kernel)."""
+    from megalite.kernels import torch_ops
+
+    module = types.ModuleType("megalite_fused")
+    module.__dict__.update({name: getattr(torch_ops, name) for name in dir(torch_ops) if not name.startswith("_")})
+    module.__dict__.update(replaced)
+    return module

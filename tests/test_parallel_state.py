@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from megalite.parallel_state import layout_groups
+from megalite import parallel_state
+from megalite.parallel_state import layout_groups, tensor_share_groups
 
 
 def test_tp2_pp2_dp2_matches_the_documented_order():
@@ -111,3 +112,15 @@ def test_bad_expert_layouts_are_refused():
         layout_groups(4, tp=1, pp=1, ep=3)
     with pytest.raises(ValueError, match="must be TP"):
         layout_groups(4, tp=2, pp=1, etp=4)
+def test_key_value_head_sharers_are_consecutive_ranks_of_a_tensor_group():
+    # TP=8 x DP=2: groups of 2 and 4 consecutive TP ranks, every rank in one of each size; none for TP <= 2.
+    shares = tensor_share_groups(16, tp=8, pp=1)
+    assert sorted(shares) == [2, 4]
+    assert shares[4] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]]
+    assert shares[2][:4] == [[0, 1], [2, 3], [4, 5], [6, 7]] and len(shares[2]) == 8
+    # TP=4 x CP=2: TP ranks are innermost, so consecutive ranks still.
+    assert tensor_share_groups(8, tp=4, pp=1, cp=2) == {2: [[0, 1], [2, 3], [4, 5], [6, 7]]}
+    assert tensor_share_groups(8, tp=2, pp=2) == {}
+    with parallel_state.simulated_layout(tp=4, tp_rank=3):
+        assert parallel_state.get_tensor_model_parallel_subgroup(2).ranks == (2, 3)
+        assert parallel_state.get_tensor_model_parallel_subgroup(4).ranks == (0, 1, 2, 3)

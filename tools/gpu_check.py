@@ -3,7 +3,8 @@
     python tools/gpu_check.py                       # on a machine with one NVIDIA GPU, after pip install -e .
     python tools/gpu_check.py --peak-tflops 989     # a GPU whose bf16 peak is not in megalite/model/flops.py
 
-1. Build: the extension (csrc/fused_ops.cpp + csrc/cuda/*.cu, sm_80 and sm_90) through the same JIT path as training.
+1. Build: the extension (csrc/fused_ops.cpp + csrc/cuda/*.cu, sm_80 and sm_90) through the same JIT path as training,
+   and the self-check training runs before it uses the kernels (megalite/kernels/self_check.py), its verdict printed.
 2. Correctness: every kernel, forward and backward, in fp32, bf16 and fp16, on fresh random inputs (the seed is
    printed; --seed repeats a run) at odd and realistic shapes, against the plain torch composition in float64. The
    kernels' outputs are filled with NaN before they run (set_poison_outputs), so an unwritten element fails. Error:
@@ -49,7 +50,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from megalite import parallel_state  # noqa: E402
-from megalite.kernels import fused, torch_ops  # noqa: E402
+from megalite.kernels import fused, self_check, torch_ops  # noqa: E402
 from megalite.extensions import ExtensionUnavailable  # noqa: E402
 from megalite.kernels.policy import KernelPolicy, fused_extension  # noqa: E402
 from megalite.model.flops import model_flops_per_iteration, peak_bf16_tflops  # noqa: E402
@@ -608,6 +609,12 @@ def main(argv: list[str]) -> int:
         log(build[-1])
         ops.set_poison_outputs(True)
         sizes = "check"
+    failures = self_check.run_self_check(ops, device)   # what training runs before it uses the kernels
+    build.append("self-check (as training runs it): " + ("every kernel passed" if not failures else "; ".join(
+        f"{op} FAILED, runs as torch ops: {why}" for op, why in failures.items())))
+    log(build[-1])
+    if device.type == "cuda":
+        ops.set_poison_outputs(True)   # the self-check leaves it off
     seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(4), "little")
     torch.manual_seed(seed)
     build.append(f"inputs: seed {seed} (--seed {seed} repeats them)")

@@ -327,6 +327,10 @@ class OptimizerConfig:
     grad_reduce_in_bf16: bool = option(
         False, "With --bf16: accumulate and reduce gradients in bfloat16 (half the gradient memory and traffic); the "
                "optimizer still steps fp32 main parameters.")
+    no_gradient_accumulation_fusion: bool = option(
+        False, "Megatron's switch off of gradient-accumulation fusion: by default the column- and row-parallel "
+               "linears add their weight gradient straight into the main-gradient buffer in their backward (no "
+               "param.grad, no hook), except under ZeRO-2 and ZeRO-3, which keep no such buffer.")
     ddp_bucket_size: Optional[int] = option(
         None, "Elements per gradient-reduction bucket; default max(40M, 1M x data-parallel size).")
     zero3_prefetch_bucket_size: Optional[int] = option(
@@ -392,6 +396,9 @@ class DataConfig:
     num_workers: Optional[int] = option(
         None, "Megatron's data-loader worker processes: megalite reads samples in the training process (the "
               "memory-mapped files need no workers).", accepted_only=True)
+    no_data_prefetch: bool = option(
+        False, "Read each global batch's samples on the training thread when the step starts, instead of during "
+               "the step before in a background thread (into pinned memory on a GPU).")
     no_mmap_bin_files: bool = option(
         False, "Megatron's switch from memory-mapped to read() access of the .bin files: megalite always maps them.",
         accepted_only=True)
@@ -516,8 +523,8 @@ class LoggingConfig:
     metrics_file: Optional[str] = option(None, "Rank 0 appends one JSON object per logged iteration to this file.")
     tensorboard_dir: Optional[str] = option(None, "Write TensorBoard scalars to this directory (rank 0).")
     timing_log_level: int = option(
-        0, "Per-phase timers in the log and metrics (min/max over ranks): 0 none, 1 forward-backward, gradient "
-           "reduction and optimizer step, 2 also the pipeline's wait for its neighbours and, with --metrics-file, "
+        0, "Per-phase timers in the log and metrics (min/max over ranks): 0 none, 1 waiting for the batch "
+           "(batch-generator), forward-backward, gradient reduction and optimizer step, 2 also the pipeline's wait for its neighbours and, with --metrics-file, "
            "each pipeline step's times in FILE.steps.jsonl beside it (tools/plot_schedule.py draws them).")
     peak_tflops: Optional[float] = option(
         None, "The device's peak TFLOP/s for MFU; default: known for A100/H100/H200 (bf16 dense), else no MFU.")

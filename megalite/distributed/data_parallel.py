@@ -1,10 +1,13 @@
 """The data-parallel engine: gradients in contiguous fp32 buckets, reduced over DP ranks, optionally overlapped.
 
 Each parameter's gradient is accumulated (in fp32, whatever the parameter dtype; in bf16 with
-``--grad-reduce-in-bf16``, half the memory and traffic) into its slice of a flat buffer by a hook that runs as soon as autograd has produced it. A bucket whose parameters all have their gradient for the
-*last* micro-batch of the global batch is ready; with ``overlap_grad_reduce`` its reduction starts there and then,
-asynchronously, while backward goes on with the other buckets; otherwise all buckets are reduced at the end. No
-reduction ever happens for the earlier micro-batches.
+``--grad-reduce-in-bf16``, half the memory and traffic) into its slice of a flat buffer by a hook that runs as soon
+as autograd has produced it. With gradient-accumulation fusion (the default; not under ZeRO-2, which has no such
+buffer) the column- and row-parallel linears' weights skip autograd's gradient and the hook: the linear's backward
+adds dA into the slice by one matmul and reports it (megalite.tensor_parallel.weight_grad). A bucket whose
+parameters all have their gradient for the *last* micro-batch of the global batch is ready; with
+``overlap_grad_reduce`` its reduction starts there and then, asynchronously, while backward goes on with the other
+buckets; otherwise all buckets are reduced at the end. No reduction ever happens for the earlier micro-batches.
 
 The reduction depends on the optimizer:
 - plain data parallel: all-reduce each bucket (every rank gets the whole summed gradient);
@@ -16,7 +19,9 @@ The reduction depends on the optimizer:
 Sums, not means: the loss is already normalized by the global token count. After the optimizer step, the
 distributed optimizer writes updated shards into the flat parameter buffer and ``gather_params`` all-gathers each
 bucket (asynchronously with ``overlap_param_gather``: a forward pre-hook waits for a module's buckets just before
-the module runs).
+the module runs). Gathers are launched in the order forward first needed the buckets (recorded by those hooks), so
+the first layer's parameters arrive first and each wait is on the oldest gather in flight; reductions go in the
+order backward finished the buckets (as each finishes with ``overlap_grad_reduce``, else at the end in that order).
 
 Tied word embeddings split across pipeline stages are "deferred": their bucket waits until the end, where their
 gradient is first summed with the other stage's copy over the embedding group (or with the copy on the same rank,
@@ -27,6 +32,8 @@ over TP, once the DP reductions are done.
 
 from __future__ import annotations
 
+import functools
+from collections import Counter
 from typing import Callable, Optional
 
 import torch
@@ -35,6 +42,7 @@ import torch.distributed as dist
 from megalite.distributed.buckets import Bucket, plan_buckets
 from megalite.distributed.engine import DataParallelEngine, Piece
 from megalite.parallel_state import GroupInfo
+from megalite.tensor_parallel.weight_grad import MAIN_GRAD_ACCUMULATOR
 
 
 def default_bucket_size(dp: int) -> int:
@@ -58,13 +66,28 @@ _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
+def _fusable_weights(modules: list[torch.nn.Module], params: list[torch.nn.Parameter],
+                     tied: list[torch.nn.Parameter]) -> set[int]:
+    """ids of the weights whose gradient a linear layer can add into the buffer itself: those that the column- and
+    row-parallel linears own (the layers with a ``weight_grad_store``, which compute their weight gradient through
+    megalite.tensor_parallel.weight_grad) and that nothing else uses (not a tied embedding, not shared). An FP8
+    linear (``fp8`` set) hands its weight gradient to autograd instead: its weight keeps the hook."""
+    owned = [sub.weight for m in modules for sub in m.modules()
+             if hasattr(sub, "weight_grad_store") and isinstance(getattr(sub, "weight", None), torch.nn.Parameter)
+             and getattr(sub, "fp8", None) is None]
+    uses = Counter(id(w) for w in owned)
+    trained, excluded = {id(p) for p in params}, {id(p) for p in tied}
+    return {id(w) for w in owned if uses[id(w)] == 1 and id(w) in trained and id(w) not in excluded}
+
+
 class DataParallel(DataParallelEngine):
     def __init__(self, modules: list[torch.nn.Module], *, data_group: GroupInfo,
                  embedding_group: Optional[GroupInfo] = None, tied_params: list[torch.nn.Parameter] = (),
                  bucket_size: Optional[int] = None, zero: int = 0,
                  overlap_grad_reduce: bool = False, overlap_param_gather: bool = False,
                  tensor_group: Optional[GroupInfo] = None, grad_dtype: torch.dtype = torch.float32,
-                 select: Callable[[torch.nn.Parameter], bool] = lambda param: True):
+                 select: Callable[[torch.nn.Parameter], bool] = lambda param: True,
+                 gradient_accumulation_fusion: bool = False):
         """``select``: which of the modules' trainable parameters this engine owns (all by default; with expert
         parallelism one engine takes the dense parameters and another the experts', see expert_parallel)."""
         self.group = data_group
@@ -105,10 +128,25 @@ class DataParallel(DataParallelEngine):
 
         # Parameters with no gradient yet this step (see zero_grad); ZeRO-2 has no full-size buffer to overwrite.
         self._fresh: set[int] = set() if self.zero2 else {id(p) for p in self.params}
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.params]
+        # Gradient-accumulation fusion: the linears' own weights get their gradient added into the buffer by the
+        # linear's backward, which then reports it here (_accumulate_weight_gradient); they need no hook.
+        self.fused = (_fusable_weights(modules, self.params, self.tied_params)
+                      if gradient_accumulation_fusion and not self.zero2 else set())
+        for p in self.params:
+            if id(p) in self.fused:
+                setattr(p, MAIN_GRAD_ACCUMULATOR, functools.partial(self._accumulate_weight_gradient, p))
+            elif hasattr(p, MAIN_GRAD_ACCUMULATOR):   # an earlier engine's
+                delattr(p, MAIN_GRAD_ACCUMULATOR)
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.params
+                       if id(p) not in self.fused]
         self._pending_reductions: list[tuple[Optional[dist.Work], Callable[[], None]]] = []
         # bucket index -> (gather work, its input buffer, kept alive until the gather completes)
         self._pending_gathers: dict[int, tuple[dist.Work, torch.Tensor]] = {}
+        # Buckets in the order forward first needed them (recorded by the pre-hooks, the same on every DP rank, as
+        # they run the same model): the order their gathers are launched in.
+        self._forward_order: list[int] = []
+        # Buckets in the order backward finished them in the last micro-batch: the order their reductions go in.
+        self._backward_order: list[int] = []
         if overlap_param_gather:
             for m in modules:
                 for sub in m.modules():
@@ -160,6 +198,7 @@ class DataParallel(DataParallelEngine):
         self._waiting = {b.index: len(b.params) for b in self.buckets}
         self._micro_batches_done = {b.index: 0 for b in self.buckets}
         self._launched: set[int] = set()
+        self._backward_order = []
 
     def _on_grad_ready(self, param: torch.nn.Parameter) -> None:
         if param.grad is None:   # a zero-bubble B step left this weight's gradient to its W step, which brings it
@@ -171,6 +210,28 @@ class DataParallel(DataParallelEngine):
             else:
                 param.main_grad.add_(param.grad)
             param.grad = None
+        self._count_ready(param)
+
+    @torch.no_grad()   # also when a zero-bubble W step runs it, outside backward
+    def _accumulate_weight_gradient(self, param: torch.nn.Parameter, grad_output: torch.Tensor,
+                                    total_input: torch.Tensor) -> None:
+        """A fused linear's dA = grad_output^T total_input ([tokens, out] and [tokens, in]), written (the step's
+        first) or added into the parameter's main gradient by one matmul; then counted for its bucket."""
+        target, first = param.main_grad, id(param) in self._fresh
+        if grad_output.dtype == target.dtype:
+            if first:
+                torch.mm(grad_output.t(), total_input, out=target)
+            else:
+                target.addmm_(grad_output.t(), total_input)
+        else:   # bf16 activations into an fp32 buffer: the product in their dtype, then added, as unfused
+            product = grad_output.t().matmul(total_input)
+            target.copy_(product) if first else target.add_(product)
+        self._fresh.discard(id(param))
+        self._count_ready(param)
+
+    def _count_ready(self, param: torch.nn.Parameter) -> None:
+        """One more parameter of its bucket has this micro-batch's gradient; a full bucket is reduced (now if
+        overlapped and the last micro-batch's, or every micro-batch under ZeRO-2)."""
         bucket = self.bucket_of(param)
         self._waiting[bucket.index] -= 1
         if self._waiting[bucket.index] > 0:
@@ -180,6 +241,8 @@ class DataParallel(DataParallelEngine):
         if bucket.deferred:
             return
         last = self._micro_batches_done[bucket.index] == self.num_micro_batches
+        if last:
+            self._backward_order.append(bucket.index)
         if self.zero2:
             self._launch(bucket, async_op=self.overlap_grad_reduce)   # every micro-batch: frees the gradients
         elif last and self.overlap_grad_reduce:
@@ -219,7 +282,9 @@ class DataParallel(DataParallelEngine):
         """Sum tied-embedding gradients across stages, reduce every bucket not yet reduced, wait for all, then sum
         the sequence-parallel parameters' gradients over TP."""
         self._sum_tied_gradients()
-        for bucket in self.buckets:
+        finished = set(self._backward_order)   # the order backward finished them, then those it never finished
+        for bucket in [self.buckets[i] for i in self._backward_order] + [b for b in self.buckets
+                                                                         if b.index not in finished]:
             if self.zero2:
                 if bucket.deferred or any(p.grad is not None for p in bucket.params):
                     self._launch(bucket, async_op=False)   # deferred, or a parameter that got no gradient hook
@@ -289,7 +354,7 @@ class DataParallel(DataParallelEngine):
         """All-gather every bucket's updated shards into the full parameters."""
         if not self.distributed or self.dp == 1:
             return
-        for bucket in self.buckets:
+        for bucket in self.gather_order():
             start, end = self.shard(bucket)
             local = self.param_buffer[start:end].clone()   # gloo does not promise in-place gathers
             work = _all_gather(self.param_buffer[bucket.start:bucket.end], local,
@@ -298,9 +363,19 @@ class DataParallel(DataParallelEngine):
                 self._pending_gathers[bucket.index] = (work, local)
         # Without overlap the gathers completed above.
 
+    def gather_order(self) -> list[Bucket]:
+        """The buckets in the order forward needs them: as its pre-hooks first asked for them, then any it never
+        asked for, from the first parameters defined (the layout is reversed: the last bucket holds them)."""
+        seen = set(self._forward_order)
+        return [self.buckets[i] for i in self._forward_order] + [b for b in reversed(self.buckets)
+                                                                 if b.index not in seen]
+
     def _wait_for_params(self, module: torch.nn.Module, _inputs) -> None:
         for p in module.parameters(recurse=False):
-            pending = self._pending_gathers.pop(self.plan.bucket_of.get(id(p), -1), None)
+            index = self.plan.bucket_of.get(id(p), -1)
+            if index >= 0 and index not in self._forward_order:
+                self._forward_order.append(index)
+            pending = self._pending_gathers.pop(index, None)
             if pending is not None:
                 pending[0].wait()
 

@@ -8,6 +8,10 @@
   ``on`` also swaps the attention core, see below.
 - ``off``: torch ops everywhere.
 
+Before the extension's kernels run on a device they check themselves against their torch specification
+(:mod:`megalite.kernels.self_check`): an op that fails runs as torch ops with one warning (``auto``) or stops the
+run (``on``).
+
 The attention core is the one op where a torch op beats the kernel: ``F.scaled_dot_product_attention`` (flash or
 memory-efficient attention) never writes the seq x seq scores that a fused softmax between two matmuls reads and
 writes. So ``auto`` keeps it, and the masked-softmax kernel (Megatron's fused scaled upper-triangular softmax) runs
@@ -28,6 +32,7 @@ import torch
 
 from megalite.config import KernelConfig
 from megalite.extensions import ExtensionUnavailable, load_extension
+from megalite.kernels import self_check
 
 EXTENSION_NAME = "megalite_fused"
 EXTENSION_SOURCES = ["fused_ops.cpp", "cuda/masked_softmax.cu", "cuda/bias_gelu.cu", "cuda/norms.cu",
@@ -72,16 +77,35 @@ class KernelPolicy:
         return op != MASKED_SOFTMAX or self.mode == "on"   # auto: SDPA beats an unfused attention core
 
     def ops(self, op: str, x: torch.Tensor) -> types.ModuleType | None:
-        """The extension if ``op`` on ``x`` runs fused, else ``None`` (run the torch ops)."""
+        """The extension if ``op`` on ``x`` runs fused, else ``None`` (run the torch ops): never for an op whose
+        kernels failed their self-check on ``x``'s device (a warning under ``auto``, an error under ``on``)."""
         if not x.is_cuda or not self.enabled(op):
             return None
-        return fused_extension(required=self.mode == "on")
+        extension = fused_extension(required=self.mode == "on")
+        if extension is None:
+            return None
+        failures = self_check.failed_ops(extension, x.device, EXTENSION_NAME, EXTENSION_SOURCES)
+        if op not in failures:
+            return extension
+        if self.mode == "on":
+            raise self_check.refuse({op: failures[op]}, x.device)
+        self_check.warn_once(op, failures[op], x.device)
+        return None
 
-    def check(self) -> None:
-        """With ``on``, build (or load) the extension now, so that a failure stops the run at start-up on every rank
-        alike, before any collective, rather than inside the first forward."""
-        if self.mode == "on" and any(self.enabled(op) for op in OPS):
-            fused_extension(required=True)
+    def check(self, device: torch.device | None = None) -> None:
+        """With ``on``, build (or load) the extension and self-check its kernels on ``device`` (default: the current
+        CUDA device) now, so that a failure stops the run at start-up on every rank alike, before any collective,
+        rather than inside the first forward."""
+        enabled = [op for op in OPS if self.enabled(op)]
+        if self.mode != "on" or not enabled:
+            return
+        extension = fused_extension(required=True)
+        if device is None and torch.cuda.is_available():
+            device = torch.device("cuda", torch.cuda.current_device())
+        if device is not None:
+            failures = self_check.failed_ops(extension, device, EXTENSION_NAME, EXTENSION_SOURCES)
+            if any(op in failures for op in enabled):
+                raise self_check.refuse({op: why for op, why in failures.items() if op in enabled}, device)
 
 
 DEFAULT_POLICY = KernelPolicy()

@@ -8,8 +8,9 @@ the blocks are unequal: [heads x head_dim; G x head_dim; G x head_dim]. The head
 
 - G >= TP (G divisible by TP): each rank holds G/TP whole key/value heads, those of its query heads.
 - G < TP (TP divisible by G): a key/value head serves the query heads of TP/G ranks. Each of them computes 1/(TP/G)
-  of that head's channels (the weights stay split evenly, nothing is replicated) and they all-gather the pieces; the
-  gather's backward reduce-scatters, which sums the gradient each rank's query heads send to the shared head.
+  of that head's channels (the weights stay split evenly, nothing is replicated) and they all-gather the pieces, over
+  those TP/G ranks only (a subgroup of TP, megalite.parallel_state); the gather's backward reduce-scatters, which sums
+  the gradient each rank's query heads send to the shared head.
 
 With ``--qk-layernorm`` each head's query and key are normalized (Qwen3's q_norm/k_norm) before rotary embeddings,
 when configured, rotate q and k; attention runs on this rank's heads through torch's
@@ -49,7 +50,7 @@ from megalite.model.kv_cache import LayerCache
 from megalite.model.norms import norm
 from megalite.model.rotary import RopeScaling, RotaryEmbedding
 from megalite.tensor_parallel import (ColumnParallelLinear, Fp8Recipe, RowParallelLinear, TensorParallelRNG,
-                                      all_gather_tensor_parallel, mark_sequence_parallel, recompute)
+                                      all_gather_over, mark_sequence_parallel, recompute)
 
 
 def _head_norm(cfg: ModelConfig, kernels: KernelPolicy) -> nn.Module:
@@ -67,13 +68,11 @@ class SelfAttention(nn.Module):
         super().__init__()
         self.kernels = kernels
         tp = parallel_state.get_tensor_model_parallel_world_size()
-        tp_rank = parallel_state.get_tensor_model_parallel_rank()
         heads, groups, head_dim = cfg.num_attention_heads, cfg.query_groups, cfg.head_dim
         self.heads, self.head_dim = heads // tp, head_dim
         self.kv_heads = max(groups // tp, 1)              # key/value heads used on this rank
         self.kv_channels = groups * head_dim // tp         # k (and v) channels this rank computes
         self.sharing_ranks = max(tp // groups, 1)          # ranks computing pieces of one key/value head
-        self.first_sharing_rank = tp_rank // self.sharing_ranks * self.sharing_ranks
         self.dropout = cfg.attention_dropout
         self.rng = rng
         self.recompute_core = cfg.recompute_granularity == "selective"
@@ -156,9 +155,9 @@ class SelfAttention(nn.Module):
     def _gather_shared_head(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Assemble this rank's key/value head from the channel pieces of the ranks sharing it."""
         batch, seq, channels = k.shape
-        pieces = all_gather_tensor_parallel(torch.cat([k, v], dim=-1), dim=-1)   # rank-major [k_0 v_0 k_1 v_1 ...]
-        tp = pieces.shape[-1] // (2 * channels)
-        first = self.first_sharing_rank
-        pieces = pieces.view(batch, seq, tp, 2, channels)[:, :, first:first + self.sharing_ranks]
+        # Over the TP / G ranks sharing the head only (a subgroup of TP): rank-major [k_0 v_0 k_1 v_1 ...].
+        sharing = parallel_state.get_tensor_model_parallel_subgroup(self.sharing_ranks)
+        pieces = all_gather_over(torch.cat([k, v], dim=-1), -1, sharing)
+        pieces = pieces.view(batch, seq, self.sharing_ranks, 2, channels)
         k, v = pieces.transpose(2, 3).reshape(batch, seq, 2, self.sharing_ranks * channels).unbind(2)
         return k, v

@@ -19,7 +19,9 @@ one, else the network):
   8 b s h (t-1)/t elements (Narayanan et al. 2021). Sequence parallelism turns each into an all-gather and a
   reduce-scatter (the same volume) but megalite's column-parallel linears all-gather their input again in backward
   for the weight gradient (not keeping it saves activation memory): 10 b s h (t-1)/t. Full recompute repeats the
-  forward's 4 b s h (t-1)/t. The embedding adds one all-reduce forward and the output layer one backward.
+  forward's 4 b s h (t-1)/t. The embedding adds one all-reduce forward and the output layer one backward. With G < t
+  key/value heads, the r = t/G ranks sharing one gather its [k; v] (2 b s d elements) over those r ranks forward
+  and reduce-scatter its gradient backward, (r-1)/r of each (again forward under full recompute).
 - PP, per micro-batch and model chunk: the activation forward and its gradient backward, b s h (/ t with sequence
   parallelism) each, to the neighbouring stage.
 - DP, per step: megalite reduces fp32 gradients: an all-reduce of 4 bytes per parameter (plain DP), or a
@@ -163,8 +165,16 @@ def step_time(model: ModelConfig, layout: Layout, hardware: Hardware, global_bat
     moe_units = half + (4 * model.moe_router_topk if layout.expert_tp > 1 else 0) + \
         (half if model.moe_shared_expert_intermediate_size else 0) + (2 if layout.sequence_parallel else 0)
 
+    # A key/value head split over TP/G ranks is gathered among those ranks, in forward and backward (and again when
+    # recomputed): every layer's attention.
+    sharing = max(tp // model.query_groups, 1)   # ranks sharing a key/value head
+    kv_gathers = 3 if model.recompute_granularity == "full" else 2
+    kv_time = kv_gathers * ring_gather_time(kv_head_gather_elements(model, layout) * p, sharing,
+                                            hardware.bandwidth(sharing))
+
     def tp_time_of(index: int) -> float:
-        return (moe_units if moe[index] else dense_units) * (tp - 1) / tp * act / tp_bw if tp > 1 else 0.0
+        units = moe_units if moe[index] else dense_units
+        return units * (tp - 1) / tp * act / tp_bw + kv_time if tp > 1 else 0.0
 
     tp_end = 2 * (tp - 1) / tp * act / tp_bw if tp > 1 else 0.0   # embedding forward / output layer backward
     a2a = all_to_all_bytes(model, layout, 1, p) / max(1, sum(moe)) / hardware.bandwidth(tp * layout.ep)
@@ -209,6 +219,14 @@ def step_time(model: ModelConfig, layout: Layout, hardware: Hardware, global_bat
                     model_flops=model_flops_per_iteration(model, global_batch_size),
                     cp=slowest_layers * cp_total * m, cp_exposed=slowest_layers * cp_exposed * m,
                     all_to_all=slowest_a2a * m)
+
+
+def kv_head_gather_elements(model: ModelConfig, layout: Layout) -> int:
+    """Elements of the [k; v] of one key/value head that the TP/G ranks sharing it gather, per layer and micro-batch
+    (forward; backward reduce-scatters as many): 2 b s d, or 0 when G >= TP and no head is shared."""
+    if layout.tp <= model.query_groups:
+        return 0
+    return 2 * layout.micro_batch_size * (model.seq_length // layout.cp) * model.head_dim
 
 
 def context_parallel_bytes(model: ModelConfig, layout: Layout, dtype_bytes: int) -> dict[str, float]:

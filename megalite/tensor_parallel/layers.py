@@ -10,7 +10,8 @@ reduce-scatter their output instead of all-reducing it. Replicated parameters ap
 row-parallel bias) are flagged ``sequence_parallel`` so their partial gradients are summed over TP.
 
 Both linears compute their weight gradient with ``weight_gradient`` and can leave it to a later W step of a
-zero-bubble pipeline schedule (``weight_grad_store``, see megalite.tensor_parallel.weight_grad).
+zero-bubble pipeline schedule (``weight_grad_store``, see megalite.tensor_parallel.weight_grad); with gradient-
+accumulation fusion it goes straight into their weight's main gradient.
 
 Given an FP8 recipe (``fp8``), a linear computes its three products in FP8 (megalite.tensor_parallel.fp8_linear) on
 the same bf16 weight and with the same communication around them; with the delayed recipe it keeps its amax
@@ -18,6 +19,8 @@ history in ``fp8_history``. Its weight gradient is computed in its backward (not
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -31,7 +34,7 @@ from megalite.tensor_parallel.mappings import (SEQUENCE_DIM, all_gather, copy_to
                                                reduce_scatter, reduce_scatter_to_sequence_parallel,
                                                scatter_to_tensor_parallel)
 from megalite.tensor_parallel.partition import REPLICATED, Partition, local_shape, mark, normal_init, zeros_init
-from megalite.tensor_parallel.weight_grad import WeightGradStore, weight_gradient
+from megalite.tensor_parallel.weight_grad import WeightGradStore, accumulates_into_main_grad, weight_gradient
 
 
 def _parameter(full_shape: tuple[int, ...], partition: Partition, init_fn) -> nn.Parameter:
@@ -69,24 +72,26 @@ class _Linear(torch.autograd.Function):
                 grad_input = reduce_scatter(grad_input, SEQUENCE_DIM)
         if ctx.needs_input_grad[1]:
             if ctx.store is not None and ctx.store.defers(weight):
-                ctx.store.defer(weight, _weight_gradient, grad, x, ctx.gather_input, ctx.scatter_output)
-            else:
-                grad_weight = _weight_gradient(grad_output, x, ctx.gather_input, False)
+                ctx.store.defer(weight, functools.partial(_weight_gradient, weight=weight), grad, x, ctx.gather_input,
+                                ctx.scatter_output)
+            else:   # None where it went straight into the weight's main gradient
+                grad_weight = _weight_gradient(grad_output, x, ctx.gather_input, False, weight=weight)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_bias = grad_output.reshape(-1, grad_output.shape[-1]).sum(dim=0)
         return grad_input, grad_weight, grad_bias, None, None, None
 
 
-def _weight_gradient(grad: torch.Tensor, x: torch.Tensor, gather_input: bool, gather_grad: bool) -> torch.Tensor:
+def _weight_gradient(grad: torch.Tensor, x: torch.Tensor, gather_input: bool, gather_grad: bool, *,
+                     weight: torch.Tensor) -> torch.Tensor | None:
     return weight_gradient(all_gather(grad, SEQUENCE_DIM) if gather_grad else grad,
-                           all_gather(x, SEQUENCE_DIM) if gather_input else x)
+                           all_gather(x, SEQUENCE_DIM) if gather_input else x, weight)
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, store: WeightGradStore | None, *,
             gather_input: bool = False, scatter_output: bool = False) -> torch.Tensor:
-    """Torch's own linear where nothing is gathered, scattered or deferred (its backward runs in C++), else
-    ``_Linear``."""
-    if not gather_input and not scatter_output and store is None:
+    """Torch's own linear where nothing is gathered, scattered, deferred or accumulated into a main gradient (its
+    backward runs in C++), else ``_Linear``."""
+    if not gather_input and not scatter_output and store is None and not accumulates_into_main_grad(weight):
         return F.linear(x, weight, bias)
     return _Linear.apply(x, weight, bias, gather_input, scatter_output, store)
 

@@ -6,7 +6,11 @@ this one) waits for, and dA = dy^T x, which nothing reads until the optimizer st
 runs later, where the pipeline would otherwise idle.
 
 ``weight_gradient`` is the one function that computes a linear's weight gradient, whether in B or in W: the place
-to hook in where it should change (accumulating straight into the fp32 main gradient, FP8).
+to hook in where it should change. Gradient-accumulation fusion (Megatron's) hooks in there: a weight whose
+data-parallel engine gave it an accumulator has dA added straight into its main-gradient buffer (the engine's flat
+fp32 buckets) by one matmul, and autograd sees no gradient for it, so there is no ``param.grad`` and no hook; the
+accumulator also counts the weight as done for its bucket, whose overlapped reduction starts as before. FP8 would
+hook in there too.
 
 A :class:`WeightGradStore` is what a B step defers into. The pipeline engine runs each B step of a zero-bubble
 schedule inside ``store.deferring(key)``; there a linear layer's backward (megalite.tensor_parallel.layers) hands the
@@ -29,9 +33,27 @@ from typing import Callable, Hashable, Iterator, Optional
 import torch
 
 
-def weight_gradient(grad_output: torch.Tensor, total_input: torch.Tensor) -> torch.Tensor:
-    """dA of y = x A^T over every token: grad_output [..., out] and the (sequence-gathered) input [..., in]."""
-    return grad_output.reshape(-1, grad_output.shape[-1]).t().matmul(total_input.reshape(-1, total_input.shape[-1]))
+# The attribute a weight carries when its gradient goes straight into a main-gradient buffer (gradient-accumulation
+# fusion): ``accumulate(grad_output_2d, input_2d)``, set by the data-parallel engine, which owns the buffer.
+MAIN_GRAD_ACCUMULATOR = "accumulate_into_main_grad"
+
+
+def weight_gradient(grad_output: torch.Tensor, total_input: torch.Tensor,
+                    weight: torch.Tensor | None = None) -> torch.Tensor | None:
+    """dA of y = x A^T over every token: grad_output [..., out] and the (sequence-gathered) input [..., in]. When
+    ``weight`` accumulates into its main gradient (:data:`MAIN_GRAD_ACCUMULATOR`), dA is handed to it to be added
+    there in one fused matmul, and None comes back: autograd gets no gradient for the weight."""
+    grad_output = grad_output.reshape(-1, grad_output.shape[-1])
+    total_input = total_input.reshape(-1, total_input.shape[-1])
+    accumulate = getattr(weight, MAIN_GRAD_ACCUMULATOR, None)
+    if accumulate is not None:
+        accumulate(grad_output, total_input)
+        return None
+    return grad_output.t().matmul(total_input)
+
+
+def accumulates_into_main_grad(weight: torch.Tensor) -> bool:
+    return getattr(weight, MAIN_GRAD_ACCUMULATOR, None) is not None
 
 
 class WeightGradStore:
@@ -64,9 +86,10 @@ class WeightGradStore:
         """Compute the gradients deferred under ``key`` and accumulate them into their weights (in the order the
         backward deferred them, the same on every tensor-parallel rank: the computation may gather over TP)."""
         work = self._pending.pop(key)
-        if work:
-            torch.autograd.backward([weight for weight, _, _ in work],
-                                    [compute(*args) for _, compute, args in work])
+        grads = [(weight, compute(*args)) for weight, compute, args in work]
+        grads = [(weight, grad) for weight, grad in grads if grad is not None]   # None: added to its main gradient
+        if grads:
+            torch.autograd.backward([weight for weight, _ in grads], [grad for _, grad in grads])
 
     def pending(self) -> list:
         """The keys still waiting for their W step."""

@@ -23,7 +23,7 @@ from megalite import parallel_state
 from megalite.model.flops import peak_bf16_tflops
 
 # Which phases each --timing-log-level reports.
-LEVELS = {1: ("forward-backward", "grads-reduce", "optimizer"), 2: ("pipeline-wait",)}
+LEVELS = {1: ("batch-generator", "forward-backward", "grads-reduce", "optimizer"), 2: ("pipeline-wait",)}
 
 
 class Timers:

@@ -17,6 +17,7 @@ import functools
 import math
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -45,6 +46,7 @@ from megalite.training.moe_statistics import MoEStatistics
 from megalite.training.profiling import StepProfiler
 from megalite.training.step_times import StepTimeRecorder
 from megalite.training.stopping import StopRequests, check_finite, check_loss_scale
+from megalite.training.prefetch import BatchPrefetcher
 from megalite.training.timers import Timers, peak_memory_gib, peak_tflops
 
 
@@ -54,6 +56,18 @@ def _sum_over_data_parallel(value: torch.Tensor) -> torch.Tensor:
     if info.size > 1:
         dist.all_reduce(value, group=info.group)
     return value
+
+
+def _start_sum_over_data_parallel(value: torch.Tensor) -> Callable[[], torch.Tensor]:
+    """The same sum, launched now: returns a function that waits for it (once) and gives ``value``."""
+    info = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    work = [dist.all_reduce(value, group=info.group, async_op=True)] if info.size > 1 else []
+
+    def result() -> torch.Tensor:
+        while work:
+            work.pop().wait()
+        return value
+    return result
 
 
 def _gather_over_pipeline(value: torch.Tensor) -> list[torch.Tensor]:
@@ -153,7 +167,8 @@ class Trainer:
             engine = functools.partial(DataParallel, list(self.model), bucket_size=o.ddp_bucket_size,
                                        zero=o.zero_level, grad_dtype=grad_dtype,
                                        overlap_grad_reduce=o.overlap_grad_reduce,
-                                       overlap_param_gather=o.overlap_param_gather)
+                                       overlap_param_gather=o.overlap_param_gather,
+                                       gradient_accumulation_fusion=not o.no_gradient_accumulation_fusion)
             if expert_data is None:
                 self.engine = engine(**shared)
             else:
@@ -195,6 +210,8 @@ class Trainer:
         self._pending_save: checkpoint.PendingSave | None = None   # an --async-save still being written
         self.stop_requests = StopRequests(cfg.training, device)
         self.timers = Timers(cfg.logging.timing_log_level, device)
+        self.prefetcher = BatchPrefetcher(lambda consumed, n: self._samples(self.data.train, consumed, n),
+                                          enabled=not cfg.data.no_data_prefetch)
         self.memory = MemoryHousekeeping(cfg.training, device)
         self.peak_tflops = peak_tflops(device, cfg.logging.peak_tflops)
         self.flops_per_sample = model_flops_per_iteration(m, 1)
@@ -274,32 +291,45 @@ class Trainer:
                 for steps in (schedules, forward_only))
         return self._plans[num_micro_batches]
 
-    def _micro_batches(self, dataset, consumed_samples: int, num_micro_batches: int) -> list[MicroBatch]:
-        """This rank's micro-batches of the global batch: its DP rank's samples, its CP rank's tokens of them."""
+    def _samples(self, dataset, consumed_samples: int, num_micro_batches: int) -> list[torch.Tensor]:
+        """This DP rank's samples of the global batch, one [micro-batch, seq + 1] tensor per micro-batch, on the host
+        (in pinned memory on a GPU, for an asynchronous copy); run by the prefetch thread for training batches."""
         t = self.cfg.training
         indices = micro_batch_indices(consumed_samples, t.micro_batch_size, num_micro_batches,
                                       parallel_state.get_data_parallel_rank(),
                                       parallel_state.get_data_parallel_world_size())
+        stacked = [torch.stack([dataset[i] for i in batch]) for batch in indices]
+        return [s.pin_memory() for s in stacked] if self.device.type == "cuda" else stacked
+
+    def _micro_batches(self, samples: list[torch.Tensor]) -> list[MicroBatch]:
+        """This rank's micro-batches of the global batch: its DP rank's samples, its CP rank's tokens of them."""
         d = self.cfg.data
         packing = d.reset_position_ids or d.reset_attention_mask or d.eod_mask_loss
         eod = self.data.tokenizer.eod if packing else None   # validation refused packing without a tokenizer
-        return [MicroBatch.of(torch.stack([dataset[i] for i in batch]).to(self.device), self.cfg, eod)
-                for batch in indices]
+        cuda = self.device.type == "cuda"
+        return [MicroBatch.of(s.to(self.device, non_blocking=cuda), self.cfg, eod) for s in samples]
 
     def _run_global_batch(self, dataset, consumed_samples: int, forward_only: bool,
-                          global_batch_size: int | None = None, record_steps: bool = False):
+                          global_batch_size: int | None = None, record_steps: bool = False,
+                          samples: list[torch.Tensor] | None = None):
         """Forward (and backward) one global batch (of ``global_batch_size`` samples, default the largest) through
-        the pipeline schedule (``record_steps``: with its steps' times, clocks aligned over the pipeline).
+        the pipeline schedule (``record_steps``: with its steps' times, clocks aligned over the pipeline); its
+        ``samples`` (from :meth:`_samples`) are read here unless given.
 
         Returns (loss summed over this rank's tokens, token count of the whole global batch, schedule stats)."""
         global_batch_size = global_batch_size or self.cfg.training.global_batch_size
         num_micro_batches = self.micro_batches_in(global_batch_size)
-        micro_batches = self._micro_batches(dataset, consumed_samples, num_micro_batches)
+        if samples is None:
+            samples = self._samples(dataset, consumed_samples, num_micro_batches)
+        micro_batches = self._micro_batches(samples)
         if self.cfg.data.eod_mask_loss:   # the tokens that count, over every rank's share of the global batch
-            global_tokens = _sum_over_data_parallel(torch.stack([b.loss_mask.sum() for b in micro_batches]).sum())
-            global_tokens = global_tokens.clamp(min=1.0)
+            # Waited for only where the first loss is scaled by it: overlapped parameter gathers still in flight on
+            # this group come before it, and the first forward need not wait for them all.
+            counting = _start_sum_over_data_parallel(torch.stack([b.loss_mask.sum() for b in micro_batches]).sum())
+            global_tokens_now = lambda: counting().clamp(min=1.0)   # noqa: E731
         else:   # every token counts (our samples have no padding): the count needs no all-reduce
-            global_tokens = torch.tensor(float(global_batch_size * self.cfg.model.seq_length), device=self.device)
+            tokens = torch.tensor(float(global_batch_size * self.cfg.model.seq_length), device=self.device)
+            global_tokens_now = lambda: tokens   # noqa: E731
         loss_sums: list[torch.Tensor] = []
         loss_scale = self.optimizer.loss_scale   # 1 unless fp16
 
@@ -312,7 +342,7 @@ class Trainer:
                 return output
             loss_sum = (output.float() * mask).sum()
             loss_sums.append(loss_sum.detach())
-            return loss_sum * (loss_scale / global_tokens)
+            return loss_sum * (loss_scale / global_tokens_now())
 
         train_plan, eval_plan = self.plans(num_micro_batches)
         if record_steps:
@@ -320,21 +350,27 @@ class Trainer:
         stats = run_schedule(eval_plan if forward_only else train_plan, forward_step, self.links,
                              forward_only=forward_only, weight_grads=self.weight_grads, clock=self.clock)
         loss_sum = torch.stack(loss_sums).sum() if loss_sums else torch.zeros((), device=self.device)
-        return loss_sum, global_tokens, stats
+        return loss_sum, global_tokens_now(), stats
 
     def train_step(self) -> dict:
         """One optimizer step over one global batch; returns the iteration's metrics."""
         self.model.train()
-        batch = self.batches.at(self.state.consumed_samples)
+        consumed = self.state.consumed_samples
+        batch = self.batches.at(consumed)
+        with self.timers("batch-generator"):   # ~0 once warm: the batch was assembled during the last step
+            samples = self.prefetcher.get(consumed, self.micro_batches_in(batch))
+        if self.state.iteration + 1 < self.train_iters:
+            following = self.batches.at(consumed + batch)
+            self.prefetcher.ahead(consumed + batch, self.micro_batches_in(following))
         self.engine.start_iteration(self.micro_batches_in(batch))
         self.moe.start(self.optimizer.loss_scale, batch)
         # Step times are recorded at the largest batch only: the recorder's schedules are those of that batch.
         record_steps = (self.step_times is not None and batch == self.cfg.training.global_batch_size
                         and self.step_times.records(self.state.iteration + 1))
         with self.timers("forward-backward"):
-            loss_sum, global_tokens, stats = self._run_global_batch(self.data.train, self.state.consumed_samples,
-                                                                    forward_only=False, global_batch_size=batch,
-                                                                    record_steps=record_steps)
+            loss_sum, global_tokens, stats = self._run_global_batch(self.data.train, consumed, forward_only=False,
+                                                                    global_batch_size=batch,
+                                                                    record_steps=record_steps, samples=samples)
         self.memory.after_forward_backward()
         if record_steps:
             self.step_times.write(self.state.iteration + 1, stats.step_times, stats.wall_start)
@@ -343,6 +379,11 @@ class Trainer:
         with self.timers("grads-reduce"):
             self.engine.finish_grad_sync()
         moe_metrics = self.moe.finish(self.device)   # global loads and losses; expert biases updated
+        # Only the last stage has the loss: sum it over DP before the optimizer step launches the parameter
+        # gathers (overlapped ones would otherwise queue this all-reduce, on the same group, behind every one of
+        # them, and the next forward behind it).
+        local_bad = not bool(torch.isfinite(loss_sum))
+        loss = _sum_over_data_parallel(loss_sum.clone()) / global_tokens
 
         iteration = self.state.iteration + 1
         o, consumed = self.cfg.optimizer, self.state.consumed_samples + batch
@@ -357,12 +398,10 @@ class Trainer:
         self.memory.after_step()
         # Which ranks saw a NaN/Inf (only looked for when the global norm, equal on every rank, is not finite).
         norm_bad = step["grad_norm"] is not None and not math.isfinite(step["grad_norm"])
-        local_bad = not bool(torch.isfinite(loss_sum)) or (norm_bad and self.optimizer.has_nonfinite_grads())
+        local_bad = local_bad or (norm_bad and self.optimizer.has_nonfinite_grads())
         self.engine.zero_grad()
 
-        # Only the last stage has the loss: sum it over DP, then share it (and each stage's schedule statistics)
-        # along the pipeline so rank 0 can report it.
-        loss = _sum_over_data_parallel(loss_sum) / global_tokens
+        # Share the loss (and each stage's schedule statistics) along the pipeline so rank 0 can report it.
         measured = stats.busy_s is not None
         schedule_stats = torch.tensor([stats.busy_s if measured else -1.0, stats.total_s if measured else -1.0,
                                        float(stats.peak_in_flight)], dtype=torch.float64, device=self.device)
@@ -509,6 +548,7 @@ class Trainer:
             self.save_checkpoint(self.cfg.checkpoint.save)
         self.finish_save()   # the end of training waits for a save still in flight
         self.engine.finish_param_sync()
+        self.prefetcher.close()
         self.memory.finish()
         self.logger.close()
         return records

@@ -16,7 +16,10 @@ from megalite.config import ConfigError, KernelConfig, validate
 from megalite.kernels import policy
 from megalite.kernels.policy import OPS, ExtensionUnavailable, KernelPolicy
 
-FAKE_CUDA = types.SimpleNamespace(is_cuda=True)   # what the policy looks at in a tensor
+from ..helpers import fake_fused_extension
+
+# What the policy looks at in a tensor; the self-check runs on its device, the CPU here.
+FAKE_CUDA = types.SimpleNamespace(is_cuda=True, device=torch.device("cpu"))
 
 pytestmark = pytest.mark.usefixtures("fresh_extension_cache")   # tests/conftest.py
 
@@ -36,7 +39,7 @@ def test_off_and_per_op_switches_give_torch_ops_on_cuda(monkeypatch):
 
 
 def test_auto_fuses_all_but_the_attention_core_which_on_adds(monkeypatch):
-    extension = types.ModuleType("megalite_fused")
+    extension = fake_fused_extension()
     monkeypatch.setattr(policy, "load_extension", lambda *a, **k: extension)
     assert {op for op in OPS if KernelPolicy("auto").ops(op, FAKE_CUDA) is extension} == set(OPS) - {
         "masked_softmax"}

@@ -11,8 +11,9 @@ within 1e-5):
   overlapped, small buckets: the sequence-parallel gradients (norms, biases, position table) are summed over TP on DP
   shards;
 - the Llama-like model with Qwen2's q/k/v biases and Llama 3's rope scaling at TP=4, where each of its 2 key/value
-  heads (and their biases) is split over 2 TP ranks which all-gather it (multi-query attention, 1 head over 4 ranks,
-  takes the same path), with sequence parallelism and full recompute (uniform).
+  heads (and their biases) is split over 2 TP ranks which all-gather it over a subgroup of the two (multi-query
+  attention, 1 head over 4 ranks, takes the same path over the whole TP group), with sequence parallelism and full
+  recompute (uniform); its communication, counted, is the planner's.
 
 With dropout on, full and selective recompute at TP=2 x PP=2 (1F1B, so other micro-batches' forwards run between a
 forward and its recompute) give exactly the losses, gradient norms and weights of the run without recompute.
@@ -22,8 +23,11 @@ from __future__ import annotations
 
 import pytest
 
+from megalite.training import Trainer
+
 from ..helpers import max_relative_difference, tiny_config
-from .equivalence import check_against_reference, train
+from .equivalence import CPU, check_against_reference, train
+from .groups import layout
 
 LLAMA = {"position_embedding_type": "rope", "normalization": "RMSNorm", "swiglu": True, "ffn_hidden_size": 176,
          "group_query_attention": True, "num_query_groups": 2, "disable_bias_linear": True,
@@ -69,3 +73,26 @@ def test_recompute_with_dropout_matches_no_recompute():
         print(f"dropout 0.1, {label} recompute vs none at TP=2 x PP=2: loss diff {loss_diff:.1e}, grad norm diff "
               f"{norm_diff:.1e}, weight diff {weight_diff:.1e}")
         assert loss_diff == 0 and norm_diff == 0 and weight_diff == 0
+
+
+def test_a_shared_key_value_head_is_gathered_over_its_sharing_ranks_only():
+    """TP=4 with 2 key/value heads: each head's [k; v] is all-gathered over the 2 ranks sharing it (a TP subgroup)
+    and its gradient reduce-scattered there, as many elements per layer and micro-batch as the planner counts;
+    nothing of it crosses the whole TP group."""
+    from bench.comm_counter import count_communication   # noqa: PLC0415 - the benchmarks' counter, run as a test
+
+    from megalite.planner import Layout   # noqa: PLC0415
+    from megalite.planner.performance import kv_head_gather_elements   # noqa: PLC0415
+
+    cfg = tiny_config(tp=4, model=LLAMA, training={"train_iters": 1}, data={"eval_interval": 0})
+    with layout(4, 1):
+        trainer = Trainer(cfg, CPU)
+        with count_communication() as counter:
+            trainer.train_step()
+    per_pass = kv_head_gather_elements(cfg.model, Layout(tp=4, micro_batch_size=cfg.training.micro_batch_size))
+    expected = per_pass * cfg.model.num_layers * trainer.num_micro_batches
+    gathered, scattered = (counter.elements(op, "tensor_share") for op in ("all_gather", "reduce_scatter"))
+    print(f"shared key/value heads at TP=4, G=2: {gathered:,} elements gathered and {scattered:,} reduce-scattered "
+          f"per step over their 2 ranks, the planner's {expected:,}")
+    assert gathered == scattered == expected > 0
+    assert counter.elements("all_gather", "tensor") == 0

@@ -7,12 +7,17 @@ exercised; micro-batch size 1 makes several micro-batches, so gradients accumula
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
+import torch.distributed as dist
 
 from megalite import parallel_state
+from megalite.distributed import data_parallel
 from megalite.training import Trainer
 
+from ..data.helpers import write_progressions
 from ..helpers import tiny_config
 from .groups import layout
 from .equivalence import CPU, check_against_reference
@@ -88,3 +93,49 @@ def test_fp16_overflow_on_one_rank_skips_the_step_everywhere():
     # 1024 -> overflow halves to 512 -> two clean steps (3, 4) double it back -> two overflows: 512, then the
     # minimum 256 holds -> clean steps 7, 8.
     assert scales == [1024.0, 1024.0, 512.0, 512.0, 1024.0, 512.0, 256.0, 256.0]
+
+
+def test_no_blocking_data_parallel_collective_stands_between_the_gathers_and_the_forward(directory, monkeypatch):
+    """--overlap-param-gather: from a step's gather launches to the next forward's first wait, nothing on the DP
+    group is waited for at once (the loss all-reduce, the --eod-mask-loss token count), which on a GPU would queue
+    behind every gather and hold the next forward until they all land. Recorded over a real DP=4 run."""
+    prefix = Path(directory) / "progressions"
+    if dist.get_rank() == 0:
+        write_progressions(prefix, 200, 301)
+    dist.barrier()
+    cfg = tiny_config(optimizer={"ddp_bucket_size": BUCKET, **DIST, "overlap_grad_reduce": True,
+                                 "overlap_param_gather": True},
+                      data={"mock_data": False, "data_path": str(prefix), "tokenizer_type": "NullTokenizer",
+                            "eod_mask_loss": True, "eval_interval": 0},
+                      training={"micro_batch_size": 1, "train_iters": 3})
+    events = []
+    gather, all_reduce = data_parallel._all_gather, dist.all_reduce
+
+    class Recorded:
+        def __init__(self, work):
+            self.work = work
+
+        def wait(self):
+            events.append("gather wait")
+            return self.work.wait()
+
+    def recorded_gather(*args, **kwargs):
+        events.append("gather launch")
+        return Recorded(gather(*args, **kwargs))
+
+    def recorded_all_reduce(tensor, *args, group=None, async_op=False, **kwargs):
+        if group is parallel_state.get_data_parallel_group(with_context_parallel=True).group:
+            events.append("DP all-reduce, " + ("waited later" if async_op else "waited at once"))
+        return all_reduce(tensor, *args, group=group, async_op=async_op, **kwargs)
+
+    monkeypatch.setattr(data_parallel, "_all_gather", recorded_gather)
+    monkeypatch.setattr(dist, "all_reduce", recorded_all_reduce)
+    with layout(1, 1):
+        Trainer(cfg, CPU).train()
+    in_flight, between = False, []   # what happens from a step's gather launches to the first wait on one
+    for event in events:
+        in_flight = event == "gather launch" or (in_flight and event != "gather wait")
+        if in_flight and event.startswith("DP"):
+            between.append(event)
+    assert "DP all-reduce, waited at once" not in between, events
+    assert "DP all-reduce, waited later" in events   # the token count, launched there

@@ -58,3 +58,24 @@ def test_bf16_checkpoint_loads_into_a_delayed_run_with_fresh_histories(tmp_path)
         first.train()
         resumed = Trainer(with_checkpoint(_config("delayed", train_iters=3), load=str(tmp_path)), CPU)
     assert resumed.fp8_histories and all(history.steps == 0 for _, history in resumed.fp8_histories)
+
+
+def _linear_gradients(recipe: str | None) -> dict[str, torch.Tensor]:
+    """The main gradients of the attention and MLP linears after one global batch, fp32 activations."""
+    with single_layout():
+        trainer = Trainer(_config(recipe, bf16=False, train_iters=1), CPU)
+        trainer.engine.start_iteration(trainer.num_micro_batches)
+        trainer._run_global_batch(trainer.data.train, 0, forward_only=False)
+        trainer.engine.finish_grad_sync()
+        return {name: param.main_grad.clone() for name, param in trainer.canonical_named_parameters()
+                if ".linear_" in name}
+
+
+def test_fp8_linears_hand_their_weight_gradients_to_the_optimizer():
+    """Gradient-accumulation fusion (on by default) adds a linear's weight gradient into the main gradient from
+    inside its backward; an FP8 linear returns it to autograd instead, so its weight keeps the hook: its main
+    gradients are FP8's rounding away from the plain run's (fused away, they would be zero)."""
+    plain, fp8 = _linear_gradients(None), _linear_gradients("tensorwise")
+    assert plain.keys() == fp8.keys() and any(name.endswith("linear_qkv.weight") for name in plain)
+    for name, grad in plain.items():
+        assert float((fp8[name] - grad).norm() / grad.norm()) < 0.1, name

@@ -4,7 +4,7 @@ Dropless routing (and, separately, a capacity factor), fp32, 10 iterations: per-
 MoE metrics (balancing losses, expert loads, dropped tokens) within 1e-5 relative and final weights (every expert,
 gathered by name, and the routers' expert biases) within 1e-5, at EP=2, EP=4, EP=2 x TP=2 (with sequence
 parallelism; and with whole experts on each TP rank), EP=2 x DP=4 with ZeRO-3, EP=2 carved from CP=2 x DP=2, and
-EP=2 x PP=2 x DP=4 (8 ranks; 1F1B and zero-bubble), with both dispatchers and with the distributed optimizer.
+EP=2 x PP=2 x DP=4 (8 ranks; 1F1B, zero-bubble and ZB-V), with both dispatchers and with the distributed optimizer.
 """
 
 from __future__ import annotations
@@ -59,9 +59,10 @@ def test_capacity_factor_drops_the_tokens_of_the_single_process():
 
 
 @requires_world(8)
-@pytest.mark.parametrize("schedule", ["1f1b", "zero-bubble"])   # zero-bubble: the shared expert's W deferred
+@pytest.mark.parametrize("schedule", ["1f1b", "zero-bubble", "zbv"])   # zero-bubble: the shared expert's W deferred
 def test_expert_parallel_with_pipeline_matches_single_process(schedule):
-    cfg = moe_config(pp=2, ep=2, model=DEEPSEEK_LIKE, parallel={"pipeline_schedule": schedule},
+    layers = {"num_layers": 4} if schedule == "zbv" else {}   # its v-shape: two chunks per rank
+    cfg = moe_config(pp=2, ep=2, model={**DEEPSEEK_LIKE, **layers}, parallel={"pipeline_schedule": schedule},
                      optimizer={"use_distributed_optimizer": True, "overlap_grad_reduce": True})
     check_against_reference(cfg, label=f"moe ep=2 pp=2 dp=4 {schedule}")
 

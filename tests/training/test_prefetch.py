@@ -13,7 +13,9 @@ from megalite.training import Trainer
 from ..helpers import losses, tiny_config
 from ..multiprocess.equivalence import CPU
 
-READ_S = 0.004   # per sample: 16 ms per global batch of 4
+# Per sample: 4 ms per global batch of 4, well under the step's compute (so the prefetch can hide it whole) yet far
+# above the thread hand-over's own cost.
+READ_S = 0.001
 
 pytestmark = pytest.mark.usefixtures("single_process_layout")
 
@@ -55,5 +57,6 @@ def test_a_warm_step_does_not_wait_for_its_data():
     assert got == expected
     assert min(on_the_spot) >= 4 * READ_S * 1000
     assert prefetched[0] >= 4 * READ_S * 1000   # the first batch has nothing before it to hide behind
-    warm = prefetched[1:]   # "near zero": the median warm step waits under a tenth of the read, and none as long
-    assert statistics.median(warm) < 0.1 * 4 * READ_S * 1000 and max(warm) < min(on_the_spot)
+    warm = prefetched[1:]   # "near zero": the median warm step waits under a quarter of the read (measured 0.0-0.2 ms
+    # of 4 ms on a loaded machine), and none as long as a read on the spot
+    assert statistics.median(warm) < 0.25 * 4 * READ_S * 1000 and max(warm) < min(on_the_spot)

@@ -53,7 +53,6 @@ _MAPPED_FIELDS = hf_llama._MAPPED_FIELDS | {
 _BLOCKS = {MIXTRAL: ("block_sparse_moe.gate.weight", "block_sparse_moe.experts", "w1", "w3", "w2"),
            QWEN2_MOE: ("mlp.gate.weight", "mlp.experts", "gate_proj", "up_proj", "down_proj"),
            QWEN3_MOE: ("mlp.gate.weight", "mlp.experts", "gate_proj", "up_proj", "down_proj")}
-_QKV_BIASES = ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias")
 
 
 def architecture(model: ModelConfig) -> str:
@@ -153,8 +152,8 @@ def to_hf(tensors: dict[str, torch.Tensor], model: ModelConfig) -> dict[str, tor
         result.update({h: block.contiguous() for h, block in zip(hf_names, tensor.split(rows), strict=True)})
     if architecture(model) == QWEN2_MOE and not model.add_qkv_bias:   # zero q/k/v biases: what the model computes
         for i in range(model.num_layers):
-            for name, rows in zip(_QKV_BIASES, (model.query_size, model.query_groups * model.head_dim,
-                                                model.query_groups * model.head_dim)):
+            kv = model.query_groups * model.head_dim
+            for name, rows in zip(hf_llama._QKV_BIAS[1], (model.query_size, kv, kv)):
                 result[f"model.layers.{i}.{name}"] = torch.zeros(rows, dtype=tensors["final_norm.weight"].dtype)
     return result
 

@@ -188,12 +188,13 @@ class Trainer:
         self._plans: dict[int, tuple] = {}
         self.cp = parallel_state.get_context_parallel_world_size()
         # Zero-bubble schedules: each B leaves the linear layers' weight gradients to its W step.
-        self.weight_grads = WeightGradStore() if splits_backward(self.schedules(self.num_micro_batches)[0]) else None
+        largest = self.schedules(self.num_micro_batches)   # every rank's, at the largest batch
+        self.weight_grads = WeightGradStore() if splits_backward(largest[self.pp_rank]) else None
         attach_weight_grad_store(self.model, self.weight_grads)
         self.clock = StepClock(device, measure_gpu=cfg.logging.timing_log_level > 0)
         lg = cfg.logging   # --timing-log-level 2: the logged iterations' step times, for timelines
         self.step_times = (StepTimeRecorder(
-            lg.metrics_file, lg.log_interval, self.train_iters, self.schedules(self.num_micro_batches),
+            lg.metrics_file, lg.log_interval, self.train_iters, largest,
             self.virtual_stages, device, self.schedule_name)
             if StepTimeRecorder.wanted(lg.timing_log_level, lg.metrics_file) else None)
         self.links = (PipelineLinks(parallel_state.get_pipeline_model_parallel_group(),

@@ -99,6 +99,11 @@ class CommCounter:
         return sum(v[1] for (o, k), v in self.totals.items()
                    if (op is None or o == op) and (kind is None or k == kind))
 
+    def bytes(self, op: str | None = None, kind: str | None = None) -> int:
+        """Bytes counted, filtered by op and group kind."""
+        return sum(v[2] for (o, k), v in self.totals.items()
+                   if (op is None or o == op) and (kind is None or k == kind))
+
     def as_dict(self) -> dict:
         return {"totals": {f"{o}|{k}": v for (o, k), v in self.totals.items()},
                 "by_size": {f"{o}|{k}|{s}": n for (o, k, s), n in self.by_size.items()}}

@@ -15,16 +15,7 @@ import pytest
 
 import pretrain_gpt
 from megalite.config.batches import batch_schedule
-from megalite.config.flags import FLAGS
 from megalite.config.schema import TrainingConfig
-
-# Flags of work not merged yet ([fp8]): while a
-# flag is unknown to megalite, the test leaves it (and its values) out; once the branch adding it has merged the flag
-# is known and the test passes it like the others, so the dry runs are complete without an edit here. Delete an entry
-# once its flag is known.
-PENDING = {
-    "--fp8-param-gather",                                                                         # [fp8]
-}
 
 
 def gpt3_175b(paths: dict) -> list[str]:
@@ -126,18 +117,6 @@ def mixtral_8x7b(paths: dict) -> list[str]:
     ]
 
 
-def without_pending(words: list[str]) -> list[str]:
-    """``words`` without the pending flags megalite does not know yet, nor their values."""
-    known = {f.flag for f in FLAGS}
-    kept, skipping = [], False
-    for word in words:
-        if word.startswith("--"):
-            skipping = word in PENDING and word not in known
-        if not skipping:
-            kept.append(word)
-    return kept
-
-
 @pytest.fixture
 def paths(tmp_path, corpus):
     (tmp_path / "gpt2-vocab.json").write_text('{"a": 0, "b": 1, "ab": 2, "<|endoftext|>": 3}')
@@ -163,7 +142,7 @@ def paths(tmp_path, corpus):
 ])
 def test_megatron_example_scripts_dry_run(script, world_size, layout, parameters, notes, paths, monkeypatch, capsys):
     monkeypatch.setenv("WORLD_SIZE", str(world_size))
-    words = without_pending(script(paths))
+    words = script(paths)
     code = pretrain_gpt.main(words + ["--dry-run"])
     out, err = capsys.readouterr()
     assert code == 0, err

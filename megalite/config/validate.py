@@ -245,8 +245,10 @@ def _check_fp8(cfg: MegaliteConfig) -> None:
     _one_of("fp8_amax_compute_algo", m.fp8_amax_compute_algo, ("max", "most_recent"))
     _at_least(1, [("fp8_amax_history_len", m.fp8_amax_history_len)])
     _at_least(0, [("fp8_margin", m.fp8_margin)])
+    _require(not m.fp8_param_gather or m.fp8_format is not None, f"{FLAG.fp8_param_gather} needs {FLAG.fp8_format}")
     if m.fp8_format is None:
         return
+    _check_fp8_param_gather(cfg)
     _require(t.bf16, f"{FLAG.fp8_format} needs {FLAG.bf16}: FP8 products take bf16 activations and master weights")
     tp, cp = p.tensor_model_parallel_size, p.context_parallel_size
     fc1 = 2 * m.ffn_size if m.swiglu else m.ffn_size
@@ -263,6 +265,22 @@ def _check_fp8(cfg: MegaliteConfig) -> None:
         _require(value % FP8_MULTIPLE == 0,
                  f"{FLAG.fp8_format} needs every dimension of the FP8 matrix products to be a multiple of "
                  f"{FP8_MULTIPLE}: {what} = {value} is not")
+
+
+def _check_fp8_param_gather(cfg: MegaliteConfig) -> None:
+    """--fp8-param-gather is the distributed optimizer's parameter gather in FP8, one scale per weight."""
+    m, o = cfg.model, cfg.optimizer
+    if not m.fp8_param_gather:
+        return
+    _require(m.fp8_recipe != "rowwise",
+             f"{FLAG.fp8_param_gather} needs {FLAG.fp8_recipe} tensorwise or delayed: rowwise scales a weight per row "
+             f"forward and per column backward, so no one FP8 copy serves both")
+    _require(o.zero_level != 3,
+             f"{FLAG.fp8_param_gather} is not supported with {FLAG.zero_stage} 3 yet (FSDP2 gathers the bf16 "
+             f"copies); use {FLAG.use_distributed_optimizer} (ZeRO-1/2)")
+    _require(o.use_distributed_optimizer,
+             f"{FLAG.fp8_param_gather} needs {FLAG.use_distributed_optimizer}: it is the distributed optimizer's "
+             f"parameter all-gather that travels in FP8")
 
 
 def _check_context_parallel(cfg: MegaliteConfig) -> None:

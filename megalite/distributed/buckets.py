@@ -5,7 +5,9 @@ gradients, so the first bucket fills first and its reduction can start while bac
 closes once it holds ``bucket_size`` elements, and is padded to a multiple of the data-parallel size so that each
 rank owns an equal contiguous shard of it (reduce-scatter, the distributed optimizer). Parameters flagged
 ``deferred`` (a tied embedding whose gradient must first be summed across pipeline stages) go in a bucket of their
-own that is reduced only after that sum.
+own that is reduced only after that sum. Parameters given as ``separate`` (the FP8 linears' weights under
+``--fp8-param-gather``, whose buckets are all-gathered as FP8 bytes) go in buckets of their own too, after the
+ordinary ones.
 """
 
 from __future__ import annotations
@@ -44,10 +46,12 @@ def _round_up(value: int, multiple: int) -> int:
 
 
 def plan_buckets(params: list[torch.nn.Parameter], bucket_size: int, dp: int,
-                 deferred: list[torch.nn.Parameter] = ()) -> BucketPlan:
+                 deferred: list[torch.nn.Parameter] = (),
+                 separate: list[torch.nn.Parameter] = ()) -> BucketPlan:
     """Lay ``params`` out (given in definition order) into buckets; see the module docstring."""
-    deferred_ids = {id(p) for p in deferred}
-    ordinary = [p for p in reversed(params) if id(p) not in deferred_ids]
+    deferred_ids, separate_ids = {id(p) for p in deferred}, {id(p) for p in separate} - {id(p) for p in deferred}
+    ordinary = [p for p in reversed(params) if id(p) not in deferred_ids | separate_ids]
+    apart = [p for p in reversed(params) if id(p) in separate_ids]
     late = [p for p in reversed(params) if id(p) in deferred_ids]
     buckets: list[Bucket] = []
     ranges: dict[int, tuple[int, int]] = {}
@@ -60,7 +64,7 @@ def plan_buckets(params: list[torch.nn.Parameter], bucket_size: int, dp: int,
         offset = bucket.end
         buckets.append(bucket)
 
-    for group, is_deferred in ((ordinary, False), (late, True)):
+    for group, is_deferred in ((ordinary, False), (apart, False), (late, True)):
         bucket = None
         for p in group:
             if bucket is None:

@@ -27,7 +27,8 @@ Tied word embeddings split across pipeline stages are "deferred": their bucket w
 gradient is first summed with the other stage's copy over the embedding group (or with the copy on the same rank,
 when one rank holds both the first and the last stage), then reduced over DP like the rest.
 Parameters flagged ``sequence_parallel`` (replicated over TP, applied to a sequence shard) get a last reduction,
-over TP, once the DP reductions are done.
+over TP, once the DP reductions are done. With ``fp8_param_gather`` the FP8 linears' weights have buckets of their
+own, gathered as FP8 bytes (megalite.distributed.fp8_param_gather).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ import torch.distributed as dist
 
 from megalite.distributed.buckets import Bucket, plan_buckets
 from megalite.distributed.engine import DataParallelEngine, Piece
+from megalite.distributed.fp8_param_gather import Fp8ParamGather, fp8_linears
 from megalite.parallel_state import GroupInfo
 from megalite.tensor_parallel.weight_grad import MAIN_GRAD_ACCUMULATOR
 
@@ -87,9 +89,10 @@ class DataParallel(DataParallelEngine):
                  overlap_grad_reduce: bool = False, overlap_param_gather: bool = False,
                  tensor_group: Optional[GroupInfo] = None, grad_dtype: torch.dtype = torch.float32,
                  select: Callable[[torch.nn.Parameter], bool] = lambda param: True,
-                 gradient_accumulation_fusion: bool = False):
+                 gradient_accumulation_fusion: bool = False, fp8_param_gather: bool = False):
         """``select``: which of the modules' trainable parameters this engine owns (all by default; with expert
-        parallelism one engine takes the dense parameters and another the experts', see expert_parallel)."""
+        parallelism one engine takes the dense parameters and another the experts', see expert_parallel).
+        ``fp8_param_gather``: the distributed optimizer gathers the FP8 linears' weights in FP8."""
         self.group = data_group
         self.grad_dtype = grad_dtype
         self.embedding_group = embedding_group
@@ -106,7 +109,11 @@ class DataParallel(DataParallelEngine):
         self.sequence_parallel_params = [p for p in self.params if getattr(p, "sequence_parallel", False)]
         self.device = device = self.params[0].device
         size = bucket_size or default_bucket_size(self.dp)
-        self.plan = plan_buckets(self.params, size, self.dp, tied_params)
+        # The FP8 linears' weights get buckets of their own under the distributed optimizer, with or without
+        # fp8_param_gather: the same layout sums gradients in the same order, so the option changes the gather only.
+        linears = (fp8_linears(modules, [p for p in self.params if id(p) not in {id(t) for t in tied_params}])
+                   if self.distributed and self.dp > 1 else [])
+        self.plan = plan_buckets(self.params, size, self.dp, tied_params, [linear.weight for linear in linears])
         self.buckets = self.plan.buckets
         self.tied_params = list(tied_params)
 
@@ -116,6 +123,9 @@ class DataParallel(DataParallelEngine):
             start, end = self.range(p)
             self.param_buffer[start:end].copy_(p.data.view(-1))
             p.data = self.param_buffer[start:end].view_as(p)
+
+        self.fp8 = Fp8ParamGather(self, linears) if fp8_param_gather and linears else None
+        self._stale: set[int] = set()   # FP8 buckets whose bf16 copies are not gathered since their last update
 
         if self.zero2:
             self.grad_shards = [torch.zeros(b.shard(0, self.dp)[1] - b.start, dtype=grad_dtype, device=device)
@@ -164,6 +174,13 @@ class DataParallel(DataParallelEngine):
     def shard(self, bucket: Bucket) -> tuple[int, int]:
         return bucket.shard(self.dp_rank, self.dp)
 
+    def local_slice(self, param: torch.nn.Parameter) -> Optional[tuple[int, int]]:
+        """The flat range of ``param`` in this rank's shard of its bucket (None where it has none there)."""
+        start, end = self.range(param)
+        shard_start, shard_end = self.shard(self.bucket_of(param))
+        start, end = max(start, shard_start), min(end, shard_end)
+        return (start, end) if start < end else None
+
     def reduced_grad(self, bucket: Bucket, start: int, end: int) -> torch.Tensor:
         """The summed gradient of flat range [start, end), which must lie in this rank's shard when sharded."""
         if self.zero2:
@@ -179,16 +196,16 @@ class DataParallel(DataParallelEngine):
             start, end = self.range(param)
             bucket = self.bucket_of(param)
             if self.distributed:
-                shard_start, shard_end = self.shard(bucket)
-                start, end = max(start, shard_start), min(end, shard_end)
-                if start >= end:
+                if (piece := self.local_slice(param)) is None:
                     continue
+                start, end = piece
             result.append(Piece(param, start, end, self.param_buffer[start:end], self.reduced_grad(bucket, start, end)))
         return result
 
     def held_bytes(self) -> tuple[int, int]:
         grads = self.grad_shards if self.zero2 else [self.grad_buffer]
-        return (self.param_buffer.numel() * self.param_buffer.element_size(),
+        return (self.param_buffer.numel() * self.param_buffer.element_size() + (self.fp8.held_bytes() if self.fp8
+                                                                                 else 0),
                 sum(g.numel() * g.element_size() for g in grads))
 
     # ---- gradient reduction ---------------------------------------------------------------------------------------
@@ -351,17 +368,26 @@ class DataParallel(DataParallelEngine):
 
     # ---- parameter gather (distributed optimizer) -----------------------------------------------------------------
     def gather_params(self) -> None:
-        """All-gather every bucket's updated shards into the full parameters."""
+        """All-gather every bucket's updated shards into the full parameters (an FP8 bucket's as FP8 bytes into
+        its FP8 buffer)."""
         if not self.distributed or self.dp == 1:
             return
+        if self.fp8 is not None:
+            self.fp8.prepare(self)
         for bucket in self.gather_order():
-            start, end = self.shard(bucket)
-            local = self.param_buffer[start:end].clone()   # gloo does not promise in-place gathers
-            work = _all_gather(self.param_buffer[bucket.start:bucket.end], local,
-                                               group=self.group.group, async_op=self.overlap_param_gather)
+            if self.fp8 is not None and bucket.index in self.fp8.buffers:
+                local, full = self.fp8.shard_bytes(self, bucket), self.fp8.buffers[bucket.index]
+                self._stale.add(bucket.index)
+            else:
+                start, end = self.shard(bucket)
+                local = self.param_buffer[start:end].clone()   # gloo does not promise in-place gathers
+                full = self.param_buffer[bucket.start:bucket.end]
+            work = _all_gather(full, local, group=self.group.group, async_op=self.overlap_param_gather)
             if self.overlap_param_gather:
                 self._pending_gathers[bucket.index] = (work, local)
         # Without overlap the gathers completed above.
+        if self.fp8 is not None:
+            self.fp8.stamp()
 
     def gather_order(self) -> list[Bucket]:
         """The buckets in the order forward needs them: as its pre-hooks first asked for them, then any it never
@@ -380,7 +406,16 @@ class DataParallel(DataParallelEngine):
                 pending[0].wait()
 
     def finish_param_sync(self) -> None:
-        """Wait for every outstanding parameter gather (before evaluation, checkpointing or the end)."""
+        """Wait for every outstanding parameter gather (before evaluation, checkpointing or the end); bring the
+        FP8 buckets' bf16 copies up to date (their bf16 gather, skipped while training)."""
         for work, _ in self._pending_gathers.values():
             work.wait()
         self._pending_gathers.clear()
+        for index in sorted(self._stale):
+            start, end = self.shard(self.buckets[index])
+            bucket = self.buckets[index]
+            _all_gather(self.param_buffer[bucket.start:bucket.end], self.param_buffer[start:end].clone(),
+                        group=self.group.group)
+        if self._stale:
+            self._stale.clear()
+            self.fp8.stamp()   # the weights are what the FP8 copies were made of

@@ -4,7 +4,9 @@ Model states, as megalite holds them (tests: within 1% of the tensors a real Dat
 allocate; in fact exact, bucket padding included):
 
 - weights: this rank's parameters, in the model dtype, living in one flat buffer per rank, padded per bucket to a
-  multiple of DP x 16 elements (megalite.distributed.buckets) - the padding is real memory;
+  multiple of DP x 16 elements (megalite.distributed.buckets) - the padding is real memory; under the distributed
+  optimizer the FP8 linears' weights have buckets of their own, and with ``--fp8-param-gather`` one byte more per
+  element of those buckets (the FP8 copies they are gathered into);
 - gradients: fp32 (``main_grad`` buckets) whatever the model dtype (bf16 with ``--grad-reduce-in-bf16``, the
   ``grad_bytes`` argument): the whole padded buffer, or with ZeRO-2
   only this rank's 1/DP shard of each bucket (plus, transiently, the bf16 ``param.grad`` of a bucket not yet
@@ -113,7 +115,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from megalite.config import ModelConfig
-from megalite.distributed.buckets import plan_buckets
+from megalite.distributed.buckets import BucketPlan, plan_buckets
 from megalite.distributed.data_parallel import default_bucket_size
 from megalite.pipeline.partition import chunks_of_rank
 from megalite.pipeline.schedules import build_schedule
@@ -205,7 +207,7 @@ def _model_state_bytes(model: ModelConfig, tp: int, pp: int, v: int, dp: int, ze
     tensors = [t for chunk in rank_tensors(model, tp, pp, v, pp_rank, placement, ep=ep, expert_tp=expert_tp)
                for t in chunk]
     dense = _engine_state_bytes([t for t in tensors if not t.expert], dp, zero, dtype_bytes, dp_rank,
-                                bucket_size or default_bucket_size(dp), grad_bytes)
+                                bucket_size or default_bucket_size(dp), grad_bytes, model.fp8_param_gather)
     routed = [t for t in tensors if t.expert]
     if not routed:
         weights, gradients, owned = dense
@@ -237,12 +239,23 @@ def expert_state_bytes(model: ModelConfig, layout: Layout, pp_rank: int = 0, *, 
     return weights + gradients + owned * (8 + (0 if dtype_bytes == 4 else 4))
 
 
-def _engine_state_bytes(tensors: list[Tensor], dp: int, zero: int, dtype_bytes: int, dp_rank: int,
-                        bucket_size: int, grad_bytes: int = 4) -> tuple[float, float, int]:
-    """(weight bytes, gradient bytes, elements whose optimizer state this rank owns) of one engine's buffers."""
+def engine_buckets(tensors: list[Tensor], dp: int, zero: int, bucket_size: int) -> tuple[BucketPlan, set[int]]:
+    """One engine's bucket plan, as megalite.distributed.data_parallel makes it, and the indices of its buckets of
+    FP8 linears' weights (their own buckets under the distributed optimizer)."""
     params = [_Sized(t.numel) for t in tensors]
-    plan = plan_buckets(params, bucket_size, dp, [p for p, t in zip(params, tensors) if t.deferred])
+    fp8 = [p for p, t in zip(params, tensors) if t.fp8] if zero in (1, 2) and dp > 1 else []
+    plan = plan_buckets(params, bucket_size, dp, [p for p, t in zip(params, tensors) if t.deferred], fp8)
+    return plan, {plan.bucket_of[id(p)] for p in fp8}
+
+
+def _engine_state_bytes(tensors: list[Tensor], dp: int, zero: int, dtype_bytes: int, dp_rank: int,
+                        bucket_size: int, grad_bytes: int = 4,
+                        fp8_param_gather: bool = False) -> tuple[float, float, int]:
+    """(weight bytes, gradient bytes, elements whose optimizer state this rank owns) of one engine's buffers."""
+    plan, fp8_buckets = engine_buckets(tensors, dp, zero, bucket_size)
     weights = plan.total * dtype_bytes
+    if fp8_param_gather:
+        weights += sum(plan.buckets[i].end - plan.buckets[i].start for i in fp8_buckets)
     if zero == 2:
         gradients = sum((b.end - b.start) // dp for b in plan.buckets) * grad_bytes
     else:

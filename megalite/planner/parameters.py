@@ -39,6 +39,7 @@ class Tensor:
     rows: int = 0        # dim 0 on this rank, which ZeRO-3 shards over DP (0: a vector, numel rows of one element)
     deferred: bool = False   # a tied word embedding (or the last stage's copy): its own gradient bucket
     expert: bool = False     # a routed expert's: its own engine over the expert-data-parallel ranks
+    fp8: bool = False        # an FP8 linear's weight: its own buckets under the distributed optimizer
 
     @property
     def dim0(self) -> int:
@@ -70,15 +71,20 @@ def layer_tensors(cfg: ModelConfig, tp: int, index: int, ep: int = 1, expert_tp:
     bias = not cfg.disable_bias_linear
     p = f"layers.{index}"
 
+    def fp8(weight: Tensor, expert: bool) -> Tensor:
+        """The weight of an FP8 linear (--fp8-format: attention, MLP and shared expert; routed experts stay bf16)."""
+        return dataclasses.replace(weight, fp8=cfg.fp8_format is not None and not expert)
+
     def column(name: str, rows: int, world: int = tp, expert: bool = False, biased: bool = bias) -> list[Tensor]:
         """A weight, then its bias split like its rows."""
-        tensors = [_column(f"{name}.weight", rows, h, world)] + ([_column(f"{name}.bias", rows, 1, world)]
-                                                                 if biased else [])
+        tensors = [fp8(_column(f"{name}.weight", rows, h, world), expert)] + (
+            [_column(f"{name}.bias", rows, 1, world)] if biased else [])
         return [dataclasses.replace(t, expert=expert) for t in tensors]
 
     def row(name: str, cols: int, world: int = tp, expert: bool = False) -> list[Tensor]:
         """A weight, then its replicated bias."""
-        tensors = [_row(f"{name}.weight", h, cols, world)] + ([Tensor(f"{name}.bias", h, h)] if bias else [])
+        tensors = [fp8(_row(f"{name}.weight", h, cols, world), expert)] + (
+            [Tensor(f"{name}.bias", h, h)] if bias else [])
         return [dataclasses.replace(t, expert=expert) for t in tensors]
 
     def mlp(name: str, f: int, world: int = tp, expert: bool = False) -> list[Tensor]:

@@ -25,7 +25,8 @@ one, else the network):
 - PP, per micro-batch and model chunk: the activation forward and its gradient backward, b s h (/ t with sequence
   parallelism) each, to the neighbouring stage.
 - DP, per step: megalite reduces fp32 gradients: an all-reduce of 4 bytes per parameter (plain DP), or a
-  reduce-scatter of them and an all-gather of the updated bf16 parameters (distributed optimizer); ZeRO-2
+  reduce-scatter of them and an all-gather of the updated bf16 parameters (distributed optimizer; with
+  --fp8-param-gather the FP8 linears' weights in one byte); ZeRO-2
   reduce-scatters in every micro-batch (M times the traffic). With --overlap-grad-reduce (always proposed) the
   reduction runs during the last micro-batch's backward and only the last bucket, or what exceeds that backward,
   shows; ZeRO-2's per-micro-batch reductions hide behind the whole backward; with --overlap-param-gather the
@@ -72,7 +73,7 @@ from megalite.pipeline.partition import chunks_of_rank
 from megalite.pipeline.simulation import schedule_bubble
 from megalite.planner.hardware import Hardware
 from megalite.planner.layout import Layout
-from megalite.planner.memory import fully_sharded_units, model_state_bytes, padded_elements
+from megalite.planner.memory import engine_buckets, fully_sharded_units, model_state_bytes, padded_elements
 from megalite.planner.parameters import rank_tensors
 
 
@@ -293,7 +294,8 @@ def _data_parallel_time(model: ModelConfig, layout: Layout, hardware: Hardware, 
     over the expert-data-parallel ranks."""
     tp, dp = layout.tp, layout.replicas
     states = model_state_bytes(model, layout, 0, dtype_bytes=dtype_bytes)
-    elements = states.weights / dtype_bytes                 # the padded flat buffers
+    fp8 = fp8_gathered_elements(model, layout)
+    elements = (states.weights - fp8) / dtype_bytes          # the padded flat buffers (less the FP8 copies' byte)
     expert_elements = sum(t.numel for chunk in rank_tensors(model, tp, layout.pp, layout.virtual_stages, 0,
                                                             layout.placement, ep=layout.ep,
                                                             expert_tp=layout.expert_tp) for t in chunk if t.expert)
@@ -302,15 +304,27 @@ def _data_parallel_time(model: ModelConfig, layout: Layout, hardware: Hardware, 
         tied = model.padded_vocab_size(tp) * model.hidden_size // tp * 4
         embedding_sum = ring_all_reduce_time(tied, 2, hardware.bandwidth(hardware.num_gpus))
     times = [_engine_time(elements - expert_elements, dp, layout, hardware, num_micro_batches,
-                          compute_per_micro_batch, dtype_bytes),
+                          compute_per_micro_batch, dtype_bytes, fp8),
              _engine_time(expert_elements, layout.expert_dp, layout, hardware, num_micro_batches,
                           compute_per_micro_batch, dtype_bytes)]
     return sum(t for t, _ in times) + embedding_sum, sum(e for _, e in times) + embedding_sum
 
 
+def fp8_gathered_elements(model: ModelConfig, layout: Layout) -> int:
+    """Elements of the dense engine's buckets that --fp8-param-gather gathers in FP8 (0 without it): those of the
+    FP8 linears' weights, padding included, on pipeline rank 0."""
+    if not model.fp8_param_gather or layout.zero not in (1, 2) or layout.replicas == 1:
+        return 0
+    tensors = [t for chunk in rank_tensors(model, layout.tp, layout.pp, layout.virtual_stages, 0, layout.placement,
+                                           ep=layout.ep, expert_tp=layout.expert_tp) for t in chunk if not t.expert]
+    plan, fp8 = engine_buckets(tensors, layout.replicas, layout.zero, default_bucket_size(layout.replicas))
+    return sum(plan.buckets[i].end - plan.buckets[i].start for i in fp8)
+
+
 def _engine_time(elements: float, dp: int, layout: Layout, hardware: Hardware, num_micro_batches: int,
-                 compute_per_micro_batch: float, dtype_bytes: int) -> tuple[float, float]:
-    """(total, exposed) seconds of one engine's reduction (and gather) of ``elements`` over ``dp`` ranks."""
+                 compute_per_micro_batch: float, dtype_bytes: int, fp8_elements: float = 0) -> tuple[float, float]:
+    """(total, exposed) seconds of one engine's reduction (and gather) of ``elements`` over ``dp`` ranks, of which
+    ``fp8_elements`` are gathered in one byte (--fp8-param-gather)."""
     if dp == 1 or elements == 0:
         return 0.0, 0.0
     grad_bytes = elements * 4
@@ -322,7 +336,7 @@ def _engine_time(elements: float, dp: int, layout: Layout, hardware: Hardware, n
         reduce = ring_all_reduce_time(grad_bytes, dp, bw)
         last = ring_all_reduce_time(bucket_bytes, dp, bw)
         return reduce, max(last, reduce - backward)
-    gather = ring_gather_time(elements * dtype_bytes, dp, bw)
+    gather = ring_gather_time((elements - fp8_elements) * dtype_bytes + fp8_elements, dp, bw)
     gather_exposed = max(ring_gather_time(bucket_bytes / 4 * dtype_bytes, dp, bw), gather - forward)
     scatter = ring_gather_time(grad_bytes, dp, bw)
     last = ring_gather_time(bucket_bytes, dp, bw)

@@ -18,10 +18,15 @@ input, weight and output gradient, and :func:`update_delayed_scales`, after the 
 TP and DP x CP ranks (every rank holding the layer then agrees, and the scale of a step is that of the global batch
 whatever the layout), pushes it into the history and computes the next scales. The first step, with no history
 yet, scales tensorwise.
+
+With ``--fp8-param-gather`` the distributed optimizer quantizes each weight's updated shard itself and all-gathers
+the FP8 bytes (megalite.distributed.fp8_param_gather); it hangs a :class:`GatheredFp8Weight` on the weight, which
+the forward multiplies by instead of quantizing the weight: the same bytes and scale it would have computed.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Iterable, Optional
 
 import torch
@@ -83,6 +88,25 @@ class Fp8History:
         self.running = torch.zeros_like(self.running)
 
 
+GATHERED = "fp8_gathered"   # the attribute of a weight that holds its GatheredFp8Weight
+
+
+@dataclass
+class GatheredFp8Weight:
+    """A weight's FP8 copy as the parameter gather brought it: ``values`` (e4m3, the weight's shape) and the inverse
+    of the scale they were quantized by. ``version`` is the weight's version counter when they were made: a weight
+    written since (a checkpoint loaded into it) is quantized afresh instead."""
+    values: torch.Tensor
+    inverse_scale: torch.Tensor
+    version: int
+
+
+def gathered_fp8_weight(weight: torch.Tensor) -> Optional[GatheredFp8Weight]:
+    """The weight's gathered FP8 copy, if it has one that is current."""
+    gathered = getattr(weight, GATHERED, None)
+    return gathered if gathered is not None and gathered.version == weight._version else None
+
+
 def _max_over(value: torch.Tensor, reduce: bool) -> torch.Tensor:
     """``value`` maxed over the TP group when ``reduce`` (the amax spans a dimension TP splits)."""
     info = parallel_state.get_tensor_model_parallel_group()
@@ -99,11 +123,12 @@ def _gather_fp8(q: torch.Tensor) -> torch.Tensor:
 
 class _Plan:
     """What one linear's products need to know: the recipe, its history (delayed), its kind ("column" or "row"),
-    whether its input is a sequence shard to gather, and whether this call records amaxes."""
+    whether its input is a sequence shard to gather, whether this call records amaxes, and the weight's gathered FP8
+    copy (--fp8-param-gather; its amax was recorded when it was made)."""
 
     def __init__(self, recipe: Fp8Recipe, history: Optional[Fp8History], kind: str, gather_sequence: bool,
-                 record: bool):
-        self.recipe, self.history, self.kind = recipe, history, kind
+                 record: bool, gathered: Optional[GatheredFp8Weight] = None):
+        self.recipe, self.history, self.kind, self.gathered = recipe, history, kind, gathered
         self.gather_sequence, self.record = gather_sequence, record
         self.split = parallel_state.get_tensor_model_parallel_world_size() > 1
         delayed = recipe.recipe == "delayed"
@@ -148,7 +173,10 @@ class _Fp8Linear(torch.autograd.Function):
             # A column-parallel input is whole (or a sequence shard, then the amax is over TP); a row-parallel one
             # is split by columns. Both linears split their weight.
             x_q, x_inv = _quantized(plan, INPUT, x, fwd, split=row or plan.gather_sequence)
-            w_q, w_inv = _quantized(plan, WEIGHT, weight, fwd, split=True)
+            if plan.gathered is not None:
+                w_q, w_inv = plan.gathered.values, plan.gathered.inverse_scale
+            else:
+                w_q, w_inv = _quantized(plan, WEIGHT, weight, fwd, split=True)
             saved_x = x_q
         if plan.gather_sequence:
             x_q = _gather_fp8(x_q)
@@ -207,7 +235,8 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, recipe: Fp8Recipe, history
     amaxes enter the delayed history."""
     if history is not None:
         history.to(x.device)
-    y = _Fp8Linear.apply(x, weight, _Plan(recipe, history, kind, gather_sequence, record))
+    gathered = gathered_fp8_weight(weight) if recipe.recipe != "rowwise" else None
+    y = _Fp8Linear.apply(x, weight, _Plan(recipe, history, kind, gather_sequence, record, gathered))
     lead = x.shape[:-1] if not gather_sequence else (*x.shape[:SEQUENCE_DIM], -1, *x.shape[SEQUENCE_DIM + 1:-1])
     return y.view(*lead, y.shape[-1])
 

@@ -168,7 +168,8 @@ class Trainer:
                                        zero=o.zero_level, grad_dtype=grad_dtype,
                                        overlap_grad_reduce=o.overlap_grad_reduce,
                                        overlap_param_gather=o.overlap_param_gather,
-                                       gradient_accumulation_fusion=not o.no_gradient_accumulation_fusion)
+                                       gradient_accumulation_fusion=not o.no_gradient_accumulation_fusion,
+                                       fp8_param_gather=m.fp8_param_gather)
             if expert_data is None:
                 self.engine = engine(**shared)
             else:
@@ -262,6 +263,8 @@ class Trainer:
         if recipe is None:
             return ""
         words = f" with {recipe.describe()} in the attention and MLP linears"
+        if self.cfg.model.fp8_param_gather:
+            words += ", their weights all-gathered in FP8"
         if not has_fp8_tensor_cores(self.device):
             words += (f" (no FP8 tensor cores on {self.device.type}: correct, but not faster than bf16; torch's "
                       f"scaled matrix product or its dequantized fallback does the products)")
@@ -392,10 +395,11 @@ class Trainer:
         decoupled_lr = (None if o.decoupled_lr is None else
                         self.lr_schedule.at(consumed, o.decoupled_lr, o.min_lr if o.decoupled_min_lr is None
                                             else o.decoupled_min_lr))
+        # FP8 delayed scaling: this step's amaxes, maxed over the ranks holding each layer, give the next scales
+        # (before the optimizer step, whose FP8 parameter gather quantizes the weights with them).
+        update_delayed_scales(self.fp8_histories, self.fp8_groups)
         with self.timers("optimizer"):   # unscale, clip, AdamW, and the parameter gather unless overlapped
             step = self.optimizer.step(lr, decoupled_lr)
-        # FP8 delayed scaling: this step's amaxes, maxed over the ranks holding each layer, give the next scales.
-        update_delayed_scales(self.fp8_histories, self.fp8_groups)
         self.memory.after_step()
         # Which ranks saw a NaN/Inf (only looked for when the global norm, equal on every rank, is not finite).
         norm_bad = step["grad_norm"] is not None and not math.isfinite(step["grad_norm"])

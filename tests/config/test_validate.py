@@ -13,6 +13,8 @@ def test_tiny_config_is_valid_on_several_world_sizes():
     for world, tp in [(1, 1), (2, 2), (4, 2), (4, 4), (8, 2)]:
         validate(tiny_config(tp=tp), world)
         validate(tiny_config(tp=tp, model={"fp8_format": "hybrid"}, training={"bf16": True}), world)
+        validate(tiny_config(tp=tp, model={"fp8_format": "hybrid", "fp8_param_gather": True},
+                             optimizer={"use_distributed_optimizer": True}, training={"bf16": True}), world)
 
 
 @pytest.mark.parametrize("cfg, world, message", [
@@ -154,6 +156,15 @@ def test_tiny_config_is_valid_on_several_world_sizes():
      "the query/key/value projection's 288 outputs / TP 4 = 72 is not"),
     (tiny_config(model={"fp8_format": "e4m3", "seq_length": 36}, training={"bf16": True}), 1,
      "--micro-batch-size 2 x --seq-length 36 tokens = 72 is not"),
+    (tiny_config(model={"fp8_param_gather": True}), 1, "--fp8-param-gather needs --fp8-format"),
+    (tiny_config(model={"fp8_format": "e4m3", "fp8_param_gather": True}, training={"bf16": True}), 2,
+     "--fp8-param-gather needs --use-distributed-optimizer: it is the distributed optimizer's parameter all-gather"),
+    (tiny_config(model={"fp8_format": "e4m3", "fp8_recipe": "rowwise", "fp8_param_gather": True},
+                 optimizer={"use_distributed_optimizer": True}, training={"bf16": True}), 2,
+     "--fp8-param-gather needs --fp8-recipe tensorwise or delayed: rowwise scales a weight per row"),
+    (tiny_config(model={"fp8_format": "e4m3", "fp8_param_gather": True}, optimizer={"zero_stage": 3},
+                 training={"bf16": True}), 2,
+     "--fp8-param-gather is not supported with --zero-stage 3 yet"),
 ])
 def test_bad_values_name_the_numbers(cfg, world, message):
     with pytest.raises(ConfigError) as error:

@@ -136,3 +136,80 @@ def test_fp8_layouts_match_single_process(recipe, tp, pp, ranks):
     print(f"FP8 {recipe} TP={tp} PP={pp}: first loss {first:.1e}, max rel loss diff {loss_diff:.1e}, grad norm "
           f"diff {norm_diff:.1e}")
     assert first < 1e-6 and loss_diff < 1e-3 and norm_diff < 3e-2
+
+
+@requires_world(4)
+@pytest.mark.parametrize("recipe, tp, zero, overlap", [
+    ("tensorwise", 1, 1, True),     # DP=4, ZeRO-1, overlapped gathers
+    ("delayed", 2, 2, False),       # TP=2 (sequence parallel) x DP=2, ZeRO-2
+])
+def test_fp8_param_gather_takes_the_same_steps_on_half_the_bytes(recipe, tp, zero, overlap):
+    """--fp8-param-gather quantizes each weight shard with the whole weight's scale and gathers the bytes the
+    forward would have made itself: losses, gradient norms, evaluation losses and final weights (refreshed in bf16
+    at the end) equal those of the same layout without it, bit for bit, and the FP8 linears' weights cross the data
+    group in 1 byte an element instead of 2."""
+    from bench.comm_counter import count_communication   # noqa: PLC0415 - the benchmarks' counter, run as a test
+
+    from megalite.tensor_parallel.fp8_linear import GATHERED   # noqa: PLC0415
+
+    cfg = tiny_config(tp=tp, model={"fp8_format": "hybrid", "fp8_recipe": recipe},
+                      parallel={"sequence_parallel": tp > 1},
+                      optimizer={"use_distributed_optimizer": True, "zero_stage": zero,
+                                 "overlap_param_gather": overlap},
+                      training={"micro_batch_size": 1, "train_iters": 6, "bf16": True},
+                      data={"eval_interval": 3, "eval_iters": 1})
+    runs, counters, fp8_elements = [], [], []
+    for gather in (False, True):
+        run_cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, fp8_param_gather=gather))
+        with layout(tp, 1) as member:
+            assert member
+            trainer = Trainer(run_cfg, CPU)
+            with count_communication() as counter:
+                records = trainer.train()
+            used = [p for p in trainer.model.parameters() if getattr(p, GATHERED, None) is not None]
+            fp8_elements.append(sum(b.end - b.start for b in trainer.engine.buckets
+                                    if any(id(b.params[0]) == id(p) for p in used)))
+            runs.append((records, full_parameters(trainer)))
+            counters.append(counter)
+    (plain, plain_weights), (gathered, gathered_weights) = runs
+    assert fp8_elements[0] == 0 and fp8_elements[1] > 0
+    assert [r.get("loss") for r in gathered] == [r.get("loss") for r in plain]
+    assert [r.get("grad_norm") for r in gathered] == [r.get("grad_norm") for r in plain]
+    assert [r.get("eval_loss") for r in gathered] == [r.get("eval_loss") for r in plain]
+    assert all(torch.equal(gathered_weights[name], plain_weights[name]) for name in plain_weights)
+    steps, refreshes = cfg.training.train_iters, 2   # the bf16 refreshes: the evaluations after iterations 3 and 6
+    saved = counters[0].bytes("all_gather", "data") - counters[1].bytes("all_gather", "data")
+    # Each gather of an FP8 bucket sends 1 byte an element for 2; each refresh sends the bf16 again.
+    expected = fp8_elements[1] * (2 - 1) * steps - fp8_elements[1] * 2 * refreshes
+    print(f"--fp8-param-gather {recipe} TP={tp} ZeRO-{zero}: identical steps; data-group all-gather bytes "
+          f"{counters[1].bytes('all_gather', 'data'):,} vs {counters[0].bytes('all_gather', 'data'):,} in bf16 "
+          f"(FP8 buckets {fp8_elements[1]:,} elements)")
+    assert saved == expected
+
+
+@requires_world(4)
+def test_fp8_sequence_parallel_gathers_move_one_byte_an_element():
+    """TP=2 with sequence parallelism: each layer's column-parallel linears (query/key/value and the MLP's first)
+    all-gather their FP8 input shard in forward and again for the weight gradient, 4 gathers of b x s x h elements a
+    layer and micro-batch at 1 byte instead of bf16's 2; every other tensor-group gather is as in bf16."""
+    from bench.comm_counter import count_communication   # noqa: PLC0415 - the benchmarks' counter, run as a test
+
+    cfg = tiny_config(tp=2, parallel={"sequence_parallel": True},
+                      training={"micro_batch_size": 1, "train_iters": 1, "bf16": True}, data={"eval_interval": 0})
+    gathered = []
+    for fp8 in (None, "hybrid"):
+        run_cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, fp8_format=fp8,
+                                                                     fp8_recipe="tensorwise"))
+        with layout(2, 1, ranks=[0, 1]) as member:
+            if member:
+                trainer = Trainer(run_cfg, CPU)
+                with count_communication() as counter:
+                    trainer.train_step()
+                gathered.append(counter.bytes("all_gather", "tensor"))
+    if not gathered:
+        return
+    m = cfg.model
+    saved = 4 * cfg.training.micro_batch_size * m.seq_length * m.hidden_size * m.num_layers * trainer.num_micro_batches
+    print(f"FP8 sequence-parallel gathers: {gathered[1]:,} bytes a step against bf16's {gathered[0]:,} "
+          f"({gathered[1] / gathered[0]:.3f})")
+    assert gathered[0] - gathered[1] == saved

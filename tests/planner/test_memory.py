@@ -55,13 +55,14 @@ def _measured_states(model, layout: Layout, pp_rank: int, dtype: torch.dtype, bu
         engine = DataParallel(list(chunks), data_group=parallel_state.get_data_parallel_group(),
                               embedding_group=parallel_state.get_embedding_group(),
                               tied_params=[w for c in chunks for w in c.tied_embedding_weights()],
-                              bucket_size=bucket_size, zero=layout.zero)
+                              bucket_size=bucket_size, zero=layout.zero, fp8_param_gather=model.fp8_param_gather)
         optimizer = MegaliteOptimizer(engine, OptimizerConfig(**OptimizerConfig.zero_settings(layout.zero)),
                                       TrainingConfig(bf16=dtype == torch.bfloat16))
         for piece in optimizer.pieces:   # Adam allocates its states on the first step
             piece.main.grad = torch.zeros_like(piece.main)
         optimizer.inner.step()
-        weights = engine.param_buffer.untyped_storage().nbytes()
+        weights = engine.param_buffer.untyped_storage().nbytes() + (
+            sum(b.untyped_storage().nbytes() for b in engine.fp8.buffers.values()) if engine.fp8 else 0)
         grads = (sum(s.untyped_storage().nbytes() for s in engine.grad_shards) if engine.zero2
                  else engine.grad_buffer.untyped_storage().nbytes())
         return weights, grads, optimizer.state_bytes()
@@ -77,8 +78,12 @@ def _measured_states(model, layout: Layout, pp_rank: int, dtype: torch.dtype, bu
     (Layout(tp=4, dp=2), None),
 ])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_model_states_match_the_allocated_tensors(arch, layout, bucket_size, dtype):
-    model = tiny_config(model={"num_layers": 4, **(LLAMA if arch == "llama" else {})}).model
+@pytest.mark.parametrize("fp8", [None, "param gather"])
+def test_model_states_match_the_allocated_tensors(arch, layout, bucket_size, dtype, fp8):
+    """Also with FP8 linears, whose weights get buckets of their own under the distributed optimizer, and with
+    --fp8-param-gather the FP8 copies those buckets are gathered into."""
+    options = {"fp8_format": "hybrid", "fp8_param_gather": True} if fp8 else {}
+    model = tiny_config(model={"num_layers": 4, **(LLAMA if arch == "llama" else {}), **options}).model
     for pp_rank in range(layout.pp):
         measured = _measured_states(model, layout, pp_rank, dtype, bucket_size)
         planned = model_state_bytes(model, layout, pp_rank, dtype_bytes=dtype.itemsize, bucket_size=bucket_size)

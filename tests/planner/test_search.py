@@ -238,6 +238,22 @@ def test_fp8_linears_at_the_fp8_rate_and_their_gathers_in_one_byte():
     assert bf16_time.tp - fp8_time.tp == pytest.approx(2 * per_unit)   # 4 of the 10 units at half the bytes
 
 
+def test_fp8_param_gather_gathers_the_fp8_linears_weights_in_one_byte():
+    """--fp8-param-gather (distributed optimizer): the parameter all-gather moves the FP8 linears' weight buckets in
+    one byte an element instead of two, the rest in bf16; the reduce-scatter of fp32 gradients is unchanged."""
+    from megalite.planner.performance import fp8_gathered_elements   # noqa: PLC0415
+
+    model = dataclasses.replace(load_model_config("gpt2_medium"), fp8_format="hybrid")
+    gathered = dataclasses.replace(model, fp8_param_gather=True)
+    layout = Layout(dp=8, zero=1)
+    hardware = Hardware(num_gpus=8, intra_node_gbps=1.0)   # 1 GB/s: seconds = gigabytes
+    fp8 = fp8_gathered_elements(gathered, layout)
+    layers = 24 * 12 * model.hidden_size ** 2   # qkv, proj, fc1, fc2 of 24 layers (4h MLP)
+    assert fp8 == pytest.approx(layers, rel=1e-3) and fp8_gathered_elements(model, layout) == 0
+    saved = step_time(model, layout, hardware, 8 * 4).dp - step_time(gathered, layout, hardware, 8 * 4).dp
+    assert saved == pytest.approx(fp8 * 7 / 8 / 1e9)   # one byte an element less, (n-1)/n of it on the ring
+
+
 def test_zero3_moves_the_parameters_three_times_per_micro_batch():
     """Forward and backward all-gathers in bf16 (the root unit once: FSDP2 keeps it through the backward) and an fp32
     reduce-scatter, every micro-batch: 2 x 2 + 4 bytes per parameter where ZeRO-1 moves 4 + 2 per step."""

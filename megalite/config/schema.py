@@ -112,9 +112,9 @@ class ModelConfig:
     fp8_amax_compute_algo: str = option(
         "most_recent", "With --fp8-recipe delayed: the amax a scale comes from, max (of the history) or most_recent.")
     fp8_param_gather: bool = option(
-        False, "With --fp8-format and the distributed optimizer: all-gather the FP8 linears' updated weight shards as "
-               "FP8 (1 byte an element, half of bf16's traffic) and multiply by them as gathered (recipes tensorwise "
-               "and delayed); a bf16 gather refreshes the whole weights only for evaluation, checkpoints and the end.")
+        False, "With --fp8-format and the distributed optimizer or ZeRO-3: all-gather the FP8 linears' weight shards "
+               "as FP8 (1 byte an element, half of bf16's traffic) and multiply by them as gathered (recipes "
+               "tensorwise and delayed); the same steps, bit for bit.")
     attention_backend: str = option(
         "auto", "Megatron's choice of attention implementation (flash, fused, unfused, local or auto): megalite picks "
                 "its attention core itself (scaled_dot_product_attention, flash or memory-efficient kernels on GPUs; "

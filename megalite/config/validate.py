@@ -64,7 +64,7 @@ def validate(cfg: MegaliteConfig, world_size: int) -> None:
         _require(value % tp == 0,
                  f"{getattr(FLAG, name)} {value} is not divisible by {FLAG.tensor_model_parallel_size} {tp}")
     _check_architecture(cfg)
-    _check_fp8(cfg)
+    _check_fp8(cfg, dp)
     _check_context_parallel(cfg)
     _check_experts(cfg, dp)
     _require(t.global_batch_size % (t.micro_batch_size * dp) == 0,
@@ -235,7 +235,7 @@ def _check_architecture(cfg: MegaliteConfig) -> None:
 FP8_MULTIPLE = 16
 
 
-def _check_fp8(cfg: MegaliteConfig) -> None:
+def _check_fp8(cfg: MegaliteConfig, dp: int) -> None:
     """The FP8 recipe's options, bf16 around it, and every dimension of the FP8 products a multiple of 16: each
     rank's slice of the attention and MLP weights, and its tokens per micro-batch (the weight gradient's inner
     dimension)."""
@@ -248,7 +248,7 @@ def _check_fp8(cfg: MegaliteConfig) -> None:
     _require(not m.fp8_param_gather or m.fp8_format is not None, f"{FLAG.fp8_param_gather} needs {FLAG.fp8_format}")
     if m.fp8_format is None:
         return
-    _check_fp8_param_gather(cfg)
+    _check_fp8_param_gather(cfg, dp)
     _require(t.bf16, f"{FLAG.fp8_format} needs {FLAG.bf16}: FP8 products take bf16 activations and master weights")
     tp, cp = p.tensor_model_parallel_size, p.context_parallel_size
     fc1 = 2 * m.ffn_size if m.swiglu else m.ffn_size
@@ -267,19 +267,29 @@ def _check_fp8(cfg: MegaliteConfig) -> None:
                  f"{FP8_MULTIPLE}: {what} = {value} is not")
 
 
-def _check_fp8_param_gather(cfg: MegaliteConfig) -> None:
-    """--fp8-param-gather is the distributed optimizer's parameter gather in FP8, one scale per weight."""
+def _check_fp8_param_gather(cfg: MegaliteConfig, dp: int) -> None:
+    """--fp8-param-gather is the distributed optimizer's or ZeRO-3's parameter gather in FP8, one scale a weight."""
     m, o = cfg.model, cfg.optimizer
     if not m.fp8_param_gather:
         return
     _require(m.fp8_recipe != "rowwise",
              f"{FLAG.fp8_param_gather} needs {FLAG.fp8_recipe} tensorwise or delayed: rowwise scales a weight per row "
              f"forward and per column backward, so no one FP8 copy serves both")
-    _require(o.zero_level != 3,
-             f"{FLAG.fp8_param_gather} is not supported with {FLAG.zero_stage} 3 yet (FSDP2 gathers the bf16 "
-             f"copies); use {FLAG.use_distributed_optimizer} (ZeRO-1/2)")
+    if o.zero_level == 3:
+        _require(not o.offload_params, f"{FLAG.fp8_param_gather} does not take {FLAG.offload_params}")
+        # FSDP2 moves an FP8 weight's shard to new storage when its rows do not split evenly.
+        tp, replicas = cfg.parallel.tensor_model_parallel_size, dp * cfg.parallel.context_parallel_size
+        fc1 = 2 * m.ffn_size if m.swiglu else m.ffn_size
+        for what, rows in [(f"the query/key/value projection's {m.query_size + 2 * m.query_groups * m.head_dim} "
+                            f"rows / TP {tp}", (m.query_size + 2 * m.query_groups * m.head_dim) // tp),
+                           (f"the MLP's first {fc1} rows / TP {tp}", fc1 // tp),
+                           (f"{FLAG.hidden_size} {m.hidden_size}", m.hidden_size)]:
+            _require(rows % replicas == 0,
+                     f"{FLAG.fp8_param_gather} with {FLAG.zero_stage} 3 needs each FP8 weight's rows to split evenly "
+                     f"over the {replicas} data-parallel ranks: {what} = {rows} does not")
+        return
     _require(o.use_distributed_optimizer,
-             f"{FLAG.fp8_param_gather} needs {FLAG.use_distributed_optimizer}: it is the distributed optimizer's "
+             f"{FLAG.fp8_param_gather} needs {FLAG.use_distributed_optimizer} or {FLAG.zero_stage} 3: it is their "
              f"parameter all-gather that travels in FP8")
 
 

@@ -30,6 +30,9 @@ with ``--grad-reduce-in-bf16``).
 With ``offload_params`` the parameter and gradient shards live on the CPU (``CPUOffloadPolicy``) and the optimizer
 steps them there.
 
+With ``fp8_param_gather`` the FP8 linears' weights are all-gathered as FP8 bytes (megalite.distributed.
+fp8_fully_sharded).
+
 The optimizer (:class:`~megalite.optimizer.MegaliteOptimizer`) sees each parameter's local shard as one *piece*:
 the flat range [start, end) of the TP slice that this DP rank owns, whose offsets are exactly those a checkpoint
 stores, so stage-3 checkpoints load at stage 1 or without sharding and back.
@@ -49,6 +52,7 @@ from torch.distributed.tensor import DTensor
 from megalite.distributed.data_parallel import all_reduce_packed
 from megalite.distributed.engine import DataParallelEngine, Piece
 from megalite.distributed.expert_parallel import is_expert
+from megalite.distributed.fp8_fully_sharded import Fp8ShardScales, plain, wrap_fp8_weights
 from megalite.parallel_state import GroupInfo
 
 
@@ -87,9 +91,11 @@ class FullyShardedDataParallel(DataParallelEngine):
                  tensor_group: Optional[GroupInfo] = None, embedding_group: Optional[GroupInfo] = None,
                  tied_params: list[torch.nn.Parameter] = (), compute_dtype: torch.dtype = torch.float32,
                  offload_params: bool = False, prefetch_bucket_size: Optional[int] = None,
-                 grad_dtype: torch.dtype = torch.float32, expert_group: Optional[GroupInfo] = None):
+                 grad_dtype: torch.dtype = torch.float32, expert_group: Optional[GroupInfo] = None,
+                 fp8_param_gather: bool = False):
         """``expert_group``: the expert-data-parallel group, over which each MoE layer's experts (parameters flagged
-        ``is_expert``) are sharded as a unit of their own (expert parallelism; None: a model without experts)."""
+        ``is_expert``) are sharded as a unit of their own (expert parallelism; None: a model without experts).
+        ``fp8_param_gather``: the FP8 linears' weights are gathered in FP8."""
         self.group, self.tensor_group, self.embedding_group = data_group, tensor_group, embedding_group
         self.device = device = next(modules[0].parameters()).device
         # Meshes over the same ranks compare equal unless their names differ, and DTensor caches communication plans
@@ -103,6 +109,8 @@ class FullyShardedDataParallel(DataParallelEngine):
                      if compute_dtype != torch.float32 else MixedPrecisionPolicy())
         # Pinned host memory only helps (and only exists) with a GPU to copy to.
         offload = CPUOffloadPolicy(pin_memory=device.type == "cuda") if offload_params else OffloadPolicy()
+        self.fp8_scales = Fp8ShardScales(compute_dtype) if fp8_param_gather else None
+        fp8_linears = wrap_fp8_weights(modules, self.fp8_scales) if fp8_param_gather else []
         places = {(id(owner), name): (owner, param) for m in modules for owner in m.modules()
                   for name, param in owner.named_parameters(recurse=False)}
         # What megalite marks on a parameter (partition, full_shape, sequence_parallel, ...) must survive FSDP2
@@ -123,6 +131,8 @@ class FullyShardedDataParallel(DataParallelEngine):
                 for name, param in owner.named_parameters(recurse=False):
                     for key, value in attributes.get((id(owner), name), {}).items():
                         setattr(param, key, value)
+        if fp8_linears:
+            self.fp8_scales.weights = [(linear, linear.weight) for linear in fp8_linears]
         tied = {id(p) for p in tied_params}
         self.tied_params = [getattr(owner, name) for (_, name), (owner, param) in places.items() if id(param) in tied]
         self.params = [p for m in modules for p in m.parameters() if p.requires_grad]
@@ -147,7 +157,7 @@ class FullyShardedDataParallel(DataParallelEngine):
             if first == last:
                 continue
             row_size = p.numel() // rows
-            local = p.to_local()
+            local = plain(p.to_local())   # an FP8 weight's shard: the fp32 tensor inside, same storage
             if local.numel() != (last - first) * row_size:
                 raise RuntimeError(f"FSDP2 sharded a {list(p.shape)} parameter into {list(local.shape)} on DP rank "
                                    f"{dp_rank}; expected rows [{first}, {last})")
@@ -177,7 +187,10 @@ class FullyShardedDataParallel(DataParallelEngine):
             p.grad.to_local().zero_()
 
     def gather_params(self) -> None:
-        """Nothing to do after the step: each unit gathers its updated shards when its next forward starts."""
+        """Nothing to gather after the step: each unit gathers its updated shards when its next forward starts (the
+        FP8 weights with scales of the updated weights)."""
+        if self.fp8_scales is not None:
+            self.fp8_scales.invalidate()
 
     def finish_param_sync(self) -> None:
         """Put every unit back in its sharded state. FSDP2 keeps the root unit gathered after a forward without

@@ -32,7 +32,8 @@ one, else the network):
   shows; ZeRO-2's per-micro-batch reductions hide behind the whole backward; with --overlap-param-gather the
   gather hides behind the next forward. A tied embedding split across stages adds one unhidden all-reduce of its
   gradient between the first and last stage.
-- ZeRO-3 (FSDP2), per micro-batch, not per step: each layer's parameters are all-gathered in the compute dtype for
+- ZeRO-3 (FSDP2), per micro-batch, not per step: each layer's parameters are all-gathered in the compute dtype (the
+  FP8 linears' weights in one byte with --fp8-param-gather) for
   its forward and again for its backward, and its fp32 gradients reduce-scattered after it (the root unit,
   embeddings and output layer, is gathered once: FSDP2 keeps it through the backward). That is 2p + 4 bytes per
   parameter per micro-batch where ZeRO-1 moves 4 + p per step: the paper's 3x against 2x parameters, times M.
@@ -358,8 +359,11 @@ def _fully_sharded_time(model: ModelConfig, layout: Layout, hardware: Hardware, 
     root = sum(padded_elements(unit, dp) for unit in units.roots)
     expert_dp = layout.expert_dp
     # The largest layer, with its routed experts' unit (gathered over the expert-data-parallel ranks).
-    layer, experts = max(((padded_elements(unit, dp), padded_elements(routed, expert_dp))
-                          for unit, routed in zip(units.layers, units.experts)), key=sum, default=(0, 0))
+    index, (layer, experts) = max(enumerate((padded_elements(unit, dp), padded_elements(routed, expert_dp))
+                                            for unit, routed in zip(units.layers, units.experts)),
+                                  key=lambda found: sum(found[1]), default=(0, (0, 0)))
+    # --fp8-param-gather: the FP8 linears' weights travel in one byte an element.
+    fp8 = sum(padded_elements([t], dp) for t in units.layers[index] if t.fp8) if model.fp8_param_gather else 0
 
     def gather(elements: float, n: int = dp) -> float:
         return ring_gather_time(elements * dtype_bytes, n, bw)
@@ -367,7 +371,7 @@ def _fully_sharded_time(model: ModelConfig, layout: Layout, hardware: Hardware, 
     def scatter(elements: float, n: int = dp) -> float:
         return ring_gather_time(elements * 4, n, bw)
 
-    layer_gather = gather(layer) + gather(experts, expert_dp)
+    layer_gather = ring_gather_time((layer - fp8) * dtype_bytes + fp8, dp, bw) + gather(experts, expert_dp)
     layer_scatter = scatter(layer) + scatter(experts, expert_dp)
     n = len(units.layers)
     total = gather(root) + scatter(root) + n * (2 * layer_gather + layer_scatter)

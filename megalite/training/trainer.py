@@ -161,7 +161,8 @@ class Trainer:
             self.engine = FullyShardedDataParallel(list(self.model), **shared, compute_dtype=self.dtype,
                                                    offload_params=o.offload_params,
                                                    prefetch_bucket_size=o.zero3_prefetch_bucket_size,
-                                                   grad_dtype=grad_dtype, expert_group=expert_data)
+                                                   grad_dtype=grad_dtype, expert_group=expert_data,
+                                                   fp8_param_gather=m.fp8_param_gather)
         else:
             self.model.to(self.dtype)
             engine = functools.partial(DataParallel, list(self.model), bucket_size=o.ddp_bucket_size,

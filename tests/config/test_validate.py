@@ -158,13 +158,14 @@ def test_tiny_config_is_valid_on_several_world_sizes():
      "--micro-batch-size 2 x --seq-length 36 tokens = 72 is not"),
     (tiny_config(model={"fp8_param_gather": True}), 1, "--fp8-param-gather needs --fp8-format"),
     (tiny_config(model={"fp8_format": "e4m3", "fp8_param_gather": True}, training={"bf16": True}), 2,
-     "--fp8-param-gather needs --use-distributed-optimizer: it is the distributed optimizer's parameter all-gather"),
+     "--fp8-param-gather needs --use-distributed-optimizer or --zero-stage 3: it is their parameter all-gather"),
     (tiny_config(model={"fp8_format": "e4m3", "fp8_recipe": "rowwise", "fp8_param_gather": True},
                  optimizer={"use_distributed_optimizer": True}, training={"bf16": True}), 2,
      "--fp8-param-gather needs --fp8-recipe tensorwise or delayed: rowwise scales a weight per row"),
     (tiny_config(model={"fp8_format": "e4m3", "fp8_param_gather": True}, optimizer={"zero_stage": 3},
-                 training={"bf16": True}), 2,
-     "--fp8-param-gather is not supported with --zero-stage 3 yet"),
+                 training={"bf16": True}), 3,
+     "--fp8-param-gather with --zero-stage 3 needs each FP8 weight's rows to split evenly over the 3 data-parallel "
+     "ranks: the MLP's first 256 rows / TP 1 = 256 does not"),
 ])
 def test_bad_values_name_the_numbers(cfg, world, message):
     with pytest.raises(ConfigError) as error:

@@ -17,9 +17,9 @@ from megalite import parallel_state
 from megalite.config import ParallelConfig
 from megalite.training import Trainer
 
-from ..helpers import max_relative_difference, single_layout, tiny_config
+from ..helpers import max_relative_difference, single_layout, tiny_config, with_checkpoint
 from .groups import layout, requires_world
-from .equivalence import CPU, check_against_reference, full_parameters, reference, train
+from .equivalence import CPU, check_against_reference, full_parameters, reference, resumed_losses, train
 
 
 @requires_world(4)
@@ -138,12 +138,27 @@ def test_fp8_layouts_match_single_process(recipe, tp, pp, ranks):
     assert first < 1e-6 and loss_diff < 1e-3 and norm_diff < 3e-2
 
 
+def _count_gathered_products(monkeypatch) -> list[bool]:
+    """Record, for every FP8 product from now on, whether it multiplied by a gathered FP8 weight."""
+    from megalite.tensor_parallel import fp8_linear   # noqa: PLC0415
+
+    original, used = fp8_linear.gathered_fp8_weight, []
+
+    def counting(weight):
+        found = original(weight)
+        used.append(found is not None)
+        return found
+
+    monkeypatch.setattr(fp8_linear, "gathered_fp8_weight", counting)
+    return used
+
+
 @requires_world(4)
 @pytest.mark.parametrize("recipe, tp, zero, overlap", [
     ("tensorwise", 1, 1, True),     # DP=4, ZeRO-1, overlapped gathers
     ("delayed", 2, 2, False),       # TP=2 (sequence parallel) x DP=2, ZeRO-2
 ])
-def test_fp8_param_gather_takes_the_same_steps_on_half_the_bytes(recipe, tp, zero, overlap):
+def test_fp8_param_gather_takes_the_same_steps_on_half_the_bytes(recipe, tp, zero, overlap, monkeypatch):
     """--fp8-param-gather quantizes each weight shard with the whole weight's scale and gathers the bytes the
     forward would have made itself: losses, gradient norms, evaluation losses and final weights (refreshed in bf16
     at the end) equal those of the same layout without it, bit for bit, and the FP8 linears' weights cross the data
@@ -158,19 +173,22 @@ def test_fp8_param_gather_takes_the_same_steps_on_half_the_bytes(recipe, tp, zer
                                  "overlap_param_gather": overlap},
                       training={"micro_batch_size": 1, "train_iters": 6, "bf16": True},
                       data={"eval_interval": 3, "eval_iters": 1})
-    runs, counters, fp8_elements = [], [], []
+    runs, counters, fp8_elements, used = [], [], [], _count_gathered_products(monkeypatch)
     for gather in (False, True):
+        used.clear()
         run_cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, fp8_param_gather=gather))
         with layout(tp, 1) as member:
             assert member
             trainer = Trainer(run_cfg, CPU)
             with count_communication() as counter:
                 records = trainer.train()
-            used = [p for p in trainer.model.parameters() if getattr(p, GATHERED, None) is not None]
+            carriers = [p for p in trainer.model.parameters() if getattr(p, GATHERED, None) is not None]
             fp8_elements.append(sum(b.end - b.start for b in trainer.engine.buckets
-                                    if any(id(b.params[0]) == id(p) for p in used)))
+                                    if any(id(b.params[0]) == id(p) for p in carriers)))
             runs.append((records, full_parameters(trainer)))
             counters.append(counter)
+        # Every product after the first step's forward takes the gathered weight (none without the option).
+        assert sum(used) == (0 if not gather else len(used) - 4 * cfg.model.num_layers * trainer.num_micro_batches)
     (plain, plain_weights), (gathered, gathered_weights) = runs
     assert fp8_elements[0] == 0 and fp8_elements[1] > 0
     assert [r.get("loss") for r in gathered] == [r.get("loss") for r in plain]
@@ -213,3 +231,49 @@ def test_fp8_sequence_parallel_gathers_move_one_byte_an_element():
     print(f"FP8 sequence-parallel gathers: {gathered[1]:,} bytes a step against bf16's {gathered[0]:,} "
           f"({gathered[1] / gathered[0]:.3f})")
     assert gathered[0] - gathered[1] == saved
+
+
+@requires_world(4)
+@pytest.mark.parametrize("recipe, tp", [("tensorwise", 1), ("delayed", 2)])
+def test_fp8_param_gather_at_zero3_takes_the_same_steps_on_half_the_bytes(recipe, tp, monkeypatch, directory):
+    """ZeRO-3 (FSDP2, DP=4, or TP=2 with sequence parallelism x DP=2) with --fp8-param-gather: FSDP2 all-gathers the
+    FP8 linears' weights as the FP8 bytes the forward would have made of them (their all-gather extension), in
+    forward and in backward's re-gather: the same losses, gradient norms, evaluation losses and final weights as
+    without it, bit for bit, one byte an element fewer for every gathered FP8 weight element, and a checkpoint saved
+    after 2 iterations resumes to the same last 2 losses."""
+    from bench.comm_counter import count_communication   # noqa: PLC0415 - the benchmarks' counter, run as a test
+
+    cfg = tiny_config(tp=tp, model={"fp8_format": "hybrid", "fp8_recipe": recipe},
+                      parallel={"sequence_parallel": tp > 1}, optimizer={"zero_stage": 3},
+                      training={"micro_batch_size": 1, "train_iters": 4, "bf16": True},
+                      data={"eval_interval": 2, "eval_iters": 1})
+    runs, counters, used = [], [], _count_gathered_products(monkeypatch)
+    for gather in (False, True):
+        used.clear()
+        run_cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, fp8_param_gather=gather))
+        run_cfg = with_checkpoint(run_cfg, save=f"{directory}/{gather}", save_interval=2)
+        with layout(tp, 1) as member:
+            assert member
+            trainer = Trainer(run_cfg, CPU)
+            with count_communication() as counter:
+                records = trainer.train()
+            fp8_weights = sum(m.weight.numel() for m in trainer.model.modules()
+                              if getattr(m, "fp8", None) is not None)
+            runs.append((records, full_parameters(trainer)))
+            counters.append(counter)
+        assert sum(used) == (len(used) if gather else 0) and used   # every FP8 product, from the first
+    (plain, plain_weights), (gathered, gathered_weights) = runs
+    assert [r.get("loss") for r in gathered] == [r.get("loss") for r in plain]
+    assert [r.get("grad_norm") for r in gathered] == [r.get("grad_norm") for r in plain]
+    assert [r.get("eval_loss") for r in gathered] == [r.get("eval_loss") for r in plain]
+    assert all(torch.equal(gathered_weights[name], plain_weights[name]) for name in plain_weights)
+    bf16, fp8 = (c.bytes("all_gather", "data") for c in counters)
+    # Every micro-batch gathers each layer twice (forward, backward), every evaluation micro-batch once.
+    micro_batches, evaluations = trainer.num_micro_batches, 2
+    gathers = 2 * micro_batches * cfg.training.train_iters + micro_batches * evaluations * cfg.data.eval_iters
+    print(f"--fp8-param-gather {recipe} at ZeRO-3: identical steps; data-group all-gather bytes {fp8:,} vs {bf16:,} "
+          f"in bf16 ({fp8 / bf16:.3f})")
+    assert bf16 - fp8 == fp8_weights * gathers
+    resumed = resumed_losses(with_checkpoint(run_cfg, load=f"{directory}/True/iter_0000002", save=None), tp, 1,
+                             None, 2)
+    assert resumed == [r["loss"] for r in gathered if "loss" in r][2:]

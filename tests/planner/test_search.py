@@ -239,8 +239,9 @@ def test_fp8_linears_at_the_fp8_rate_and_their_gathers_in_one_byte():
 
 
 def test_fp8_param_gather_gathers_the_fp8_linears_weights_in_one_byte():
-    """--fp8-param-gather (distributed optimizer): the parameter all-gather moves the FP8 linears' weight buckets in
-    one byte an element instead of two, the rest in bf16; the reduce-scatter of fp32 gradients is unchanged."""
+    """--fp8-param-gather: the distributed optimizer's parameter all-gather moves the FP8 linears' weight buckets in
+    one byte an element instead of two, the rest in bf16, and so do ZeRO-3's per-micro-batch gathers; the
+    reduce-scatters of fp32 gradients are unchanged."""
     from megalite.planner.performance import fp8_gathered_elements   # noqa: PLC0415
 
     model = dataclasses.replace(load_model_config("gpt2_medium"), fp8_format="hybrid")
@@ -252,6 +253,10 @@ def test_fp8_param_gather_gathers_the_fp8_linears_weights_in_one_byte():
     assert fp8 == pytest.approx(layers, rel=1e-3) and fp8_gathered_elements(model, layout) == 0
     saved = step_time(model, layout, hardware, 8 * 4).dp - step_time(gathered, layout, hardware, 8 * 4).dp
     assert saved == pytest.approx(fp8 * 7 / 8 / 1e9)   # one byte an element less, (n-1)/n of it on the ring
+    # ZeRO-3: every micro-batch gathers each layer twice (forward, backward), its FP8 weights one byte lighter.
+    zero3 = Layout(dp=8, zero=3)
+    saved = step_time(model, zero3, hardware, 8 * 4).dp - step_time(gathered, zero3, hardware, 8 * 4).dp
+    assert saved == pytest.approx(4 * 2 * layers * 7 / 8 / 1e9)
 
 
 def test_zero3_moves_the_parameters_three_times_per_micro_batch():

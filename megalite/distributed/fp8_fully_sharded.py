@@ -121,15 +121,12 @@ class Fp8ShardedWeight(torch.Tensor):
     def __tensor_unflatten__(inner, context, outer_size, outer_stride):
         return Fp8ShardedWeight(inner["_tensor"], *context)
 
-    def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
-        """This shard in FP8 (as bytes), padded to FSDP2's even shard of ceil(rows / DP) rows, and its scale."""
+    def fsdp_pre_all_gather(self, mesh):
+        """This shard in FP8 (as bytes) and its scale. (FSDP2's oldest, one-argument form, which the newer torch
+        releases still take; the rows split evenly, so the shard needs no padding.)"""
         scale = self._scales.scale_of(self._linear)
-        rows = -(-outer_size[0] // mesh.size())
-        padded = torch.zeros((rows, *outer_size[1:]), dtype=torch.uint8, device=self._tensor.device)
-        if self._tensor.numel():
-            shard = self._tensor.to(self._scales.compute_dtype)
-            padded[: shard.shape[0]] = quantize(shard, scale, E4M3).view(torch.uint8)
-        return (padded,), (scale,)
+        shard = self._tensor.to(self._scales.compute_dtype)
+        return (quantize(shard, scale, E4M3).view(torch.uint8),), (scale,)
 
     def fsdp_post_all_gather(self, outputs, metadata, param_dtype, *, out=None):
         (data,), (scale,) = outputs, metadata

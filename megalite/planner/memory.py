@@ -88,6 +88,9 @@ bytes on the CPU, exactly equal in fact):
     context parallelism (CP): every term above for the rank's s / CP tokens (the math path's scores: its queries
         against all s keys), plus what the comm type keeps (context_parallel_core_bytes): nothing for p2p, a2a's
         output in the head-sharded layout, allgather's keys and values of the whole sequence.
+    FP8 linears (tensorwise, delayed; ``fp8_saved_difference``): the QKV, fc1 and fc2 inputs in 1 byte, not p; the
+        output projection's input 1 byte more (the core keeps its output), or 1 not p under selective recompute;
+        an FP8 copy of each weight slice, 1 byte an element (none with --fp8-param-gather); equal to the byte.
 
 On the GPU the planner assumes bf16 (p = 2), CUDA dropout's byte masks (m = 1) and torch's flash attention, which
 regenerates its dropout mask in backward, so there is no 5as/h term at all (the paper's formula is for unfused
@@ -434,20 +437,47 @@ def layer_activation_bytes(model: ModelConfig, tp: int, sequence_parallel: bool,
     else:
         split += p * s * b * f / tp * (4 if model.swiglu else 2)
     core = 0.0
+    keeps_output = False   # whether the attention core keeps its output, the output projection's input, itself
     if model.recompute_granularity != "selective":
         heads = a / tp
         dropout = model.attention_dropout > 0
         if cp > 1 and cp_comm_type == "p2p":      # the ring's own core: no s x s tensor at all
-            core = 4 * b * heads * s
+            core, keeps_output = 4 * b * heads * s, True
         elif not numerics.flash_attention or (dropout and not numerics.fused_attention_dropout):
             # the softmax output, and with dropout its mask and output (the paper's 5as/h; the math path): the
             # rank's queries against every key
             core = a * s * whole * b / tp * (2 * p + m if dropout else p)
         else:
-            core = 4 * b * heads * s                  # flash attention's log-sum-exp
+            core, keeps_output = 4 * b * heads * s, cp == 1   # flash attention's log-sum-exp (and its output)
         if cp > 1:
             core += context_parallel_core_bytes(model, tp, micro_batch_size, numerics, cp, cp_comm_type)
-    return replicated * replicated_share + split + core
+    moe_layer = model.num_experts is not None and model.moe_layers()[index]
+    fp8 = fp8_saved_difference(model, tp, s * b, replicated_share, p, keeps_output, moe_layer)
+    return replicated * replicated_share + split + core + fp8
+
+
+def fp8_saved_difference(model: ModelConfig, tp: int, tokens: int, replicated_share: float, p: float,
+                         core_keeps_output: bool, moe_layer: bool) -> float:
+    """What the FP8 linears (tensorwise and delayed) change in a layer's saved bytes against p-byte activations
+    (measured with saved-tensor hooks, tests/planner/test_memory.py): each keeps its input quantized, one byte an
+    element, instead of the input itself (the query/key/value and first MLP inputs, replicated; the second MLP
+    input), except the output projection's, whose input the attention core keeps anyway unless it is recomputed
+    (one byte more); and an FP8 copy of its weight slice, one byte an element per micro-batch (none with
+    --fp8-param-gather: the linears multiply by the gathered copy), and two fp32 scales. Rowwise keeps the inputs
+    and weights as they are: no difference. A routed MoE layer's experts stay bf16."""
+    if model.fp8_format is None or model.fp8_recipe == "rowwise":
+        return 0.0
+    h, q, f = model.hidden_size, model.query_size, model.ffn_size
+    qkv = q + 2 * model.query_groups * model.head_dim
+    linears, weights = 2, (qkv * h + h * q) / tp
+    difference = -(p - 1) * tokens * h * replicated_share                    # the query/key/value input
+    difference += tokens * q / tp * (1 if core_keeps_output else -(p - 1))   # the output projection's input
+    if not moe_layer:
+        linears, weights = 4, weights + ((2 * f if model.swiglu else f) * h + f * h) / tp
+        difference += -(p - 1) * tokens * h * replicated_share - (p - 1) * tokens * f / tp
+    if not model.fp8_param_gather:
+        difference += weights
+    return difference + 8 * linears
 
 
 def context_parallel_core_bytes(model: ModelConfig, tp: int, micro_batch_size: int, numerics: Numerics, cp: int,

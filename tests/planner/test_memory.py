@@ -205,6 +205,29 @@ def test_activations_match_what_autograd_keeps(local_collectives, tp, sp, pre, p
     assert abs(measured / kept - 1) < 0.15
 
 
+@pytest.mark.parametrize("recipe, tp, sp, options", [
+    ("tensorwise", 1, False, {}),
+    ("delayed", 1, False, LLAMA),
+    ("tensorwise", 2, False, {}),
+    ("tensorwise", 2, True, {}),
+    ("tensorwise", 2, True, {"recompute_granularity": "selective"}),   # the core keeps no output: one byte, not p
+    ("rowwise", 2, True, {}),                                           # inputs and weights kept as they are
+])
+def test_fp8_changes_the_saved_bytes_as_planned(local_collectives, recipe, tp, sp, options):
+    """FP8 linears keep their inputs in one byte and an FP8 copy of their weights: what that changes in a whole
+    chunk's saved bytes against the same model without FP8 is the planner's difference to the byte (two fp32
+    scales a linear included)."""
+    fp8 = {"fp8_format": "hybrid", "fp8_recipe": recipe}
+    models = [tiny_config(model={"num_layers": 2, **options, **extra}).model for extra in ({}, fp8)]
+    layout = Layout(tp=tp, sequence_parallel=sp, micro_batch_size=2, recompute=models[0].recompute_granularity)
+    measured = [_measured_activations(m, tp, sp, True, True, 2) for m in models]
+    planned = [_chunk_activation_bytes(m, layout, 2, True, True, Numerics.cpu())[0] for m in models]
+    print(f"FP8 {recipe} TP={tp} SP={sp} {options}: saved bytes {measured[1]} against {measured[0]}, planned "
+          f"difference {planned[1] - planned[0]:.0f}")
+    assert measured[1] - measured[0] == planned[1] - planned[0]
+    assert (measured[1] < measured[0]) == (recipe != "rowwise")
+
+
 @pytest.mark.parametrize("tp, sp, recompute", [(1, False, None), (1, False, "selective"), (2, False, None),
                                                (2, True, None), (2, True, "selective"), (2, True, "full")])
 def test_layer_bytes_are_korthikanti_for_the_paper_model(tp, sp, recompute):

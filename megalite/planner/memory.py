@@ -38,7 +38,8 @@ within 1% of the peak bytes a CPU training step allocates, tests/multiprocess/te
 - the largest layer three times in p bytes, the running one, the one prefetched for the next backward (FSDP2
   prefetches one unit ahead), and the running one's unsharded gradient; plus once in fp32 the previous layer's
   reduce-scatter input, which FSDP2 keeps until the next reduction so that the communication overlaps: 3p + 4
-  bytes per element of a layer (gathered units are padded to DP x ceil(rows / DP) rows). With
+  bytes per element of a layer (gathered units are padded to DP x ceil(rows / DP) rows; with --fp8-param-gather
+  the FP8 linears' weights are gathered in one byte, 2 + p + 4). With
   ``--zero3-prefetch-bucket-size`` each layer prefetches the k layers that fit, (k + 2) p + 4 bytes.
 
 Not counted, being smaller than that peak when they happen: at the very end of the backward, when the activations
@@ -353,9 +354,13 @@ def gathered_bytes(model: ModelConfig, tp: int, dp: int, dtype_bytes: int, pp: i
         if tied and first:
             first += [t for t in root if t.name == "embedding.word.weight"]
         held += sum(t.numel for t in first) * p
-    largest = max((padded_elements(unit, dp) + padded_elements(experts, dp // ep)
-                   for unit, experts in zip(units.layers, units.experts)), default=0)
-    return held + largest * ((prefetched_layers(units, prefetch_bucket_size) + 2) * p + 4)
+    # Per element of the largest layer: the running layer and those prefetched (p bytes each; an FP8 weight 1 with
+    # --fp8-param-gather), the running one's unsharded gradient (p) and the previous one's reduce-scatter input (4).
+    ahead = prefetched_layers(units, prefetch_bucket_size) + 1
+    fp8 = 1 if model.fp8_param_gather else p
+    return held + max((sum(padded_elements([t], dp) * (ahead * (fp8 if t.fp8 else p) + p + 4) for t in unit)
+                       + padded_elements(experts, dp // ep) * (ahead * p + p + 4)
+                       for unit, experts in zip(units.layers, units.experts)), default=0)
 
 
 def _fully_sharded_state_bytes(model: ModelConfig, tp: int, pp: int, v: int, dp: int, offload: bool,

@@ -102,14 +102,21 @@ class _PeakBytes(TorchDispatchMode):
         return out
 
 
-@pytest.mark.parametrize("prefetch", [None, 2_000_000])   # FSDP2's one layer ahead; two (of 0.8M elements) ahead
-def test_working_memory_is_the_gathered_units_on_top_of_the_activations(prefetch):
+@pytest.mark.parametrize("prefetch, fp8", [
+    (None, False),            # FSDP2's one layer ahead
+    (2_000_000, False),       # two (of 0.8M elements) ahead
+    (None, True),             # --fp8-param-gather: the FP8 weights gathered in one byte, not four
+])
+def test_working_memory_is_the_gathered_units_on_top_of_the_activations(prefetch, fp8):
     mallinfo2 = _mallinfo2()
     if mallinfo2 is None:
         pytest.skip("needs glibc's mallinfo2 to read the bytes allocated")
     # Layers of 0.8M elements against activations of a few hundred KB: the working memory is most of the peak.
+    options = {"fp8_format": "hybrid", "fp8_recipe": "tensorwise", "fp8_param_gather": True,
+               "seq_length": 16} if fp8 else {}
     cfg = tiny_config(model={"num_layers": 4, "hidden_size": 256, "num_attention_heads": 4, "seq_length": 8,
-                             "vocab_size": 1000}, optimizer={"zero_stage": 3, "zero3_prefetch_bucket_size": prefetch},
+                             "vocab_size": 1000, **options},
+                      optimizer={"zero_stage": 3, "zero3_prefetch_bucket_size": prefetch},
                       training={"train_iters": 2, "micro_batch_size": 1, "global_batch_size": 4},
                       data={"eval_interval": 0})
     with layout(1, 1):
@@ -124,7 +131,7 @@ def test_working_memory_is_the_gathered_units_on_top_of_the_activations(prefetch
     gathered = model_state_bytes(cfg.model, lay, dtype_bytes=4, prefetch_bucket_size=prefetch).gathered
     activations = activation_bytes(cfg.model, lay, 0, lay.num_micro_batches(4), Numerics.cpu(4))
     planned = gathered + activations
-    print(f"ZeRO-3 DP=4, 4 layers, prefetch {prefetch}: peak above the states during a step {measured / 1e6:.3f} MB, planned "
+    print(f"ZeRO-3 DP=4, 4 layers, prefetch {prefetch}, FP8 gather {fp8}: peak above the states during a step {measured / 1e6:.3f} MB, planned "
           f"{gathered / 1e6:.3f} gathered + {activations / 1e6:.3f} activations = {planned / 1e6:.3f} MB "
           f"(ratio {measured / planned:.3f})")
     assert abs(measured / planned - 1) < 0.15

@@ -33,3 +33,12 @@ def test_deferred_parameters_get_their_own_last_bucket():
     assert len(plan.buckets) == 2
     assert plan.buckets[-1].deferred and plan.buckets[-1].params == [params[0]]
     assert not plan.buckets[0].deferred
+
+
+def test_separate_parameters_get_buckets_of_their_own_between_the_others_and_the_deferred():
+    """--fp8-param-gather's FP8 weights: never in a bucket with other parameters, in reverse order, before deferred."""
+    params = _params(8, 16, 8, 16, 8)
+    fp8 = [params[1], params[3]]
+    plan = plan_buckets(params, bucket_size=10**6, dp=2, deferred=[params[0]], separate=fp8)
+    assert [b.params for b in plan.buckets] == [[params[4], params[2]], [params[3], params[1]], [params[0]]]
+    assert [b.deferred for b in plan.buckets] == [False, False, True]

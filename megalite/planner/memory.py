@@ -598,14 +598,17 @@ def weight_gradient_bytes(model: ModelConfig, layout: Layout, num_layers: int, i
     layer the QKV and fc1 inputs (norm outputs, a sequence shard under sequence parallelism), the projection and fc2
     inputs and the QKV and fc1 output gradients (split over TP), and the projection and fc2 output gradients (whole,
     the row-parallel linears' outputs being partial sums; a sequence shard under sequence parallelism, gathered
-    again in the W step); on the last stage the output layer's input and the logits' gradient."""
+    again in the W step); on the last stage the output layer's input and the logits' gradient. FP8 linears keep the
+    same tensors, but the row-parallel output gradients whole (their FP8 backward receives the gathered gradient),
+    and in one byte an element (tensorwise, delayed: as quantized; rowwise keeps them as they are)."""
     tp, h, f = layout.tp, model.hidden_size, model.ffn_size
     p, sb = numerics.activation_bytes, model.seq_length * layout.micro_batch_size
     share = 1 / tp if layout.sequence_parallel else 1.0
     qkv = h + 2 * model.query_groups * model.head_dim
     inputs = 2 * h * share + h / tp + f / tp
-    grads = qkv / tp + 2 * h * share + f * (2 if model.swiglu else 1) / tp
-    total = num_layers * p * sb * (inputs + grads)
+    grads = qkv / tp + 2 * h * (share if model.fp8_format is None else 1.0) + f * (2 if model.swiglu else 1) / tp
+    linear_bytes = 1 if model.fp8_format is not None and model.fp8_recipe != "rowwise" else p
+    total = num_layers * linear_bytes * sb * (inputs + grads)
     if is_last:
         total += p * sb * (h * share + model.padded_vocab_size(tp) / tp)
     return total

@@ -26,6 +26,7 @@ the forward multiplies by instead of quantizing the weight: the same bytes and s
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Iterable, Optional
 
@@ -36,6 +37,7 @@ from megalite import parallel_state
 from megalite.parallel_state import GroupInfo
 from megalite.tensor_parallel.fp8 import Fp8Recipe, amax, quantize, scale_from_amax, scaled_mm
 from megalite.tensor_parallel.mappings import SEQUENCE_DIM, all_gather, reduce_scatter
+from megalite.tensor_parallel.weight_grad import WeightGradStore
 
 INPUT, WEIGHT, GRAD_OUTPUT = 0, 1, 2   # rows of an Fp8History
 ROLES = ("input", "weight", "grad_output")
@@ -127,8 +129,9 @@ class _Plan:
     copy (--fp8-param-gather; its amax was recorded when it was made)."""
 
     def __init__(self, recipe: Fp8Recipe, history: Optional[Fp8History], kind: str, gather_sequence: bool,
-                 record: bool, gathered: Optional[GatheredFp8Weight] = None):
-        self.recipe, self.history, self.kind, self.gathered = recipe, history, kind, gathered
+                 record: bool, gathered: Optional[GatheredFp8Weight] = None,
+                 store: Optional[WeightGradStore] = None):
+        self.recipe, self.history, self.kind, self.gathered, self.store = recipe, history, kind, gathered, store
         self.gather_sequence, self.record = gather_sequence, record
         self.split = parallel_state.get_tensor_model_parallel_world_size() > 1
         delayed = recipe.recipe == "delayed"
@@ -187,6 +190,7 @@ class _Fp8Linear(torch.autograd.Function):
         y = scaled_mm(rows, w_q.t(), x_inv.reshape(-1, 1) if x_inv.dim() else x_inv,
                       w_inv.reshape(1, -1) if w_inv.dim() else w_inv, x.dtype)
         ctx.plan, ctx.column, ctx.x_dtype, ctx.w_dtype, ctx.lead = plan, column, x.dtype, weight.dtype, lead
+        ctx.weight = weight   # whose gradient a zero-bubble W step may take over
         if r.recipe == "rowwise":
             ctx.save_for_backward(saved_x, weight)
         else:   # FP8 copies of x and W: half the bytes of bf16, and the backward uses the forward's quantization
@@ -202,41 +206,62 @@ class _Fp8Linear(torch.autograd.Function):
         bwd, fwd = r.backward_dtype, r.forward_dtype
         g = grad
         grad_input = grad_weight = None
+        # A zero-bubble B step leaves the weight gradient to its W step (megalite.tensor_parallel.weight_grad),
+        # with what it needs: the output gradient as quantized here and the input as the forward kept it.
+        store = plan.store
+        defer = store is not None and store.defers(ctx.weight)
         if r.recipe == "rowwise":
             x, weight = ctx.saved_tensors
-            if plan.gather_sequence:
-                x = all_gather(x, SEQUENCE_DIM)
-            x = x.reshape(-1, x.shape[-1])
             # Input gradient dy [T, out] W [out, in]: inner dimension the outputs, split in a column-parallel linear.
             g_q, g_inv = _quantized(plan, GRAD_OUTPUT, g, bwd, split=ctx.column, inner_dim=1)
             w_q, w_inv = _quantized(plan, WEIGHT, weight, fwd, split=ctx.column, inner_dim=0)
             grad_input = scaled_mm(g_q, w_q, g_inv, w_inv, ctx.x_dtype)
-            # Weight gradient dy^T [out, T] x [T, in]: inner dimension the tokens, never split over TP.
-            gt_q, gt_inv = _quantized(plan, GRAD_OUTPUT, g.t(), bwd, split=False, inner_dim=1)
-            xt_q, xt_inv = _quantized(plan, INPUT, x, fwd, split=False, inner_dim=0)
-            grad_weight = scaled_mm(gt_q, xt_q, gt_inv, xt_inv, ctx.w_dtype)
+            compute, args = functools.partial(_rowwise_weight_gradient, plan, ctx.w_dtype), (g, x)
         else:
             x_q, w_q, w_inv, x_inv = ctx.saved_tensors
-            if plan.gather_sequence:
-                x_q = _gather_fp8(x_q)
-            x_q = x_q.reshape(-1, x_q.shape[-1])
             g_q, g_inv = _quantized(plan, GRAD_OUTPUT, g, bwd, split=ctx.column)
             grad_input = scaled_mm(g_q, w_q, g_inv, w_inv, ctx.x_dtype)
-            grad_weight = scaled_mm(g_q.t(), x_q, g_inv, x_inv, ctx.w_dtype)
+            compute = functools.partial(_weight_gradient, plan.gather_sequence, ctx.w_dtype)
+            args = (g_q, g_inv, x_q, x_inv)
+        if defer:
+            store.defer(ctx.weight, compute, *args)
+        else:
+            grad_weight = compute(*args)
         grad_input = grad_input.reshape(*ctx.lead, grad_input.shape[-1])
         if plan.gather_sequence:
             grad_input = reduce_scatter(grad_input, SEQUENCE_DIM)
         return grad_input, grad_weight, None
 
 
+def _weight_gradient(gather_sequence: bool, dtype: torch.dtype, g_q: torch.Tensor, g_inv: torch.Tensor,
+                     x_q: torch.Tensor, x_inv: torch.Tensor) -> torch.Tensor:
+    """dW = dy^T x from the quantized output gradient [T, out] and input (a sequence shard, gathered here)."""
+    if gather_sequence:
+        x_q = _gather_fp8(x_q)
+    return scaled_mm(g_q.t(), x_q.reshape(-1, x_q.shape[-1]), g_inv, x_inv, dtype)
+
+
+def _rowwise_weight_gradient(plan: _Plan, dtype: torch.dtype, g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """dW = dy^T [out, T] x [T, in], rowwise: the inner dimension is the tokens (never split over TP), so both
+    operands are quantized again, per column of dy and of x (the input a sequence shard, gathered here)."""
+    r = plan.recipe
+    if plan.gather_sequence:
+        x = all_gather(x, SEQUENCE_DIM)
+    x = x.reshape(-1, x.shape[-1])
+    gt_q, gt_inv = _quantized(plan, GRAD_OUTPUT, g.t(), r.backward_dtype, split=False, inner_dim=1)
+    xt_q, xt_inv = _quantized(plan, INPUT, x, r.forward_dtype, split=False, inner_dim=0)
+    return scaled_mm(gt_q, xt_q, gt_inv, xt_inv, dtype)
+
+
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, recipe: Fp8Recipe, history: Optional[Fp8History], kind: str,
-               gather_sequence: bool = False, record: bool = True) -> torch.Tensor:
+               gather_sequence: bool = False, record: bool = True,
+               store: Optional[WeightGradStore] = None) -> torch.Tensor:
     """x W^T in FP8 (see the module docstring); ``kind`` "column" or "row"; ``record``: a training pass, whose
-    amaxes enter the delayed history."""
+    amaxes enter the delayed history; ``store``: where a zero-bubble B step defers the weight gradient."""
     if history is not None:
         history.to(x.device)
     gathered = gathered_fp8_weight(weight) if recipe.recipe != "rowwise" else None
-    y = _Fp8Linear.apply(x, weight, _Plan(recipe, history, kind, gather_sequence, record, gathered))
+    y = _Fp8Linear.apply(x, weight, _Plan(recipe, history, kind, gather_sequence, record, gathered, store))
     lead = x.shape[:-1] if not gather_sequence else (*x.shape[:SEQUENCE_DIM], -1, *x.shape[SEQUENCE_DIM + 1:-1])
     return y.view(*lead, y.shape[-1])
 

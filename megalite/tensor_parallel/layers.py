@@ -15,7 +15,8 @@ accumulation fusion it goes straight into their weight's main gradient.
 
 Given an FP8 recipe (``fp8``), a linear computes its three products in FP8 (megalite.tensor_parallel.fp8_linear) on
 the same bf16 weight and with the same communication around them; with the delayed recipe it keeps its amax
-history in ``fp8_history``. Its weight gradient is computed in its backward (not deferred to a W step).
+history in ``fp8_history``. Its weight gradient, an FP8 product too, can be deferred to a W step the same way
+(the store keeps the quantized output gradient and input); it never fuses into the main gradient.
 """
 
 from __future__ import annotations
@@ -105,7 +106,7 @@ class _Fp8Products:
 
     def _fp8_product(self, x: torch.Tensor, weight: torch.Tensor, kind: str, gather_sequence: bool = False):
         return fp8_linear(x, weight, self.fp8, self.fp8_history, kind, gather_sequence,
-                          record=self.training and torch.is_grad_enabled())
+                          record=self.training and torch.is_grad_enabled(), store=self.weight_grad_store)
 
 
 def mark_sequence_parallel(param: nn.Parameter | None) -> None:

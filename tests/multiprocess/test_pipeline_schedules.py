@@ -207,28 +207,74 @@ def test_activation_bytes_per_stage_against_1f1b_and_the_planner():
 
 
 @requires_world(4)
-@pytest.mark.parametrize("sequence_parallel", [False, True])
-def test_deferred_weight_gradients_keep_what_the_planner_counts(sequence_parallel):
+@pytest.mark.parametrize("sequence_parallel, fp8", [(False, None), (True, None), (False, "tensorwise"),
+                                                    (True, "delayed"), (True, "rowwise")])
+def test_deferred_weight_gradients_keep_what_the_planner_counts(sequence_parallel, fp8):
     """One GPT layer at TP=2 deferring its weight gradients: the store keeps each linear's input and output
     gradient, under sequence parallelism only this rank's sequence shards of both (the W step gathers them again);
     its bytes equal megalite.planner.memory.weight_gradient_bytes (the linear inputs are the storages the forward
-    saved; the output gradients are new)."""
-    cfg = tiny_config(tp=2, model={"num_layers": 1}, parallel={"sequence_parallel": sequence_parallel}).model
+    saved; the output gradients are new). FP8 linears defer theirs too, holding what their FP8 weight-gradient
+    product needs (tensorwise and delayed: both operands as quantized, one byte an element)."""
+    options = {"fp8_format": "hybrid", "fp8_recipe": fp8} if fp8 else {}
+    cfg = tiny_config(tp=2, model={"num_layers": 1, **options},
+                      parallel={"sequence_parallel": sequence_parallel}).model
     b, s, h = 2, cfg.seq_length, cfg.hidden_size
     with layout(2):
         rng = TensorParallelRNG(0, parallel_state.get_tensor_model_parallel_rank(), 0, CPU)
         layers = torch.nn.ModuleList([TransformerLayer(cfg, rng, sequence_parallel)])
+        generator = torch.Generator().manual_seed(dist.get_rank())
+        with torch.no_grad():
+            for p in layers.parameters():   # (the layer leaves them uninitialized: the model initializes them)
+                p.copy_(torch.randn(p.shape, generator=generator) * 0.02 + (1.0 if p.dim() == 1 else 0.0))
         store = WeightGradStore()
         attach_weight_grad_store(layers, store)
         x = torch.randn(b, s // 2 if sequence_parallel else s, h, requires_grad=True)
+        grad = torch.randn(b, s // 2 if sequence_parallel else s, h)
         with store.deferring("layer"):
             out = run_layers(layers, x, cfg, rng)
-            out.backward(torch.randn_like(out))
+            out.backward(grad)
+        assert all(p.grad is None for name, p in layers.named_parameters() if name.endswith("linear_fc1.weight"))
         held = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in store.held_tensors()}
         planned = weight_gradient_bytes(cfg, Layout(tp=2, sequence_parallel=sequence_parallel, micro_batch_size=b),
                                         1, False, Numerics.cpu())
-        print(f"TP=2 sequence_parallel={sequence_parallel}: deferred W holds {sum(held.values())} bytes, planned "
-              f"{planned:.0f}")
+        print(f"TP=2 sequence_parallel={sequence_parallel} FP8 {fp8}: deferred W holds {sum(held.values())} "
+              f"bytes, planned {planned:.0f}")
         assert sum(held.values()) == pytest.approx(planned, rel=0.01)
         store.run("layer")
-        assert all(p.grad is not None for p in layers.parameters())
+        deferred = {name: p.grad.clone() for name, p in layers.named_parameters()}
+        layers.zero_grad(set_to_none=True)
+        run_layers(layers, x, cfg, rng).backward(grad)   # the same backward, every weight gradient at once
+        assert all(torch.equal(p.grad, deferred[name]) for name, p in layers.named_parameters())
+
+
+@requires_world(4)
+def test_fp8_weight_gradients_move_to_the_w_steps_and_train_as_1f1b(monkeypatch):
+    """FP8 (hybrid, delayed) at PP=2 x DP=2: under zero-bubble and zbv the FP8 linears' weight gradients are deferred
+    to the W steps (every FP8 weight, every micro-batch), and the losses and gradient norms equal 1F1B's at the same
+    layout, bit for bit (the same products, the weight gradients only later)."""
+    deferred = []
+    original = WeightGradStore.defer
+
+    def counting(store, weight, compute, *args):
+        deferred.append(args[0].dtype)   # an FP8 linear defers its quantized output gradient first
+        original(store, weight, compute, *args)
+
+    monkeypatch.setattr(WeightGradStore, "defer", counting)
+    runs = {}
+    for schedule in ("1f1b", "zero-bubble", "zbv"):
+        cfg = _config(1, 2, schedule, optimizer={"use_distributed_optimizer": True})
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, fp8_format="hybrid",
+                                                                 fp8_amax_history_len=4),
+                                  training=dataclasses.replace(cfg.training, train_iters=4),
+                                  data=dataclasses.replace(cfg.data, eval_interval=0))
+        deferred.clear()
+        with layout(1, 2):
+            trainer = Trainer(cfg, CPU)
+            records = [r for r in trainer.train() if "loss" in r]
+            fp8_linears = sum(1 for chunk in trainer.model for m in chunk.modules() if getattr(m, "fp8", None))
+        runs[schedule] = records
+        expected = 0 if schedule == "1f1b" else fp8_linears * trainer.num_micro_batches * cfg.training.train_iters
+        assert sum(dtype == torch.float8_e5m2 for dtype in deferred) == expected, schedule
+    for schedule in ("zero-bubble", "zbv"):
+        assert [r["loss"] for r in runs[schedule]] == [r["loss"] for r in runs["1f1b"]], schedule
+        assert [r["grad_norm"] for r in runs[schedule]] == [r["grad_norm"] for r in runs["1f1b"]], schedule

@@ -27,8 +27,8 @@ Tied word embeddings split across pipeline stages are "deferred": their bucket w
 gradient is first summed with the other stage's copy over the embedding group (or with the copy on the same rank,
 when one rank holds both the first and the last stage), then reduced over DP like the rest.
 Parameters flagged ``sequence_parallel`` (replicated over TP, applied to a sequence shard) get a last reduction,
-over TP, once the DP reductions are done. With ``fp8_param_gather`` the FP8 linears' weights have buckets of their
-own, gathered as FP8 bytes (megalite.distributed.fp8_param_gather).
+over TP, once the DP reductions are done. Under the distributed optimizer the FP8 linears' weights have buckets of
+their own, which ``fp8_param_gather`` gathers as FP8 bytes (megalite.distributed.fp8_param_gather).
 """
 
 from __future__ import annotations
@@ -204,8 +204,8 @@ class DataParallel(DataParallelEngine):
 
     def held_bytes(self) -> tuple[int, int]:
         grads = self.grad_shards if self.zero2 else [self.grad_buffer]
-        return (self.param_buffer.numel() * self.param_buffer.element_size() + (self.fp8.held_bytes() if self.fp8
-                                                                                 else 0),
+        fp8_copies = self.fp8.held_bytes() if self.fp8 is not None else 0
+        return (self.param_buffer.numel() * self.param_buffer.element_size() + fp8_copies,
                 sum(g.numel() * g.element_size() for g in grads))
 
     # ---- gradient reduction ---------------------------------------------------------------------------------------
@@ -412,8 +412,8 @@ class DataParallel(DataParallelEngine):
             work.wait()
         self._pending_gathers.clear()
         for index in sorted(self._stale):
-            start, end = self.shard(self.buckets[index])
             bucket = self.buckets[index]
+            start, end = self.shard(bucket)
             _all_gather(self.param_buffer[bucket.start:bucket.end], self.param_buffer[start:end].clone(),
                         group=self.group.group)
         if self._stale:

@@ -14,10 +14,11 @@ re-gathers the bf16 shard.
 
 Delayed scaling (:class:`Fp8History`, one per linear): during a step the scales come from the amax history of the
 steps before it, so the products need no all-reduce; each forward and backward records the running amax of its
-input, weight and output gradient, and :func:`update_delayed_scales`, after the optimizer step, takes the max over
-TP and DP x CP ranks (every rank holding the layer then agrees, and the scale of a step is that of the global batch
-whatever the layout), pushes it into the history and computes the next scales. The first step, with no history
-yet, scales tensorwise.
+input, weight and output gradient, and :func:`update_delayed_scales`, once the step's backward is done (before the
+optimizer step, whose FP8 parameter gather quantizes with the new scales), takes the max over TP and DP x CP ranks
+(every rank holding the layer then agrees, and the scale of a step is that of the global batch whatever the
+layout), pushes it into the history and computes the next scales. The first step, with no history yet, scales
+tensorwise.
 
 With ``--fp8-param-gather`` the distributed optimizer quantizes each weight's updated shard itself and all-gathers
 the FP8 bytes (megalite.distributed.fp8_param_gather); it hangs a :class:`GatheredFp8Weight` on the weight, which
@@ -278,8 +279,8 @@ def fp8_histories(modules: Iterable[torch.nn.Module]) -> list[tuple[str, Fp8Hist
 
 
 def update_delayed_scales(found: list[tuple[str, Fp8History]], groups: Iterable[GroupInfo]) -> None:
-    """After an optimizer step: every history's running amaxes, maxed over ``groups`` (TP and DP x CP: the ranks
-    holding those layers), enter the history; one all-reduce per group for all of them."""
+    """Once a step's backward is done: every history's running amaxes, maxed over ``groups`` (TP and DP x CP: the
+    ranks holding those layers), enter the history; one all-reduce per group for all of them."""
     if not found:
         return
     running = torch.stack([history.running for _, history in found])

@@ -25,12 +25,11 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 import torch.utils._pytree as pytree
 
 from megalite import parallel_state
-from megalite.tensor_parallel.fp8 import E4M3, amax, quantize, scale_from_amax
-from megalite.tensor_parallel.fp8_linear import WEIGHT, GatheredFp8Weight
+from megalite.tensor_parallel.fp8 import E4M3, amax, quantize
+from megalite.tensor_parallel.fp8_linear import GatheredFp8Weight, gathered_weight_scales
 
 aten = torch.ops.aten
 # The ops FSDP2 applies to a parameter while sharding it (chunk, pad, copy, view, narrow) and those making
@@ -60,28 +59,14 @@ class Fp8ShardScales:
 
     def _compute(self) -> None:
         locals_ = [weight.to_local() for _, weight in self.weights]
-        device = locals_[0].device
-        amaxes = torch.zeros(len(self.weights), device=device)
+        amaxes = torch.zeros(len(self.weights), device=locals_[0].device)
         for i, local in enumerate(locals_):
             if local.numel():
                 amaxes[i] = amax(plain(local).to(self.compute_dtype))
-        if any(not _from_history(linear) for linear, _ in self.weights):   # the same on every rank
-            mesh_group = self.weights[0][1].device_mesh.get_group()
-            for group in (mesh_group, parallel_state.get_tensor_model_parallel_group().group):
-                if group is not None and dist.get_world_size(group) > 1:
-                    dist.all_reduce(amaxes, op=dist.ReduceOp.MAX, group=group)
-        self.scales = {}
-        for i, (linear, _) in enumerate(self.weights):
-            history = linear.fp8_history
-            scale = (history.scales[WEIGHT] if _from_history(linear)
-                     else scale_from_amax(amaxes[i], E4M3, linear.fp8.margin))
-            if history is not None:
-                history.to(device).record(WEIGHT, amaxes[i])
-            self.scales[id(linear)] = scale
-
-
-def _from_history(linear: torch.nn.Module) -> bool:
-    return linear.fp8_history is not None and linear.fp8_history.steps > 0
+        linears = [linear for linear, _ in self.weights]
+        groups = (self.weights[0][1].device_mesh.get_group(), parallel_state.get_tensor_model_parallel_group().group)
+        scales = gathered_weight_scales(linears, amaxes, groups)
+        self.scales = {id(linear): scale for linear, scale in zip(linears, scales)}
 
 
 def plain(tensor: torch.Tensor) -> torch.Tensor:

@@ -26,11 +26,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
-import torch.distributed as dist
 
 from megalite import parallel_state
-from megalite.tensor_parallel.fp8 import E4M3, amax, quantize, scale_from_amax
-from megalite.tensor_parallel.fp8_linear import GATHERED, WEIGHT, GatheredFp8Weight
+from megalite.tensor_parallel.fp8 import E4M3, amax, quantize
+from megalite.tensor_parallel.fp8_linear import GATHERED, GatheredFp8Weight, gathered_weight_scales
 
 if TYPE_CHECKING:
     from megalite.distributed.buckets import Bucket
@@ -55,9 +54,9 @@ class Fp8ParamGather:
 
     def __init__(self, engine: DataParallel, linears: list[torch.nn.Module]):
         self.linears = linears
-        self.buckets = sorted({engine.plan.bucket_of[id(linear.weight)] for linear in linears})
+        buckets = sorted({engine.plan.bucket_of[id(linear.weight)] for linear in linears})
         self.buffers = {i: torch.zeros(engine.buckets[i].end - engine.buckets[i].start, dtype=torch.uint8,
-                                       device=engine.device) for i in self.buckets}
+                                       device=engine.device) for i in buckets}
         self.values = []
         for linear in linears:
             bucket = engine.bucket_of(linear.weight)
@@ -75,20 +74,11 @@ class Fp8ParamGather:
             piece = engine.local_slice(linear.weight)
             if piece is not None:
                 amaxes[i] = amax(engine.param_buffer[piece[0]:piece[1]])
-        if any(not _from_history(linear) for linear in self.linears):   # the same on every rank
-            for info in (engine.group, parallel_state.get_tensor_model_parallel_group()):
-                if info.size > 1:
-                    dist.all_reduce(amaxes, op=dist.ReduceOp.MAX, group=info.group)
-        for i, linear in enumerate(self.linears):
-            history = linear.fp8_history
-            if _from_history(linear):
-                scale = history.scales[WEIGHT]
-            else:
-                scale = scale_from_amax(amaxes[i], E4M3, linear.fp8.margin)
-            if history is not None:
-                history.to(engine.device).record(WEIGHT, amaxes[i])
+        groups = (engine.group.group, parallel_state.get_tensor_model_parallel_group().group)
+        scales = gathered_weight_scales(self.linears, amaxes, groups)
+        for linear, value, scale in zip(self.linears, self.values, scales):
             self.scales[id(linear.weight)] = scale
-            setattr(linear.weight, GATHERED, GatheredFp8Weight(self.values[i], scale.reciprocal(), version=-1))
+            setattr(linear.weight, GATHERED, GatheredFp8Weight(value, scale.reciprocal(), version=-1))
 
     @torch.no_grad()
     def shard_bytes(self, engine: DataParallel, bucket: Bucket) -> torch.Tensor:
@@ -113,7 +103,3 @@ class Fp8ParamGather:
     def held_bytes(self) -> int:
         return sum(buffer.numel() for buffer in self.buffers.values())
 
-
-def _from_history(linear: torch.nn.Module) -> bool:
-    """Whether a linear's weight scale comes from its amax history (delayed, after the first step)."""
-    return linear.fp8_history is not None and linear.fp8_history.steps > 0

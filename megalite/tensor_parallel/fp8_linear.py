@@ -267,6 +267,30 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, recipe: Fp8Recipe, history
     return y.view(*lead, y.shape[-1])
 
 
+@torch.no_grad()
+def gathered_weight_scales(linears: list[torch.nn.Module], amaxes: torch.Tensor,
+                           groups: Iterable[Optional[dist.ProcessGroup]]) -> list[torch.Tensor]:
+    """The scale of each FP8 linear's weight for a parameter gather that quantizes it piece by piece
+    (--fp8-param-gather), ``amaxes`` [len(linears)] holding the amax of this rank's piece of each: the whole
+    weight's, as the forward would compute it. From the history (delayed, after its first step: no collective),
+    else fp8_max / amax with the amaxes maxed over ``groups`` (the ranks holding the other pieces, and TP), one
+    all-reduce each for all weights. The amax is recorded as the step's weight amax (update_delayed_scales maxes
+    it over the ranks like every other)."""
+    from_history = [linear.fp8_history is not None and linear.fp8_history.steps > 0 for linear in linears]
+    if not all(from_history):   # the same on every rank: the histories are
+        for group in groups:
+            if group is not None and dist.get_world_size(group) > 1:
+                dist.all_reduce(amaxes, op=dist.ReduceOp.MAX, group=group)
+    scales = []
+    for linear, historic, value in zip(linears, from_history, amaxes):
+        history = linear.fp8_history
+        scales.append(history.scales[WEIGHT] if historic
+                      else scale_from_amax(value, linear.fp8.forward_dtype, linear.fp8.margin))
+        if history is not None:
+            history.to(value.device).record(WEIGHT, value)
+    return scales
+
+
 def fp8_histories(modules: Iterable[torch.nn.Module]) -> list[tuple[str, Fp8History]]:
     """(module name, history) of every FP8 linear in ``modules`` (model chunks), in a fixed order."""
     found = []

@@ -60,10 +60,10 @@ def train(cfg, ranks=None, inspect=None):
 _REFERENCES: dict[str, tuple] = {}   # reference runs by configuration: layouts of one model share one run
 
 
-def resumed_losses(cfg, tp: int, pp: int, ranks, iteration: int):
-    """The losses of ``cfg`` resumed (its --load holds iteration ``iteration``) at TP x PP over ``ranks``; None on
-    ranks outside the layout."""
-    with layout(tp, pp, ranks=ranks) as member:
+def resumed_losses(cfg, tp: int, pp: int, ranks, iteration: int, ep: int = 1):
+    """The losses of ``cfg`` resumed (its --load holds iteration ``iteration``) at TP x PP (x EP) over ``ranks``;
+    None on ranks outside the layout."""
+    with layout(tp, pp, ranks=ranks, ep=ep) as member:
         if not member:
             return None
         trainer = Trainer(cfg, CPU)

@@ -363,7 +363,8 @@ def _fully_sharded_time(model: ModelConfig, layout: Layout, hardware: Hardware, 
                                             for unit, routed in zip(units.layers, units.experts)),
                                   key=lambda found: sum(found[1]), default=(0, (0, 0)))
     # --fp8-param-gather: the FP8 linears' weights travel in one byte an element.
-    fp8 = sum(padded_elements([t], dp) for t in units.layers[index] if t.fp8) if model.fp8_param_gather else 0
+    fp8 = (sum(padded_elements([t], dp) for t in units.layers[index] if t.fp8)
+           if model.fp8_param_gather and units.layers else 0)
 
     def gather(elements: float, n: int = dp) -> float:
         return ring_gather_time(elements * dtype_bytes, n, bw)

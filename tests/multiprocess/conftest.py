@@ -43,7 +43,8 @@ def pytest_sessionstart(session):
         _LOCKSTEP = Lockstep(session.config)
 
 
-def pytest_sessionfinish(session):
+def pytest_unconfigure(config):
+    """After the terminal summary (pytest_sessionfinish comes before it)."""
     if _LOCKSTEP is not None:
         _LOCKSTEP.leave()
 

@@ -84,8 +84,15 @@ class Lockstep:
         self.needs_rebuild = False
 
     def leave(self) -> None:
+        """End the session, after pytest has printed its summary (called at unconfigure): every rank waits for the
+        others first, so that a rank which failed and exits with 1 cannot make torchrun kill rank 0 (whose report
+        the launch shows) before rank 0 has printed which tests failed and why."""
         self.progress("<session end>")
         parallel_state.destroy_model_parallel()
+        try:
+            dist.barrier(group=self.agreement)
+        except Exception:   # noqa: BLE001 - a rank already gone: nothing left to wait for
+            pass
         dist.destroy_process_group()
 
     # ---- agreement -------------------------------------------------------------------------------------------------

@@ -35,13 +35,17 @@ def error_line(text: str) -> None:
 def main(argv: list[str]) -> int:
     try:
         command_line = parse_command_line(argv, world_size_from_env())   # the world size: --deepspeed-config's DP
+        simulated = command_line.config.training.simulate_gpus   # --simulate-gpus N: this process plays N GPUs
+        if simulated:
+            command_line = parse_command_line(argv, simulated)
+        world_size = simulated or world_size_from_env()
         cfg = with_checkpoint_tokenizer(command_line.config)   # --data-path alone: the --load checkpoint's tokenizer
         cfg, notes = use_checkpoint_args(cfg)   # --use-checkpoint-args: the saved model options
         cfg, warnings = megatron.adjust(cfg)   # --sequence-parallel at TP=1 off, as Megatron does
         # Every rank checks the options on its own before any collective, so a bad value cannot hang the job.
-        validate(cfg, world_size_from_env())
+        validate(cfg, world_size)
         check_data_files(cfg)   # data files too: a corrupt file stops every rank here, not in a collective
-        check_checkpoint(cfg, world_size_from_env())   # and a missing, partial or corrupt --load checkpoint
+        check_checkpoint(cfg, world_size)   # and a missing, partial or corrupt --load checkpoint
     except ConfigError as error:
         if os.environ.get("RANK", "0") == "0":   # a refused --deepspeed-config: its table shows what was refused
             for line in getattr(error, "table", ()):
@@ -55,6 +59,14 @@ def main(argv: list[str]) -> int:
             print(line, flush=True)                              # overrode), what the checkpoint's options changed
         for line in warnings + megatron.start_lines(cfg):   # Megatron's flags that were adjusted or change nothing
             print(line, flush=True)
+    if simulated:   # rank R's real code path on meta tensors under NCCL's rules (megalite.simulation)
+        from megalite.simulation.job import simulate_job
+        lines, errors = simulate_job(cfg)
+        for line in lines:
+            print(line, flush=True)
+        for line in errors:
+            error_line(f"megalite: error: simulated {line}")
+        return 1 if errors else 0
     if cfg.training.dry_run:   # the planner's memory estimate for this layout; no process group, no training
         if os.environ.get("RANK", "0") == "0":
             print(format_dry_run(cfg, world_size_from_env()), flush=True)

@@ -501,6 +501,18 @@ class TrainingConfig:
     dry_run: bool = option(
         False, "Print the planner's per-GPU memory estimate for this layout (weights, gradients, optimizer states, "
                "activations of each pipeline stage) and exit without training.")
+    simulate_gpus: int = option(
+        0, "Check this job on N simulated GPUs before paying for real ones: run one rank's real code path (model, "
+           "schedule, every collective, optimizer step; two iterations) in this one process on meta tensors that "
+           "stand for device memory, under NCCL's rules; print its peak memory by category beside the planner's and "
+           "the collectives of a step, and exit non-zero with one line per broken rule (no torchrun needed). 0: off.",
+        metavar="N")
+    simulate_rank: str = option(
+        "0", "With --simulate-gpus: the rank to simulate, or 'all' (every rank in turn; the worst is reported).",
+        metavar="R|all")
+    simulate_device: str = option(
+        "h100", "With --simulate-gpus: the GPU whose memory the simulated ranks are checked against: h100, h200, "
+                "a100 or b200.")
     manual_gc: bool = option(
         False, "Turn Python's automatic garbage collector off and collect on every rank at the same points (every "
                "--manual-gc-interval iterations and around evaluations), so no rank stalls the others at random.")

@@ -80,6 +80,18 @@ def validate(cfg: MegaliteConfig, world_size: int) -> None:
     _check_logging(cfg, world_size)
     _check_checkpoint(cfg)
     _check_kernels(cfg)
+    _check_simulation(cfg)
+
+
+def _check_simulation(cfg: MegaliteConfig) -> None:
+    t = cfg.training
+    if not t.simulate_gpus:
+        return
+    _one_of("simulate_device", t.simulate_device, ("h100", "h200", "a100", "b200"))
+    _require(t.simulate_rank == "all" or (t.simulate_rank.isdigit() and int(t.simulate_rank) < t.simulate_gpus),
+             f"{FLAG.simulate_rank} must be a rank below {FLAG.simulate_gpus} {t.simulate_gpus} or 'all', "
+             f"got {t.simulate_rank!r}")
+    _require(not t.dry_run, f"{FLAG.simulate_gpus} and {FLAG.dry_run} are two ways to check a job: choose one")
 
 
 def _check_training_length(cfg: MegaliteConfig) -> None:

@@ -46,7 +46,10 @@ class MainPiece(Piece):
 
     @property
     def aliased(self) -> bool:
-        return self.main.data_ptr() == self.model_view.data_ptr()
+        # The same storage at the same place (by the storage itself: meta tensors, the simulated GPUs', have no
+        # addresses to compare).
+        return (self.main.untyped_storage()._cdata == self.model_view.untyped_storage()._cdata
+                and self.main.storage_offset() == self.model_view.storage_offset())
 
 
 class MegaliteOptimizer:

@@ -130,6 +130,8 @@ def initialize_parameters(named_parameters: Iterable[tuple[str, torch.nn.Paramet
                           tp_rank: int, tp_world: int) -> None:
     """Fill each parameter with its slice of a full tensor drawn from (seed, canonical name)."""
     for name, param in named_parameters:
+        if param.is_meta:   # a simulated GPU's (megalite.simulation): shapes only, no values to draw
+            continue
         full = torch.empty(param.full_shape, dtype=torch.float32)
         param.init_fn(full, torch.Generator().manual_seed(parameter_seed(seed, name)))
         param.copy_(shard(full, param.partition, tp_rank, tp_world))

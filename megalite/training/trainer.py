@@ -12,6 +12,7 @@ rank's micro-batches (megalite.model.context_parallel); their loss sums over DP 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -133,12 +134,14 @@ class Trainer:
         self.rng = rng = TensorParallelRNG(seed, parallel_state.get_tensor_model_parallel_rank(), self.pp_rank,
                                            device, parallel_state.get_context_parallel_rank())
         kernels = KernelPolicy.from_config(cfg.kernels)   # fused CUDA kernels or torch ops, per op
-        self.model = torch.nn.ModuleList(
-            GPTModel(m, rng, pre_process=c.is_first, post_process=c.is_last, layer_offset=c.first_layer,
-                     num_layers=c.num_layers, sequence_parallel=cfg.parallel.sequence_parallel,
-                     kernels=kernels)
-            for c in chunks_of_rank(m.num_layers, self.pp, self.virtual_stages, self.pp_rank, self.placement)
-        ).to(device)
+        # Simulated GPUs (megalite.simulation) build the chunks on their meta device directly: no host memory.
+        with torch.device(device) if device.type == "meta" else contextlib.nullcontext():
+            self.model = torch.nn.ModuleList(
+                GPTModel(m, rng, pre_process=c.is_first, post_process=c.is_last, layer_offset=c.first_layer,
+                         num_layers=c.num_layers, sequence_parallel=cfg.parallel.sequence_parallel,
+                         kernels=kernels)
+                for c in chunks_of_rank(m.num_layers, self.pp, self.virtual_stages, self.pp_rank, self.placement)
+            ).to(device)
         for chunk in self.model:
             chunk.initialize(seed)   # in fp32, then cast: the same initial weights for every dtype and layout
         self.dtype = (torch.bfloat16 if cfg.training.bf16 else torch.float16 if cfg.training.fp16
@@ -224,7 +227,8 @@ class Trainer:
         """One line for the start of a run: layout, schedule, model size, data."""
         # Dense parameters are the same on every expert-parallel rank, routed experts differ: summed over EP too.
         dense, routed = (torch.tensor([float(sum(p.numel() for p in self.engine.params
-                                                 if counts_toward_norm(p) and is_expert(p) == expert))])
+                                                 if counts_toward_norm(p) and is_expert(p) == expert))],
+                                      device=self.device)
                          for expert in (False, True))
         model_group, expert_group = (parallel_state.get_model_parallel_group(),
                                      parallel_state.get_expert_model_parallel_group())
@@ -238,7 +242,7 @@ class Trainer:
         m = self.cfg.model
         total, experts = float(dense + routed), float(routed)
         moe = (f" ({total - experts * (1 - m.moe_router_topk / m.num_experts):,.0f} active per token, EP={ep})"
-               if experts else "")
+               if m.num_experts else "")
         schedule = {"1f1b": "1F1B", "zero-bubble": "ZB-H1", "zbv": "ZB-V"}[self.schedule_name]
         if self.pp == 1:
             schedule = "no pipelining"

@@ -1,0 +1,68 @@
+"""``--simulate-gpus N``: the ranks of an N-GPU job simulated one after the other, and what they say together."""
+
+from __future__ import annotations
+
+import time
+
+from megalite.config import MegaliteConfig
+from megalite.planner.dry_run import run_memory
+from megalite.simulation import report
+from megalite.simulation.run import RankReport, simulate_rank
+
+
+def ranks_to_simulate(spec: str, world_size: int) -> list[int]:
+    """``--simulate-rank``: one rank, or every rank ('all')."""
+    return list(range(world_size)) if spec == "all" else [int(spec)]
+
+
+def _group_sizes(cfg: MegaliteConfig, world_size: int) -> dict[str, int]:
+    p = cfg.parallel
+    tp, pp, cp, ep = (p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.context_parallel_size,
+                      p.expert_model_parallel_size)
+    dp = world_size // (tp * pp * cp)
+    return {"tensor": tp, "pipeline": pp, "context": cp, "data": dp, "data_context": dp * cp, "expert": ep,
+            "expert_data": dp * cp // ep, "model": tp * pp, "embedding": 2, "world": world_size}
+
+
+def simulate_job(cfg: MegaliteConfig) -> tuple[list[str], list[str]]:
+    """Simulate the ranks ``cfg`` asks for; (the lines to print, one line per broken rule)."""
+    t = cfg.training
+    world = t.simulate_gpus
+    _, stages = run_memory(cfg, world, cuda=True)
+    planned = {stage.pp_rank: stage for stage in stages}
+    ranks = ranks_to_simulate(t.simulate_rank, world)
+    lines, errors, reports = [], [], []
+    start = time.perf_counter()
+    for rank in ranks:
+        try:
+            result = simulate_rank(cfg, world, rank)
+        except Exception as error:   # noqa: BLE001 - every broken rule becomes its line; the ranks after it still run
+            errors.append(f"rank {rank}: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}")
+            continue
+        reports.append(result)
+        stage = planned[result.coordinates["pp"]]
+        if len(ranks) == 1:
+            c = result.coordinates
+            lines.append(f"megalite: simulated rank {rank} of {world} (TP rank {c['tp']}, CP rank {c['cp']}, DP rank "
+                         f"{c['dp']}, PP rank {c['pp']}), two iterations on {report.DEVICES[t.simulate_device][0]}:")
+            lines += report.memory_lines(result, stage)
+            lines += report.communication_lines(result, _group_sizes(cfg, world))
+            lines += report.host_read_lines(result)
+        else:
+            lines.append(f"  rank {rank:>5} (PP rank {result.coordinates['pp']}): peak {result.peak_bytes / 2**30:.3f} "
+                         f"GiB, planned {stage.total / 2**30:.3f} GiB ({result.peak_bytes / stage.total:.3f})")
+    if reports:
+        if len(ranks) > 1:
+            worst = max(reports, key=lambda r: r.peak_bytes)
+            lines.append(f"the most loaded rank, {worst.rank}:")
+            lines += report.memory_lines(worst, planned[worst.coordinates["pp"]])
+            lines += report.communication_lines(worst, _group_sizes(cfg, world))
+            lines += report.host_read_lines(worst)
+        lines.append(report.summary_line(reports, planned, t.simulate_device)
+                     + f" ({time.perf_counter() - start:.1f} s)")
+    return lines, errors
+
+
+def reports_of(cfg: MegaliteConfig, ranks: list[int]) -> list[RankReport]:
+    """Every asked rank's report (raising at the first broken rule): for tests and tools."""
+    return [simulate_rank(cfg, cfg.training.simulate_gpus, rank) for rank in ranks]

@@ -1,0 +1,94 @@
+"""Device memory of a simulated GPU: every storage the run allocates on the meta device, live bytes and their peak.
+
+torch's allocator statistics do not exist for meta tensors, and torch's ``MemTracker`` (torch.distributed._tools)
+refuses a module run twice in one iteration (every micro-batch does). So this is a small tracker of its own: a
+``TorchDispatchMode`` sees every op's outputs; each new storage is weakly referenced, its bytes added while it lives
+and taken away when it is freed (a weakref callback), as the CUDA caching allocator's "allocated" counts them
+(without its rounding to 512-byte blocks). At each new peak the live storages are remembered, so that afterwards
+they are put in the categories the planner uses: weights, gradients, optimizer states (the tensors the run names as
+such, see :meth:`MemoryTracker.categorize`), communication buffers (allocated inside a collective) and activations
+(everything else: what forward keeps for backward and the temporaries of the moment).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import defaultdict
+from typing import Iterable
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+CATEGORIES = ("weights", "gradients", "optimizer", "communication", "activations")
+
+
+class MemoryTracker(TorchDispatchMode):
+    """Tracks meta storages created while active, and any registered with :meth:`track` (built before)."""
+
+    def __init__(self, device_type: str = "meta"):
+        super().__init__()
+        self.device_type = device_type
+        # Meta storages have no address: a live storage is known by the id of its (preserved) Python object, and
+        # by a serial number that no later storage reuses (ids are reused once an object dies).
+        self.live: dict[int, tuple[int, int]] = {}   # id(storage) -> (serial, bytes)
+        self._refs: dict[int, weakref.ref] = {}
+        self._serial = 0
+        self.in_collective = 0
+        self.communication: set[int] = set()      # serials of storages allocated inside a collective
+        self.current = 0
+        self.peak = 0
+        self.peak_storages: dict[int, int] = {}   # the live storages at the peak: serial -> bytes
+        self.peak_label = ""
+        self.label = ""                          # what the run is doing (set by the driver), kept at the peak
+
+    def track(self, tensors: Iterable[torch.Tensor]) -> None:
+        for tensor in tensors:
+            if isinstance(tensor, torch.Tensor) and tensor.device.type == self.device_type:
+                self._add(tensor.untyped_storage())
+
+    def _add(self, storage) -> None:
+        key = id(storage)
+        if key in self.live:
+            return
+        size = storage.nbytes()
+        if size == 0:
+            return
+        self._serial += 1
+        self.live[key] = (self._serial, size)
+
+        def freed(_, key=key):
+            serial, size = self.live.pop(key, (0, 0))
+            self.current -= size
+            self._refs.pop(key, None)
+            self.communication.discard(serial)
+        self._refs[key] = weakref.ref(storage, freed)
+        if self.in_collective:
+            self.communication.add(self._serial)
+        self.current += size
+        if self.current > self.peak:
+            self.peak = self.current
+            self.peak_storages = dict(self.live.values())
+            self.peak_label = self.label
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for tensor in tree_leaves(out):
+            if isinstance(tensor, torch.Tensor) and tensor.device.type == self.device_type:
+                self._add(tensor.untyped_storage())
+        return out
+
+    def categorize(self, named: dict[str, Iterable[torch.Tensor]]) -> dict[str, int]:
+        """The peak's bytes by category; ``named`` maps weights / gradients / optimizer to the run's tensors of
+        that kind (a storage named twice counts once, in the first category)."""
+        owner: dict[int, str] = {}
+        for category in ("weights", "gradients", "optimizer"):
+            for tensor in named.get(category, ()):
+                known = (self.live.get(id(tensor.untyped_storage()))
+                         if isinstance(tensor, torch.Tensor) and tensor.device.type == self.device_type else None)
+                if known is not None:
+                    owner.setdefault(known[0], category)
+        totals = defaultdict(int)
+        for serial, size in self.peak_storages.items():
+            totals[owner.get(serial, "communication" if serial in self.communication else "activations")] += size
+        return {category: totals.get(category, 0) for category in CATEGORIES}

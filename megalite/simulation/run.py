@@ -1,0 +1,140 @@
+"""One rank of an N-GPU job, simulated in this process: the real code path on meta tensors, under NCCL's rules.
+
+What runs is megalite's own: the groups of the layout (on torch's fake process group, megalite.simulation.world),
+the trainer with its model chunks, data-parallel engine, pipeline schedule and optimizer, two training iterations.
+What is different from a GPU run, and why:
+
+- Device memory is the ``meta`` device: tensors with shapes and dtypes and no values, so a 70B model's rank costs no
+  host memory and no arithmetic. torch's fake CUDA tensors (``FakeTensorMode``) were the other candidate; autograd on
+  them aborts the process on a CPU build of torch, while meta tensors run forward and backward and refuse to mix with
+  CPU tensors as CUDA ones do.
+- Values read on the host are stand-ins (megalite.simulation.host_reads), counted by call site; the mixture of
+  experts routes every expert the same number of tokens (the balanced load the router aims for).
+- The attention core goes to the kernels CUDA would pick (flash without a mask, memory-efficient with one):
+  ``scaled_dot_product_attention`` on meta tensors would otherwise take the math path and keep s x s scores.
+- Kernels of megalite's own (csrc/) run as the torch ops they replace; evaluation, checkpoints and logging are off.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+import torch.nn.functional as F
+
+from megalite import parallel_state
+from megalite.config import MegaliteConfig
+from megalite.simulation.communication import CommCounter, count_communication
+from megalite.simulation.host_reads import answering_host_reads
+from megalite.simulation.memory import MemoryTracker
+from megalite.simulation.world import simulated_world
+
+DEVICE = torch.device("meta")
+
+
+@dataclass
+class RankReport:
+    rank: int
+    coordinates: dict            # tp, cp, dp, pp ranks
+    peak_bytes: int
+    peak_by_category: dict       # weights, gradients, optimizer, communication, activations
+    peak_phase: str
+    communication: dict          # (op, group kind) -> [calls, elements, bytes] of the second iteration
+    host_reads: dict             # call site -> reads in the second iteration
+
+
+def simulation_config(cfg: MegaliteConfig) -> MegaliteConfig:
+    """What the simulated run changes: two iterations, nothing written or read beside the data, no evaluation."""
+    return dataclasses.replace(
+        cfg,
+        training=dataclasses.replace(cfg.training, train_iters=2, train_samples=None, exit_interval=None,
+                                     exit_duration_in_mins=None, exit_signal_handler=False, simulate_gpus=0),
+        data=dataclasses.replace(cfg.data, eval_interval=0, no_data_prefetch=True),
+        logging=dataclasses.replace(cfg.logging, quiet=True, metrics_file=None, tensorboard_dir=None, profile=False,
+                                    timing_log_level=0, wandb_project=None),
+        checkpoint=dataclasses.replace(cfg.checkpoint, save=None, load=None))
+
+
+def _attention_as_cuda_picks(original):
+    """``scaled_dot_product_attention`` on meta tensors through the kernel CUDA would choose, for its memory."""
+    def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        if not query.is_meta:
+            return original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                            scale=scale, enable_gqa=enable_gqa)
+        if attn_mask is None:
+            return torch.ops.aten._scaled_dot_product_flash_attention(query, key, value, dropout_p, is_causal,
+                                                                     False, scale=scale)[0]
+        return torch.ops.aten._scaled_dot_product_efficient_attention(query, key, value, attn_mask, True, dropout_p,
+                                                                      is_causal, scale=scale)[0]
+    return sdpa
+
+
+@contextlib.contextmanager
+def _cuda_kernel_choices() -> Iterator[None]:
+    original = F.scaled_dot_product_attention
+    F.scaled_dot_product_attention = _attention_as_cuda_picks(original)
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = original
+
+
+def _subtract(after: CommCounter, before: dict) -> dict:
+    out = {}
+    for key, (calls, elements, nbytes) in after.totals.items():
+        c0, e0, b0 = before.get(key, (0, 0, 0))
+        if calls - c0:
+            out[key] = [calls - c0, elements - e0, nbytes - b0]
+    return out
+
+
+def _named_tensors(trainer) -> dict[str, list[torch.Tensor]]:
+    """The run's weights, gradients and optimizer states, for the memory categories."""
+    params = list(trainer.model.parameters())
+    grads = [piece.grad for piece in trainer.engine.pieces()]
+    grads += [t for p in params for t in (p.grad, getattr(p, "main_grad", None)) if t is not None]
+    inner = trainer.optimizer.inner
+    states = [t for state in inner.state.values() for t in state.values() if torch.is_tensor(t)]
+    return {"weights": params, "gradients": grads,
+            "optimizer": [piece.main for piece in trainer.optimizer.pieces] + states}
+
+
+def simulate_rank(cfg: MegaliteConfig, world_size: int, rank: int) -> RankReport:
+    """Run rank ``rank`` of ``world_size`` simulated GPUs for two iterations; what it held and sent."""
+    from megalite.training import Trainer   # noqa: PLC0415 - the trainer is what is simulated
+
+    cfg = simulation_config(cfg)
+    p = cfg.parallel
+    tracker = MemoryTracker()
+    with simulated_world(world_size, rank), answering_host_reads() as reads, \
+            count_communication(nccl_device=DEVICE) as counter, _cuda_kernel_choices():
+        parallel_state.initialize_model_parallel(
+            p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
+            context_parallel_size=p.context_parallel_size, expert_model_parallel_size=p.expert_model_parallel_size,
+            expert_tensor_parallel_size=p.expert_tensor_parallel_size)
+        try:
+            coordinates = {"tp": parallel_state.get_tensor_model_parallel_rank(),
+                           "cp": parallel_state.get_context_parallel_rank(),
+                           "dp": parallel_state.get_data_parallel_rank(),
+                           "pp": parallel_state.get_pipeline_model_parallel_rank()}
+            with tracker:
+                tracker.label = "building the model"
+                trainer = Trainer(cfg, DEVICE)
+                trainer.describe()
+                tracker.label = "iteration 1"
+                trainer.train_step()
+                first = {k: list(v) for k, v in counter.totals.items()}
+                reads.clear()
+                tracker.label = "iteration 2"
+                trainer.train_step()
+                communication = _subtract(counter, first)
+                host_reads = dict(reads)
+            named = _named_tensors(trainer)
+            by_category = tracker.categorize(named)
+            trainer.prefetcher.close()
+        finally:
+            parallel_state.destroy_model_parallel()
+    return RankReport(rank, coordinates, tracker.peak, by_category, tracker.peak_label, communication, host_reads)

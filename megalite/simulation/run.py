@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import types
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -72,14 +73,38 @@ def _attention_as_cuda_picks(original):
     return sdpa
 
 
+class _MetaDeviceModule(types.ModuleType):
+    """``torch.meta``, the device module FSDP2 looks up by the mesh's device type (``torch.cuda`` on GPUs): the CPU's
+    streams and events (which do nothing), and no device index."""
+
+    def __getattr__(self, name):
+        return getattr(torch.cpu, name)
+
+    @staticmethod
+    def current_device():
+        return None
+
+
 @contextlib.contextmanager
-def _cuda_kernel_choices() -> Iterator[None]:
-    original = F.scaled_dot_product_attention
-    F.scaled_dot_product_attention = _attention_as_cuda_picks(original)
+def _as_on_gpus() -> Iterator[None]:
+    """What a GPU run has that meta tensors lack: the attention kernels CUDA picks, and FSDP2 (ZeRO-3) accepting a
+    meta device mesh and parameters that stay on meta (it insists they be materialized first)."""
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup  # noqa: PLC0415 - torch's own
+
+    patches = [(F, "scaled_dot_product_attention", _attention_as_cuda_picks(F.scaled_dot_product_attention)),
+               (torch, "meta", _MetaDeviceModule("torch.meta")),
+               (FSDPParamGroup, "_validate_no_meta_params", lambda self: None)]
+    originals = [(owner, name, getattr(owner, name, None)) for owner, name, _ in patches]
+    for owner, name, value in patches:
+        setattr(owner, name, value)
     try:
         yield
     finally:
-        F.scaled_dot_product_attention = original
+        for owner, name, value in originals:
+            if value is None:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, value)
 
 
 def _subtract(after: CommCounter, before: dict) -> dict:
@@ -110,7 +135,7 @@ def simulate_rank(cfg: MegaliteConfig, world_size: int, rank: int) -> RankReport
     p = cfg.parallel
     tracker = MemoryTracker()
     with simulated_world(world_size, rank), answering_host_reads() as reads, \
-            count_communication(nccl_device=DEVICE) as counter, _cuda_kernel_choices():
+            count_communication(nccl_device=DEVICE) as counter, _as_on_gpus():
         parallel_state.initialize_model_parallel(
             p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
             context_parallel_size=p.context_parallel_size, expert_model_parallel_size=p.expert_model_parallel_size,

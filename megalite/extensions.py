@@ -13,7 +13,7 @@ one machine type runs on any other of the same architecture.
 CUDA sources (``.cu``, plain CUDA, see ``csrc/cuda/``) are compiled by nvcc for sm_80 and sm_90 (A100, H100/H200:
 ``CUDA_ARCH_FLAGS``) with ``-O3`` and no fast math; they need a CUDA build of torch and the CUDA toolkit
 (``CUDA_HOME`` or nvcc on the PATH, of the CUDA major version torch was built with), not a GPU, so
-``python -m megalite.kernels`` builds the fused kernels ahead of time, on a machine with or without one.
+``python -m megalite.kernels build`` builds the fused kernels ahead of time, on a machine with or without one.
 
 Several ranks building at once are safe: ``torch.utils.cpp_extension.load`` lets the first process that creates
 ``<build dir>/lock`` (``O_CREAT | O_EXCL``) run ninja while the others wait for the file to go away and then import

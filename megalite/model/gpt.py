@@ -15,7 +15,8 @@ copy of the embedding weight: named ``embedding.word.weight`` canonically, so it
 flagged ``is_embedding_copy`` so its gradient is summed with the original's and the norm counts it once.
 
 ``kernels`` (a :class:`~megalite.kernels.KernelPolicy`, from ``--use-fused-kernels`` and the per-op switches, resolved
-by ``megalite.kernels.prepare``) says which ops run as fused CUDA kernels on GPU tensors; on CPU tensors every op is the plain torch one whatever it says.
+by ``megalite.kernels.prepare``) says which ops run as fused CUDA kernels on GPU tensors; on CPU tensors every op is
+the plain torch one whatever it says.
 """
 
 from __future__ import annotations

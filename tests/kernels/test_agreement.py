@@ -54,3 +54,29 @@ def test_the_build_lock_waits_up_to_the_given_timeout(monkeypatch):
     monkeypatch.setattr(agreement, "agree", lambda failed, device: {})
     resolve(KernelPolicy("auto"), torch.device("cpu"), lock_timeout_s=600)
     assert seen == {"required": True, "lock_timeout_s": 600}
+
+
+@pytest.mark.skipif(torch.version.cuda is not None, reason="checks a CPU build of torch")
+def test_the_build_command_on_a_machine_without_cuda_says_so_and_succeeds(capsys):
+    from megalite.kernels.__main__ import main
+    assert main(["build"]) == 0
+    assert "built without CUDA: no fused kernels to build here, runs use torch ops" in capsys.readouterr().out
+
+
+def test_on_that_cannot_build_is_one_line_from_the_entry_point(monkeypatch, capsys):
+    """As on a GPU machine without nvcc (the trainer's prepare runs as on a GPU: this machine's device is the CPU)."""
+    import pretrain_gpt
+    from megalite.training import trainer
+
+    def validate_as_on_a_gpu(cfg, world_size, validate=pretrain_gpt.validate):
+        with pytest.MonkeyPatch.context() as patch:   # --use-fused-kernels on passes validation
+            patch.setattr(torch.cuda, "is_available", lambda: True)
+            validate(cfg, world_size)
+    monkeypatch.setattr(pretrain_gpt, "validate", validate_as_on_a_gpu)
+    monkeypatch.setattr(trainer, "prepare", resolve)
+    monkeypatch.setattr(policy, "load_extension", lambda *a, **k: (_ for _ in ()).throw(
+        ExtensionUnavailable("cannot build extension 'megalite_fused': no CUDA toolkit found")))
+    assert pretrain_gpt.main(["model=gpt_tiny", "--mock-data", "--train-iters", "1", "--use-fused-kernels", "on",
+                              "--no-masked-softmax-fusion"]) == 1
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "megalite: error: rank 0: cannot build extension 'megalite_fused': no CUDA toolkit found")

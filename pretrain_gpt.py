@@ -14,6 +14,7 @@ from megalite.checkpoint import check_checkpoint, use_checkpoint_args, with_chec
 from megalite.config.cli import parse_command_line
 from megalite.config import ConfigError, megatron, validate
 from megalite.data import check_data_files
+from megalite.extensions import ExtensionUnavailable
 from megalite.planner.doctor import is_out_of_memory, out_of_memory_message
 from megalite.planner.dry_run import format_dry_run
 from megalite.training import (Trainer, finish_checks, initialize_distributed, shutdown_distributed,
@@ -93,6 +94,9 @@ def main(argv: list[str]) -> int:
         return 2
     except TrainingError as error:   # a NaN/Inf loss or gradient: the iteration and the ranks, in one line
         error_line(f"megalite: error: {error}")
+        return 1
+    except ExtensionUnavailable as error:   # --use-fused-kernels on, and the kernels do not build or pass here
+        error_line(f"megalite: error: rank {os.environ.get('RANK', '0')}: {error}")
         return 1
     except RuntimeError as error:   # torch's DistBackendError and OutOfMemoryError are RuntimeErrors too
         if is_out_of_memory(error):   # which memory ran over, by how much, and what to change

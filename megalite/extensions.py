@@ -13,7 +13,7 @@ one machine type runs on any other of the same architecture.
 CUDA sources (``.cu``, plain CUDA, see ``csrc/cuda/``) are compiled by nvcc for sm_80 and sm_90 (A100, H100/H200:
 ``CUDA_ARCH_FLAGS``) with ``-O3`` and no fast math; they need a CUDA build of torch and the CUDA toolkit
 (``CUDA_HOME`` or nvcc on the PATH, of the CUDA major version torch was built with), not a GPU, so
-``python -m megalite.kernels`` builds the fused kernels ahead of time, on a machine with or without one.
+``python -m megalite.kernels build`` builds the fused kernels ahead of time, on a machine with or without one.
 
 Several ranks building at once are safe: ``torch.utils.cpp_extension.load`` lets the first process that creates
 ``<build dir>/lock`` (``O_CREAT | O_EXCL``) run ninja while the others wait for the file to go away and then import
@@ -21,6 +21,8 @@ the result; ninja rebuilds only what changed, so later runs just import. A build
 behind, on which torch would wait forever; so a lock older than ``$MEGALITE_BUILD_LOCK_TIMEOUT`` seconds (default
 300, several times the longest build) is taken for such a leftover: the build fails with a message naming the file
 to delete, and the caller falls back to torch ops (or, where the extension is required, stops with that message).
+The fused kernels pass their own bound instead (``lock_timeout_s``: the distributed timeout, see
+:func:`megalite.kernels.prepare`), so that a rank waiting on another's slow build waits as long as a collective would.
 """
 
 from __future__ import annotations
@@ -73,9 +75,12 @@ def extensions_dir() -> Path:
     return Path(root) / version
 
 
-def load_extension(name: str, sources: list[str], *, required: bool = False) -> types.ModuleType | None:
+def load_extension(name: str, sources: list[str], *, required: bool = False,
+                   lock_timeout_s: float | None = None) -> types.ModuleType | None:
     """The extension ``name`` built from ``sources`` (paths under ``csrc/``; any ``.cu`` makes it a CUDA extension),
     or ``None`` if it cannot be had here; with ``required``, raise :class:`ExtensionUnavailable` instead.
+    ``lock_timeout_s``: how old another process's build lock may get before it counts as stale (default
+    ``$MEGALITE_BUILD_LOCK_TIMEOUT`` or 300 s).
 
     The first call in a process builds (or finds the build of) and imports the module; later calls return the same
     module, or the same ``None`` without warning again.
@@ -86,14 +91,14 @@ def load_extension(name: str, sources: list[str], *, required: bool = False) -> 
         return None
     with _lock:
         if name not in _modules:
-            _modules[name] = _build(name, sources, warn=not required)
+            _modules[name] = _build(name, sources, warn=not required, lock_timeout_s=lock_timeout_s)
         module = _modules[name]
     if module is None and required:
         raise ExtensionUnavailable(f"cannot build extension '{name}': {_failures.get(name, 'see above')}")
     return module
 
 
-def _build(name: str, sources: list[str], warn: bool) -> types.ModuleType | None:
+def _build(name: str, sources: list[str], warn: bool, lock_timeout_s: float | None) -> types.ModuleType | None:
     paths = [CSRC_DIR / source for source in sources]
     missing = [str(p) for p in paths if not p.is_file()]
     cuda = any(p.suffix == ".cu" for p in paths)
@@ -109,7 +114,7 @@ def _build(name: str, sources: list[str], warn: bool) -> types.ModuleType | None
         if cuda and cpp_extension.CUDA_HOME is None:
             return _give_up(name, "no CUDA toolkit found (nvcc on the PATH, or CUDA_HOME)", warn)
         build_dir.mkdir(parents=True, exist_ok=True)
-        _wait_for_build_lock(build_dir)
+        _wait_for_build_lock(build_dir, lock_timeout_s)
         flags = dict(extra_cuda_cflags=_CUDA_CFLAGS) if cuda else {}
         return cpp_extension.load(name=name, sources=[str(p) for p in paths], extra_cflags=_CFLAGS,
                                   extra_ldflags=_LDFLAGS, build_directory=str(build_dir), verbose=False, **flags)
@@ -117,10 +122,13 @@ def _build(name: str, sources: list[str], warn: bool) -> types.ModuleType | None
         return _give_up(name, _reason(error), warn)
 
 
-def _wait_for_build_lock(build_dir: Path) -> None:
-    """Wait while another process holds torch's build lock, and raise once the lock is too old to be a live build."""
+def _wait_for_build_lock(build_dir: Path, timeout_s: float | None = None) -> None:
+    """Wait while another process holds torch's build lock, and raise once the lock is older than ``timeout_s``
+    (default ``$MEGALITE_BUILD_LOCK_TIMEOUT`` or 300 s): too old to be a live build."""
     lock = build_dir / "lock"
-    timeout = float(os.environ.get(LOCK_TIMEOUT_ENV) or DEFAULT_LOCK_TIMEOUT_S)
+    timeout = timeout_s if timeout_s is not None else float(os.environ.get(LOCK_TIMEOUT_ENV) or DEFAULT_LOCK_TIMEOUT_S)
+    bound = (f"{LOCK_TIMEOUT_ENV}={timeout:g} s sets how old a lock may get" if timeout_s is None
+             else f"a lock may get {timeout:g} s old, the distributed timeout")
     while True:
         try:
             age = time.time() - lock.stat().st_mtime
@@ -129,7 +137,7 @@ def _wait_for_build_lock(build_dir: Path) -> None:
         if age > timeout:
             raise ExtensionUnavailable(
                 f"stale build lock: {lock} is {age:.0f} s old, so the build that made it died; delete that file "
-                f"(rm {lock}) and rerun ({LOCK_TIMEOUT_ENV}={timeout:g} s sets how old a lock may get)")
+                f"(rm {lock}) and rerun ({bound})")
         time.sleep(min(1.0, max(timeout - age, 0.0) + 0.01))
 
 

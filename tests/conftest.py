@@ -40,4 +40,3 @@ def fresh_extension_cache(monkeypatch, tmp_path):
     monkeypatch.setattr(extensions, "_modules", {})
     monkeypatch.setattr(extensions, "_failures", {})
     monkeypatch.setattr(self_check, "_verdicts", {})   # and the kernels check themselves afresh
-    monkeypatch.setattr(self_check, "_warned", set())

@@ -46,3 +46,18 @@ def test_a_lock_older_than_the_timeout_is_stale(tmp_path, monkeypatch):
     with pytest.raises(ExtensionUnavailable, match="MEGALITE_BUILD_LOCK_TIMEOUT=0.5 s"):
         extensions._wait_for_build_lock(tmp_path)
     assert time.monotonic() - start < 5
+
+
+def test_a_given_lock_timeout_replaces_the_default(tmp_path, monkeypatch):
+    """The fused kernels wait on another rank's build as long as the distributed timeout, not 300 s."""
+    monkeypatch.setenv(extensions.LOCK_TIMEOUT_ENV, "0.5")
+    lock = tmp_path / "lock"
+    lock.touch()
+    old = time.time() - 1   # older than the environment's bound, younger than the given one: a live build
+    os.utime(lock, (old, old))
+    threading.Timer(0.3, lock.unlink).start()
+    extensions._wait_for_build_lock(tmp_path, timeout_s=30)
+    lock.touch()
+    os.utime(lock, (old - 60, old - 60))
+    with pytest.raises(ExtensionUnavailable, match="a lock may get 30 s old, the distributed timeout"):
+        extensions._wait_for_build_lock(tmp_path, timeout_s=30)

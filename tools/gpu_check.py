@@ -53,6 +53,7 @@ from megalite import parallel_state  # noqa: E402
 from megalite.kernels import fused, self_check, torch_ops  # noqa: E402
 from megalite.extensions import ExtensionUnavailable  # noqa: E402
 from megalite.kernels.policy import KernelPolicy, fused_extension  # noqa: E402
+from megalite.kernels.agreement import prepare  # noqa: E402
 from megalite.model.flops import model_flops_per_iteration, peak_bf16_tflops  # noqa: E402
 from megalite.model.rotary import RotaryEmbedding, rotate_half  # noqa: E402
 from megalite.tensor_parallel.cross_entropy import fused_vocab_parallel_cross_entropy  # noqa: E402
@@ -401,9 +402,10 @@ def train_rows(args, device: torch.device, peak_tflops: float | None, log: Calla
                        f"{m.seq_length}, {t.global_batch_size} sequences per iteration, "
                        f"{'bf16' if t.bf16 else 'fp32'})")
         flops = model_flops_per_iteration(m, t.global_batch_size)
-        runs = [("fused kernels (auto)", KernelPolicy("auto"), None), ("torch ops (off)", KernelPolicy("off"), None)]
+        fused_policy = prepare(KernelPolicy("auto"), device)   # built and self-checked, as training does
+        runs = [("fused kernels (auto)", fused_policy, None), ("torch ops (off)", KernelPolicy("off"), None)]
         if not args.skip_fp8:
-            runs += [(f"FP8 hybrid {recipe}, fused kernels", KernelPolicy("auto"), recipe)
+            runs += [(f"FP8 hybrid {recipe}, fused kernels", fused_policy, recipe)
                      for recipe in ("delayed", "tensorwise")]
         for name, policy, fp8_recipe in runs:
             if fp8_recipe is not None:   # a fresh trainer with the FP8 linears (the bf16 one's memory freed first)
@@ -413,7 +415,7 @@ def train_rows(args, device: torch.device, peak_tflops: float | None, log: Calla
                 fp8_cfg = parse_args(argv + ["--bf16", "--fp8-format", "hybrid", "--fp8-recipe", fp8_recipe])
                 validate(fp8_cfg, 1)
                 trainer = Trainer(fp8_cfg, device)
-            # The Trainer builds its model with the default policy (auto); the modules that read one are switched here.
+            # The Trainer built its model with its options' policy (auto); the modules that read one are switched here.
             for module in trainer.model.modules():
                 if hasattr(module, "kernels"):
                     module.kernels = policy

@@ -1,8 +1,9 @@
-"""The fused kernels prove themselves before use: the first time the extension is used on a device, every kernel
-function (forward and backward) runs on random inputs, in fp32, bf16 and fp16, at odd and small realistic shapes,
-against its specification in :mod:`torch_ops` on the same inputs. A fused op one of whose kernels is outside the
-bound is switched off: its calls run as torch ops, with one warning naming the kernel and the error seen;
-``--use-fused-kernels on`` makes such a failure an error (:class:`KernelSelfCheckFailed`) instead.
+"""The fused kernels prove themselves before use: before training (megalite.kernels.prepare), every kernel function
+(forward and backward) runs on random inputs, in fp32, bf16 and fp16, at odd and small realistic shapes, against its
+specification in :mod:`torch_ops` on the same inputs. A fused op one of whose kernels is outside the bound on any
+rank is switched off on every rank: its calls run as torch ops, and rank 0 names the kernel and the error seen
+(:mod:`megalite.kernels.agreement`); ``--use-fused-kernels on`` makes such a failure an error
+(:class:`KernelSelfCheckFailed`) instead.
 
 Error: max |kernel - specification| / max |specification| over each output (a NaN or inf never passes); bounds 1e-4
 in fp32 and 2e-2 in bf16/fp16 (the specification computes in fp32 as the kernels do, so the two differ by rounding
@@ -22,7 +23,6 @@ import json
 import math
 import os
 import types
-import warnings
 from typing import Callable
 
 import torch
@@ -197,7 +197,6 @@ def device_name(device: torch.device) -> str:
 
 
 _verdicts: dict[tuple[int, str], dict[str, str]] = {}   # (id of the extension, device) -> failures, this process
-_warned: set[tuple[str, str]] = set()
 
 
 def failed_ops(extension: types.ModuleType, device: torch.device, name: str, sources: list[str]) -> dict[str, str]:
@@ -213,14 +212,6 @@ def failed_ops(extension: types.ModuleType, device: torch.device, name: str, sou
             _write(path, {**_read(path), key: cached[key]})   # re-read: another rank may have written meanwhile
         _verdicts[memo] = cached[key]
     return _verdicts[memo]
-
-
-def warn_once(op: str, why: str, device: torch.device) -> None:
-    """The one warning a run gets for a kernel switched off on a device type."""
-    if (device_name(device), op) not in _warned:
-        _warned.add((device_name(device), op))
-        warnings.warn(f"megalite: fused kernel '{op}' failed its self-check on {device_name(device)} ({why}); its "
-                      f"calls run as torch ops", RuntimeWarning, stacklevel=4)
 
 
 def refuse(failures: dict[str, str], device: torch.device) -> KernelSelfCheckFailed:

@@ -14,8 +14,9 @@ With the output layer tied to the word embedding and the two on different pipeli
 copy of the embedding weight: named ``embedding.word.weight`` canonically, so it starts with the same values, and
 flagged ``is_embedding_copy`` so its gradient is summed with the original's and the norm counts it once.
 
-``kernels`` (a :class:`~megalite.kernels.KernelPolicy`, from ``--use-fused-kernels`` and the per-op switches) says
-which ops run as fused CUDA kernels on GPU tensors; on CPU tensors every op is the plain torch one whatever it says.
+``kernels`` (a :class:`~megalite.kernels.KernelPolicy`, from ``--use-fused-kernels`` and the per-op switches, resolved
+by ``megalite.kernels.prepare``) says which ops run as fused CUDA kernels on GPU tensors; on CPU tensors every op is
+the plain torch one whatever it says.
 """
 
 from __future__ import annotations
@@ -80,7 +81,6 @@ class GPTModel(nn.Module):
                  post_process: bool = True, layer_offset: int = 0, num_layers: int | None = None,
                  sequence_parallel: bool = False, kernels: KernelPolicy = DEFAULT_POLICY):
         super().__init__()
-        kernels.check()   # with --use-fused-kernels on, a kernel build that fails stops the run here
         self.kernels = kernels
         tp = parallel_state.get_tensor_model_parallel_world_size()
         self.cfg, self.rng = cfg, rng

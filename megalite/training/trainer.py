@@ -29,7 +29,7 @@ from megalite.config.batches import batch_schedule, describe as describe_batches
 from megalite.data import build_datasets, micro_batch_indices
 from megalite.data.packing import packed_documents
 from megalite.distributed import DataParallel, DataParallelEngine, EngineUnion, FullyShardedDataParallel, is_expert
-from megalite.kernels import KernelPolicy
+from megalite.kernels import KernelPolicy, prepare
 from megalite.model import GPTModel
 from megalite.model.context_parallel import SequenceShard, shard_sequence
 from megalite.model.flops import model_flops_per_iteration
@@ -133,7 +133,8 @@ class Trainer:
         self.loss_rank = stage_rank(self.pp * self.virtual_stages - 1, self.pp, self.placement)
         self.rng = rng = TensorParallelRNG(seed, parallel_state.get_tensor_model_parallel_rank(), self.pp_rank,
                                            device, parallel_state.get_context_parallel_rank())
-        kernels = KernelPolicy.from_config(cfg.kernels)   # fused CUDA kernels or torch ops, per op
+        # Fused CUDA kernels or torch ops, per op: built, self-checked and agreed over every rank now, before any step.
+        kernels = prepare(KernelPolicy.from_config(cfg.kernels), device, 60 * cfg.training.distributed_timeout_minutes)
         # Simulated GPUs (megalite.simulation) build the chunks on their meta device directly: no host memory.
         with torch.device(device) if device.type == "meta" else contextlib.nullcontext():
             self.model = torch.nn.ModuleList(

@@ -42,9 +42,6 @@ class CPUKernelPolicy(KernelPolicy):
     def ops(self, op, x):
         return _spy_ops(self.calls) if self.enabled(op) else None
 
-    def check(self):   # nothing to build
-        pass
-
 
 def _loss_and_grads(model_cfg, kernels: KernelPolicy):
     model = GPTModel(model_cfg, TensorParallelRNG(0, 0, 0, torch.device("cpu")), kernels=kernels)

@@ -1,5 +1,5 @@
 """The fused kernels' self-check, on CPU with stand-in extensions: correct kernels (the torch ops) stay on, a wrong
-one (off everywhere, off only at odd sizes, off only in bf16, or raising) is switched off with one warning naming it
+one (off everywhere, off only at odd sizes, off only in bf16, or raising) is switched off with one line naming it
 and the error under ``auto``, and stops the run under ``on``; the verdict is cached per device name, torch version
 and source hash."""
 
@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import json
 import types
-import warnings
 
 import pytest
 import torch
 
 from megalite.kernels import policy, self_check, torch_ops
+from megalite.kernels.agreement import resolve
 from megalite.kernels.policy import OPS, KernelPolicy
 from megalite.kernels.self_check import KernelSelfCheckFailed, run_self_check
 
@@ -57,28 +57,26 @@ def test_correct_kernels_pass_and_wrong_ones_are_caught():
                                          "available for execution on the device")
 
 
-def test_auto_switches_a_failed_op_off_with_one_warning(monkeypatch):
+def test_auto_switches_a_failed_op_off_with_one_line(monkeypatch, capsys):
     extension = fake_fused_extension(rms_norm_forward=_forgets_the_weight)
     monkeypatch.setattr(policy, "load_extension", lambda *a, **k: extension)
-    with pytest.warns(RuntimeWarning, match=r"fused kernel 'layernorm' failed its self-check on cpu "
-                                            r"\(rms_norm_forward fp32 5x3x333: error .* > bound 1e-04\)"):
-        assert KernelPolicy("auto").ops("layernorm", FAKE_CUDA) is None
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")   # one warning, one check per process
-        assert KernelPolicy("auto").ops("layernorm", FAKE_CUDA) is None
-        assert all(KernelPolicy("on").ops(op, FAKE_CUDA) is extension for op in OPS if op != "layernorm")
-    with pytest.raises(KernelSelfCheckFailed, match="layernorm: rms_norm_forward fp32"):
-        KernelPolicy("on").ops("layernorm", FAKE_CUDA)
-    with pytest.raises(KernelSelfCheckFailed, match="failed their self-check on cpu"):
-        KernelPolicy("on").check(CPU)
-    KernelPolicy("on", frozenset({"layernorm"})).check(CPU)   # --no-layernorm-fusion: nothing enabled failed
+    auto = resolve(KernelPolicy("auto"), CPU)
+    line, = capsys.readouterr().err.splitlines()
+    assert line.startswith("megalite: fused kernels layernorm run as torch ops on every rank: rank 0: "
+                           "rms_norm_forward fp32 5x3x333: error ")
+    assert line.endswith("> bound 1e-04")
+    assert auto.ops("layernorm", FAKE_CUDA) is None
+    assert all(auto.ops(op, FAKE_CUDA) is extension for op in OPS if op not in ("layernorm", "masked_softmax"))
+    with pytest.raises(KernelSelfCheckFailed, match="failed their self-check on cpu.*layernorm: rms_norm_forward fp32"):
+        resolve(KernelPolicy("on"), CPU)
+    on = resolve(KernelPolicy("on", frozenset({"layernorm"})), CPU)   # --no-layernorm-fusion: nothing enabled failed
+    assert all(on.ops(op, FAKE_CUDA) is extension for op in OPS if op != "layernorm")
 
 
 def test_the_verdict_is_cached_per_device_torch_and_sources(monkeypatch):
     extension = fake_fused_extension(rope_forward=_refuses)
     monkeypatch.setattr(policy, "load_extension", lambda *a, **k: extension)
-    with pytest.warns(RuntimeWarning, match="'rope'"):
-        KernelPolicy("auto").ops("rope", FAKE_CUDA)
+    assert resolve(KernelPolicy("auto"), CPU).ops("rope", FAKE_CUDA) is None
     cache = self_check.extensions_dir() / "megalite_fused" / self_check.CACHE_FILE
     (key, verdict), = json.loads(cache.read_text()).items()
     assert key == f"cpu | torch {torch.__version__} | sources {self_check.sources_hash(policy.EXTENSION_SOURCES)}"
@@ -86,13 +84,13 @@ def test_the_verdict_is_cached_per_device_torch_and_sources(monkeypatch):
     # A new process (the memo cleared) reads the file instead of checking again ...
     monkeypatch.setattr(self_check, "_verdicts", {})
     monkeypatch.setattr(self_check, "run_self_check", lambda *a: pytest.fail("checked again"))
-    assert KernelPolicy("auto").ops("rope", FAKE_CUDA) is None
-    assert KernelPolicy("auto").ops("layernorm", FAKE_CUDA) is extension
+    auto = resolve(KernelPolicy("auto"), CPU)
+    assert auto.ops("rope", FAKE_CUDA) is None and auto.ops("layernorm", FAKE_CUDA) is extension
     # ... until the sources change.
     monkeypatch.setattr(self_check, "_verdicts", {})
     monkeypatch.setattr(self_check, "sources_hash", lambda sources: "edited")
     monkeypatch.setattr(self_check, "run_self_check", lambda *a: {})
-    assert KernelPolicy("auto").ops("rope", FAKE_CUDA) is extension
+    assert resolve(KernelPolicy("auto"), CPU).ops("rope", FAKE_CUDA) is extension
     assert len(json.loads(cache.read_text())) == 2
 
 

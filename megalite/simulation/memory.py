@@ -17,7 +17,7 @@ from collections import defaultdict
 from typing import Iterable
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 
 CATEGORIES = ("weights", "gradients", "optimizer", "communication", "activations")
@@ -42,10 +42,21 @@ class MemoryTracker(TorchDispatchMode):
         self.peak_label = ""
         self.label = ""                          # what the run is doing (set by the driver), kept at the peak
 
+    def _storages(self, tensor):
+        """The storages holding ``tensor``'s memory: its own, or those of the tensors inside a wrapper subclass
+        (a DTensor's local shard: the wrapper's own storage is only a shape)."""
+        if not isinstance(tensor, torch.Tensor) or tensor.device.type != self.device_type:
+            return
+        if is_traceable_wrapper_subclass(tensor):
+            for name in tensor.__tensor_flatten__()[0]:
+                yield from self._storages(getattr(tensor, name))
+        else:
+            yield tensor.untyped_storage()
+
     def track(self, tensors: Iterable[torch.Tensor]) -> None:
         for tensor in tensors:
-            if isinstance(tensor, torch.Tensor) and tensor.device.type == self.device_type:
-                self._add(tensor.untyped_storage())
+            for storage in self._storages(tensor):
+                self._add(storage)
 
     def _add(self, storage) -> None:
         key = id(storage)
@@ -66,16 +77,46 @@ class MemoryTracker(TorchDispatchMode):
         if self.in_collective:
             self.communication.add(self._serial)
         self.current += size
+        self._note_peak()
+
+    def _note_peak(self) -> None:
         if self.current > self.peak:
             self.peak = self.current
             self.peak_storages = dict(self.live.values())
             self.peak_label = self.label
 
+    def resized(self, storage, nbytes: int) -> None:
+        """A storage resized in place (``untyped_storage().resize_``: how FSDP2 frees and re-allocates the gathered
+        parameters, and how the pipeline frees a sent activation), as the allocator would see it."""
+        known = self.live.get(id(storage))
+        if known is None:
+            if nbytes:
+                self._add(storage)
+            return
+        serial, size = known
+        self.live[id(storage)] = (serial, nbytes)
+        self.current += nbytes - size
+        self._note_peak()
+
+    def __enter__(self):
+        tracker, original = self, torch.UntypedStorage.resize_
+
+        def resize_(storage, size):
+            out = original(storage, size)
+            if storage.device.type == tracker.device_type:
+                tracker.resized(storage, storage.nbytes())
+            return out
+        self._resize = original
+        torch.UntypedStorage.resize_ = resize_
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.UntypedStorage.resize_ = self._resize
+        return super().__exit__(*exc)
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        for tensor in tree_leaves(out):
-            if isinstance(tensor, torch.Tensor) and tensor.device.type == self.device_type:
-                self._add(tensor.untyped_storage())
+        self.track(tree_leaves(out))
         return out
 
     def categorize(self, named: dict[str, Iterable[torch.Tensor]]) -> dict[str, int]:
@@ -84,10 +125,10 @@ class MemoryTracker(TorchDispatchMode):
         owner: dict[int, str] = {}
         for category in ("weights", "gradients", "optimizer"):
             for tensor in named.get(category, ()):
-                known = (self.live.get(id(tensor.untyped_storage()))
-                         if isinstance(tensor, torch.Tensor) and tensor.device.type == self.device_type else None)
-                if known is not None:
-                    owner.setdefault(known[0], category)
+                for storage in self._storages(tensor):
+                    known = self.live.get(id(storage))
+                    if known is not None:
+                        owner.setdefault(known[0], category)
         totals = defaultdict(int)
         for serial, size in self.peak_storages.items():
             totals[owner.get(serial, "communication" if serial in self.communication else "activations")] += size

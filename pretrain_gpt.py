@@ -17,7 +17,7 @@ from megalite.data import check_data_files
 from megalite.extensions import ExtensionUnavailable
 from megalite.planner.doctor import is_out_of_memory, out_of_memory_message
 from megalite.planner.dry_run import format_dry_run
-from megalite.training import (Trainer, finish_checks, initialize_distributed, shutdown_distributed,
+from megalite.training import (Trainer, finish_checks, initialize_distributed, rank_device, shutdown_distributed,
                                world_size_from_env)
 from megalite.training.stopping import TrainingError
 
@@ -47,6 +47,8 @@ def main(argv: list[str]) -> int:
         validate(cfg, world_size)
         check_data_files(cfg)   # data files too: a corrupt file stops every rank here, not in a collective
         check_checkpoint(cfg, world_size)   # and a missing, partial or corrupt --load checkpoint
+        if not cfg.training.dry_run and not simulated:   # more processes than GPUs here: one line, not "invalid
+            rank_device(cfg.training.distributed_backend)   # device ordinal"
     except ConfigError as error:
         if os.environ.get("RANK", "0") == "0":   # a refused --deepspeed-config: its table shows what was refused
             for line in getattr(error, "table", ()):
@@ -79,7 +81,8 @@ def main(argv: list[str]) -> int:
                     error_line(f"megalite: error: {error}")
                     return 2
         return 0
-    device = initialize_distributed(cfg.parallel, timeout_s=60 * cfg.training.distributed_timeout_minutes)
+    device = initialize_distributed(cfg.parallel, timeout_s=60 * cfg.training.distributed_timeout_minutes,
+                                    backend=cfg.training.distributed_backend)
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     if restart and os.environ.get("RANK", "0") == "0":   # torchrun --max-restarts began this attempt after a failure
         print(f"megalite: torchrun restart {restart} of {os.environ.get('TORCHELASTIC_MAX_RESTARTS', '?')}", flush=True)

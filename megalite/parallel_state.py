@@ -367,6 +367,16 @@ def get_embedding_group() -> Optional[GroupInfo]:
     return state().embedding
 
 
+def collective_device() -> torch.device:
+    """The device of the tensors the world's groups carry, for a sum whose inputs may sit elsewhere (CPU-offloaded
+    shards) or be missing: this rank's GPU under NCCL (an NCCL group serves CUDA tensors only), the CPU under gloo
+    or without a world. torch's rule for object collectives: the CPU if the group serves it, else its one device."""
+    if not dist.is_initialized():
+        return torch.device("cpu")
+    kind = dist.distributed_c10d._get_object_coll_device()
+    return torch.device(kind, torch.cuda.current_device()) if kind == "cuda" else torch.device(kind)
+
+
 def any_rank(flag: bool, device: torch.device) -> bool:
     """True on every rank of the layout if ``flag`` is True on any: a MAX over the model-parallel group (one model
     replica), then over DP x CP (the replicas), which together connect every rank of the layout."""

@@ -484,6 +484,9 @@ class TrainingConfig:
     fp16: bool = option(False, "float16 parameters and compute with loss scaling; fp32 gradients and main parameters.")
     distributed_timeout_minutes: float = option(
         10.0, "A collective waiting longer than this (a dead or stalled rank) fails with an error instead of hanging.")
+    distributed_backend: str = option(
+        "nccl", "nccl (one GPU per process; on a machine without CUDA: gloo, the only choice there) or gloo (every "
+                "rank on the CPU, even beside GPUs).")
     exit_signal_handler: bool = option(
         False, "On SIGTERM (what cluster schedulers send), every rank saves a checkpoint (with --save) and exits 0.")
     exit_interval: Optional[int] = option(

@@ -45,6 +45,7 @@ def validate(cfg: MegaliteConfig, world_size: int) -> None:
     _at_least(0, [("train_iters", t.train_iters)])
     _check_training_length(cfg)
     _one_of("timing_log_level", cfg.logging.timing_log_level, (0, 1, 2))
+    _one_of("distributed_backend", t.distributed_backend, ("nccl", "gloo"))
     _require(t.plot is None or t.dry_run, f"{FLAG.plot} draws the memory estimate of {FLAG.dry_run}: add it")
     for name, value in [("exit_duration_in_mins", t.exit_duration_in_mins),
                         ("distributed_timeout_minutes", t.distributed_timeout_minutes)]:

@@ -53,11 +53,12 @@ def default_bucket_size(dp: int) -> int:
     return max(40_000_000, 1_000_000 * dp)
 
 
-def all_reduce_packed(tensors: list[torch.Tensor], group: GroupInfo) -> None:
-    """Sum the 1-D ``tensors`` over ``group`` in place, with one all-reduce of them packed together."""
+def all_reduce_packed(tensors: list[torch.Tensor], group: GroupInfo, device: torch.device | None = None) -> None:
+    """Sum the 1-D ``tensors`` over ``group`` in place, with one all-reduce of them packed together; on ``device``
+    (the compute device) when they are elsewhere (CPU-offloaded shards: an NCCL group carries CUDA tensors only)."""
     if not tensors or group.size == 1:
         return
-    packed = torch.cat(tensors)
+    packed = torch.cat(tensors) if device is None else torch.cat(tensors).to(device)
     dist.all_reduce(packed, group=group.group)
     torch._foreach_copy_(tensors, list(packed.split([t.numel() for t in tensors])))
 

@@ -176,11 +176,11 @@ class FullyShardedDataParallel(DataParallelEngine):
         """FSDP2's reductions have completed when backward returns; what is left are the sums FSDP2 does not know
         of: the tied word embedding's two copies (first and last pipeline stage), and the sequence-parallel
         parameters' parts over TP. Both run on the shards, which the ranks of those groups cut alike."""
-        if self.embedding_group is not None and self.embedding_group.size > 1:
-            for p in self.tied_params:
-                dist.all_reduce(p.grad.to_local(), group=self.embedding_group.group)
+        if self.embedding_group is not None:   # on the compute device: offloaded shards are on the CPU
+            all_reduce_packed([p.grad.to_local().view(-1) for p in self.tied_params], self.embedding_group, self.device)
         if self.tensor_group is not None:
-            all_reduce_packed([p.grad.to_local().view(-1) for p in self.sequence_parallel_params], self.tensor_group)
+            all_reduce_packed([p.grad.to_local().view(-1) for p in self.sequence_parallel_params], self.tensor_group,
+                              self.device)
 
     def zero_grad(self) -> None:
         for p in self.params:
@@ -251,6 +251,10 @@ def full_local_tensor(param: torch.Tensor) -> torch.Tensor:
     """This TP rank's whole slice of ``param``: all-gathered over DP if it is a ZeRO-3 shard (collective over the
     data-parallel group, so every DP rank must call it for the same parameters in the same order)."""
     if isinstance(param, DTensor):
+        local, mesh = param.to_local(), param.device_mesh
+        if local.device.type != mesh.device_type:   # a CPU-offloaded shard: gathered on the mesh's device (NCCL's)
+            param = DTensor.from_local(local.to(mesh.device_type), mesh, param.placements, run_check=False,
+                                       shape=param.shape, stride=param.stride())
         return param.full_tensor().detach()
     return param.detach()
 

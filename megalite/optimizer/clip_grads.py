@@ -27,7 +27,7 @@ def counts_toward_norm(param: torch.nn.Parameter) -> bool:
 
 def _sum_of_squares(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
     # One fused pass over every gradient (no squared copy of each): the per-piece norms, then their squares summed.
-    return (torch.stack(torch._foreach_norm(grads, 2)).float().pow(2).sum() if grads
+    return (torch.stack(torch._foreach_norm(grads, 2)).float().pow(2).sum().to(device) if grads
             else torch.zeros((), dtype=torch.float32, device=device))
 
 
@@ -41,7 +41,9 @@ def global_grad_norm(pieces: list[tuple[torch.nn.Parameter, torch.Tensor]], shar
 
     Routed experts' parameters (``is_expert``) differ between expert-parallel ranks: unsharded, their squares are
     summed over EP (their EDP replicas are equal); sharded, their pieces are disjoint over EP x EDP = DP x CP."""
-    device = pieces[0][1].device if pieces else torch.device("cpu")
+    # Summed where the groups' collectives run (NCCL: the GPU), whether the pieces are there, on the CPU
+    # (--offload-params) or absent (a rank that owns none).
+    device = parallel_state.collective_device()
     counted = [(param, grad) for param, grad in pieces if counts_toward_norm(param)]
     squares = _sum_of_squares([g for p, g in counted if not getattr(p, "is_expert", False)], device)
     expert_squares = _sum_of_squares([g for p, g in counted if getattr(p, "is_expert", False)], device)

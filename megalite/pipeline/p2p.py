@@ -4,8 +4,9 @@
 ``batch_isend_irecv``: on NCCL a send can wait for its receiver, so a send and a receive with the same neighbour
 must be in flight together (Megatron's send_forward_recv_backward pairs) or two ranks could each wait on the other.
 Nothing is waited for there: ``take`` waits for one received message when its step needs it, so receives posted
-ahead run during compute. Shapes are known from the config (micro-batch x sequence x hidden), so nothing but the
-tensors crosses the link.
+ahead run during compute. NCCL coalesces a batch into one Work for all its operations (gloo returns one per
+operation): there each receive and send completes with its whole batch. Shapes are known from the config
+(micro-batch x sequence x hidden), so nothing but the tensors crosses the link.
 
 A sent activation can be freed once its send has completed (``free_when_sent``): the next stage has it, and this
 stage needs only its autograd graph for the backward, not its values (Megatron's deallocate_output_tensor). The
@@ -29,6 +30,29 @@ def free_storage(tensor: torch.Tensor) -> int:
     size = storage.nbytes()
     storage.resize_(0)
     return size
+
+
+class _Batch:
+    """The Works of one batch as one, done when all of them are. Its ops wait for it each, but each Work is waited
+    for once (gloo's send Work waits for one more completion at each wait)."""
+
+    def __init__(self, works: list[dist.Work]):
+        self.works = list(works)
+
+    def wait(self) -> bool:
+        while self.works:
+            self.works[0].wait()
+            self.works.pop(0)
+        return True
+
+    def is_completed(self) -> bool:
+        return all(work.is_completed() for work in self.works)
+
+
+def _works_per_op(works: list[dist.Work], num_ops: int) -> list:
+    """One Work per op of a ``batch_isend_irecv`` of ``num_ops`` ops: gloo returns one per op; NCCL coalesces the
+    batch and returns one for all of them, so there each op completes with the whole batch."""
+    return works if len(works) == num_ops else [_Batch(works)] * num_ops
 
 
 class PipelineLinks:
@@ -58,7 +82,7 @@ class PipelineLinks:
             buffers.append((message, buffer))
         if not ops:
             return
-        works = dist.batch_isend_irecv(ops)
+        works = _works_per_op(dist.batch_isend_irecv(ops), len(ops))
         for work, op, tensor in zip(works, ops, freeing):
             self._sending.append((round_index, work, op.tensor, tensor))
         for work, (message, buffer) in zip(works[len(sends):], buffers):

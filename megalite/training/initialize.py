@@ -1,7 +1,9 @@
-"""Starting the processes' world: backend and device chosen from the hardware, then the layout's groups.
+"""Starting the processes' world: backend and device chosen from --distributed-backend and the hardware, then the
+layout's groups.
 
-NCCL on GPUs (one per local rank), gloo on CPUs. Without torchrun's environment there is no world to join: a single
-process runs with a 1x1x1 layout and no torch.distributed at all.
+NCCL on GPUs (one per local rank), gloo on CPUs: by default NCCL, or gloo on a machine without CUDA; with
+``--distributed-backend gloo`` every rank runs on the CPU even beside GPUs. Without torchrun's environment there is
+no world to join: a single process runs with a 1x1x1 layout and no torch.distributed at all.
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ import torch
 import torch.distributed as dist
 
 from megalite import parallel_state
-from megalite.config import ParallelConfig
+from megalite.config import ConfigError, ParallelConfig
+from megalite.config.flags import FLAG
 
 
 def world_size_from_env() -> int:
@@ -38,16 +41,37 @@ def finish_checks(failed: bool, timeout_s: float = 30.0) -> None:
         pass
 
 
-def initialize_distributed(parallel: ParallelConfig, timeout_s: float = 600.0) -> torch.device:
-    """Join the world (when launched by torchrun), build the layout's groups, and return this rank's device.
+def choose_device(backend: str, local_rank: int, gpu_count: int,
+                  local_world_size: int = 1) -> tuple[str, torch.device]:
+    """(backend, device) of the process ``local_rank`` of ``local_world_size`` on a node with ``gpu_count`` GPUs, for
+    --distributed-backend ``backend``: NCCL on GPU ``local_rank``, or gloo on the CPU (asked for, or no GPU at all).
+    A ConfigError when NCCL would need more GPUs than the node has (every process of the node says so alike)."""
+    if backend == "gloo" or gpu_count == 0:
+        return "gloo", torch.device("cpu")
+    processes = max(local_world_size, local_rank + 1)
+    if processes > gpu_count:
+        raise ConfigError(f"LOCAL_RANK {local_rank} of {processes} processes on this node, but it has {gpu_count} "
+                          f"GPU{'s' if gpu_count > 1 else ''}: launch at most {gpu_count} processes per node "
+                          f"(--nproc_per_node), or {FLAG.distributed_backend} gloo to run on CPU ranks")
+    return "nccl", torch.device("cuda", local_rank)
+
+
+def rank_device(backend: str) -> tuple[str, torch.device]:
+    """:func:`choose_device` for this process, from torchrun's environment and the visible GPUs."""
+    return choose_device(backend, int(os.environ.get("LOCAL_RANK", "0")),
+                         torch.cuda.device_count() if torch.cuda.is_available() else 0,
+                         int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+
+
+def initialize_distributed(parallel: ParallelConfig, timeout_s: float = 600.0,
+                           backend: str = "nccl") -> torch.device:
+    """Join the world (when launched by torchrun) over ``backend`` (--distributed-backend, see
+    :func:`choose_device`), build the layout's groups, and return this rank's device.
 
     ``timeout_s`` bounds every collective: a rank that died or stalls makes the others raise instead of hanging."""
-    if torch.cuda.is_available():
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    backend, device = rank_device(backend)
+    if device.type == "cuda":
         torch.cuda.set_device(device)
-        backend = "nccl"
-    else:
-        device, backend = torch.device("cpu"), "gloo"
     timeout = datetime.timedelta(seconds=timeout_s)
     if "WORLD_SIZE" in os.environ and not dist.is_initialized():
         # torchrun --max-restarts keeps its key-value store across restarts; sub-groups (TP, DP, ...) publish their

@@ -80,6 +80,22 @@ def _gather_over_pipeline(value: torch.Tensor) -> list[torch.Tensor]:
     return parts
 
 
+def parameter_counts(params, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The whole model's (dense, routed expert) parameter counts from this rank's ``params`` (collective over the
+    model-parallel and expert groups). Dense parameters are the same on every expert-parallel rank, routed experts
+    differ: summed over EP too. Summed on ``device``, the compute device: an NCCL group carries CUDA tensors only."""
+    dense, routed = (torch.tensor([float(sum(p.numel() for p in params if counts_toward_norm(p)
+                                             and is_expert(p) == expert))], device=device)
+                     for expert in (False, True))
+    model_group, expert_group = (parallel_state.get_model_parallel_group(),
+                                 parallel_state.get_expert_model_parallel_group())
+    for value, groups in ((dense, [model_group]), (routed, [model_group, expert_group])):
+        for info in groups:
+            if info.size > 1:
+                dist.all_reduce(value, group=info.group)
+    return dense, routed
+
+
 @dataclass
 class MicroBatch:
     """What one micro-batch feeds this rank: its tokens of the samples (all of them without context parallelism),
@@ -226,17 +242,7 @@ class Trainer:
 
     def describe(self) -> str:
         """One line for the start of a run: layout, schedule, model size, data."""
-        # Dense parameters are the same on every expert-parallel rank, routed experts differ: summed over EP too.
-        dense, routed = (torch.tensor([float(sum(p.numel() for p in self.engine.params
-                                                 if counts_toward_norm(p) and is_expert(p) == expert))],
-                                      device=self.device)
-                         for expert in (False, True))
-        model_group, expert_group = (parallel_state.get_model_parallel_group(),
-                                     parallel_state.get_expert_model_parallel_group())
-        for value, groups in ((dense, [model_group]), (routed, [model_group, expert_group])):
-            for info in groups:
-                if info.size > 1:
-                    dist.all_reduce(value, group=info.group)
+        dense, routed = parameter_counts(self.engine.params, self.device)
         tp = parallel_state.get_tensor_model_parallel_world_size()
         dp = parallel_state.get_data_parallel_world_size()
         ep = parallel_state.get_expert_model_parallel_world_size()

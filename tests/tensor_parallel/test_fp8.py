@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from megalite.tensor_parallel import fp8 as fp8_numerics
+from megalite.tensor_parallel import fp8_linear as fp8_linears
 from megalite.tensor_parallel.fp8 import E4M3, E5M2, Fp8Recipe, quantized_matmul, scaled_mm
 from megalite.tensor_parallel.fp8_linear import Fp8History, fp8_linear, update_delayed_scales
 
@@ -204,3 +205,56 @@ def test_saturating_cast_and_margin():
                   torch.tensor(0.5), torch.tensor(1.0), torch.float32)
     assert q.item() == (64 - 128 + 448) * 0.5   # 512 saturates at e4m3's 448 instead of becoming NaN
     assert fp8_numerics.scale_from_amax(torch.tensor(448.0), E4M3, margin=2).item() == 0.25
+
+
+def _count_weight_quantizations(monkeypatch, weight) -> list[torch.dtype]:
+    """The dtypes ``weight`` is quantized to from now on, one entry a quantization."""
+    quantized, original = [], fp8_linears.quantize
+
+    def counting(x, scale, dtype):
+        if x is weight:
+            quantized.append(dtype)
+        return original(x, scale, dtype)
+    monkeypatch.setattr(fp8_linears, "quantize", counting)
+    return quantized
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "delayed", "rowwise"])
+def test_a_weight_is_quantized_once_for_all_micro_batches_of_a_step(recipe, monkeypatch):
+    """Four micro-batches (forward and backward) of a step quantize the weight once (rowwise: once per layout, as
+    the forward and the input gradient scale it per row and per column), with the same results as quantizing it
+    each time; an update of the weight (its version), and for the delayed recipe the history's new scales, make
+    the next micro-batch quantize it afresh."""
+    fp8 = Fp8Recipe("hybrid", recipe)
+    x, w, g = _operands(torch.bfloat16)
+    w = w.clone().requires_grad_()
+    layouts = 2 if recipe == "rowwise" else 1
+    runs = {}
+    for cache in (False, True):
+        history = Fp8History(fp8) if recipe == "delayed" else None
+        weight = w.detach().clone().requires_grad_()
+        quantized = _count_weight_quantizations(monkeypatch, weight)
+        results, counts = [], []
+        for step in range(3):
+            for micro_batch in range(4):
+                xm = (x * (micro_batch + 1)).requires_grad_()
+                y = fp8_linear(xm, weight, fp8, history, "column", cache_weight=cache)
+                y.backward(g)
+                results += [y.detach(), xm.grad]
+            counts.append(len(quantized))
+            results.append(weight.grad)
+            weight.grad = None
+            if history is not None:
+                update_delayed_scales([("linear", history)], [])
+            if step == 0:
+                with torch.no_grad():
+                    weight.mul_(0.5)   # the optimizer's update
+            # step 1 -> 2: the weight is unchanged (a skipped step): only the delayed scales change
+        runs[cache] = results
+        if cache:
+            assert counts == [layouts, 2 * layouts, 2 * layouts + (recipe == "delayed")], counts
+        else:
+            assert counts == [4 * layouts, 8 * layouts, 12 * layouts]
+        if history is not None:
+            runs[cache].append(history.history)
+    assert all(torch.equal(a, b) for a, b in zip(runs[False], runs[True]))

@@ -44,6 +44,7 @@ from megalite.distributed.buckets import Bucket, plan_buckets
 from megalite.distributed.engine import DataParallelEngine, Piece
 from megalite.distributed.fp8_param_gather import Fp8ParamGather, fp8_linears
 from megalite.parallel_state import GroupInfo
+from megalite.tensor_parallel.fp8_linear import weights_updated
 from megalite.tensor_parallel.weight_grad import MAIN_GRAD_ACCUMULATOR
 
 
@@ -371,6 +372,7 @@ class DataParallel(DataParallelEngine):
     def gather_params(self) -> None:
         """All-gather every bucket's updated shards into the full parameters (an FP8 bucket's as FP8 bytes into
         its FP8 buffer)."""
+        weights_updated()   # the optimizer wrote the parameters through the flat buffer: cached FP8 copies are stale
         if not self.distributed or self.dp == 1:
             return
         if self.fp8 is not None:

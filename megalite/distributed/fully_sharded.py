@@ -111,6 +111,10 @@ class FullyShardedDataParallel(DataParallelEngine):
         offload = CPUOffloadPolicy(pin_memory=device.type == "cuda") if offload_params else OffloadPolicy()
         self.fp8_scales = Fp8ShardScales(compute_dtype) if fp8_param_gather else None
         fp8_linears = wrap_fp8_weights(modules, self.fp8_scales) if fp8_param_gather else []
+        for m in modules:   # an FP8 copy of each whole weight kept for the step would undo the sharding
+            for sub in m.modules():
+                if getattr(sub, "fp8", None) is not None:
+                    sub.fp8_weight_cache = False
         places = {(id(owner), name): (owner, param) for m in modules for owner in m.modules()
                   for name, param in owner.named_parameters(recurse=False)}
         # What megalite marks on a parameter (partition, full_shape, sequence_parallel, ...) must survive FSDP2

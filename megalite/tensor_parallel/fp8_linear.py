@@ -20,6 +20,14 @@ optimizer step, whose FP8 parameter gather quantizes with the new scales), takes
 layout), pushes it into the history and computes the next scales. The first step, with no history yet, scales
 tensorwise.
 
+A weight is quantized once per version and scale, not once per micro-batch: its FP8 copy (with the amax recorded
+for the delayed history) is kept on the weight and reused while neither the weight (its ``_version``, its storage,
+and :func:`weights_updated`, which the data-parallel engine calls after writing the weights in its flat buffers,
+writes the weight's version counter does not see) nor the scale's source (the history's scales, replaced each step)
+changed: every micro-batch of a step multiplies by the same bytes the first one made. A cache hit skips the
+weight's amax and its TP all-reduce; every TP rank hits or misses alike, as they write their weights alike. Off at
+ZeRO-3 (``cache_weight``), whose point is not to hold whole weights between layers.
+
 With ``--fp8-param-gather`` the distributed optimizer quantizes each weight's updated shard itself and all-gathers
 the FP8 bytes (megalite.distributed.fp8_param_gather); it hangs a :class:`GatheredFp8Weight` on the weight, which
 the forward multiplies by instead of quantizing the weight: the same bytes and scale it would have computed.
@@ -124,6 +132,29 @@ def _gather_fp8(q: torch.Tensor) -> torch.Tensor:
     return all_gather(q.view(torch.uint8), SEQUENCE_DIM).view(q.dtype)
 
 
+WEIGHT_CACHE = "fp8_weight_cache"   # the attribute of a weight that holds its _CachedWeight copies
+_generation = 0   # bumped by weights_updated
+
+
+def weights_updated() -> None:
+    """The weights were written where their version counters do not see it (the data-parallel engine's flat
+    buffers, after an optimizer step): every cached FP8 weight is stale."""
+    global _generation
+    _generation += 1
+
+
+@dataclass
+class _CachedWeight:
+    """A weight's FP8 copy for one way of quantizing it: made at ``stamp`` (generation, weight version, storage)
+    with the history's ``scales`` (delayed) or from the weight's own amax (``scales`` None); ``amax`` is what a
+    tracking pass records for it (None until one needs it, when the scale came from the history)."""
+    stamp: tuple[int, int, int]
+    scales: Optional[torch.Tensor]
+    values: torch.Tensor
+    inverse_scale: torch.Tensor
+    amax: Optional[torch.Tensor]
+
+
 class _Plan:
     """What one linear's products need to know: the recipe, its history (delayed), its kind ("column" or "row"),
     whether its input is a sequence shard to gather, whether this call records amaxes, and the weight's gathered FP8
@@ -131,9 +162,11 @@ class _Plan:
 
     def __init__(self, recipe: Fp8Recipe, history: Optional[Fp8History], kind: str, gather_sequence: bool,
                  record: bool, gathered: Optional[GatheredFp8Weight] = None,
-                 store: Optional[WeightGradStore] = None):
+                 store: Optional[WeightGradStore] = None, cache_weight: bool = True):
         self.recipe, self.history, self.kind, self.gathered, self.store = recipe, history, kind, gathered, store
         self.gather_sequence, self.record = gather_sequence, record
+        self.cache_weight = cache_weight and not torch.is_inference_mode_enabled()   # (inference tensors cannot
+        # be saved for a later backward)
         self.split = parallel_state.get_tensor_model_parallel_world_size() > 1
         delayed = recipe.recipe == "delayed"
         self.use_history = delayed and history is not None and history.steps > 0
@@ -142,15 +175,21 @@ class _Plan:
     def scale(self, role: int, x: torch.Tensor, dtype: torch.dtype, split: bool,
               inner_dim: Optional[int] = None) -> torch.Tensor:
         """The scale of ``x`` in its ``role``: from the history (delayed, after the first step), else the current
-        amax (of the whole tensor, or along ``inner_dim`` for rowwise), maxed over TP where ``split``."""
-        if self.use_history:
-            if self.track:
-                self.history.record(role, amax(x))
-            return self.history.scales[role]
-        current = _max_over(amax(x, inner_dim), split and self.split)
+        amax (of the whole tensor, or along ``inner_dim`` for rowwise), maxed over TP where ``split``; its amax
+        recorded in the history (delayed, a training pass)."""
+        current, scale = self.measure(role, x, dtype, split, inner_dim)
         if self.track:
             self.history.record(role, current)
-        return scale_from_amax(current, dtype, self.recipe.margin)
+        return scale
+
+    def measure(self, role: int, x: torch.Tensor, dtype: torch.dtype, split: bool,
+                inner_dim: Optional[int] = None) -> tuple[Optional[torch.Tensor], torch.Tensor]:
+        """(the amax of ``x`` to record, None where the scale comes from the history and nothing records; the
+        scale), as :meth:`scale`, which records it."""
+        if self.use_history:
+            return (amax(x) if self.track else None), self.history.scales[role]
+        current = _max_over(amax(x, inner_dim), split and self.split)
+        return current, scale_from_amax(current, dtype, self.recipe.margin)
 
 
 def _quantized(plan: _Plan, role: int, x: torch.Tensor, dtype: torch.dtype, split: bool,
@@ -158,6 +197,32 @@ def _quantized(plan: _Plan, role: int, x: torch.Tensor, dtype: torch.dtype, spli
     """(FP8 values, inverse scale) of ``x``."""
     scale = plan.scale(role, x, dtype, split, inner_dim)
     return quantize(x, scale, dtype), scale.reciprocal()
+
+
+def _quantized_weight(plan: _Plan, weight: torch.Tensor, dtype: torch.dtype, split: bool,
+                      inner_dim: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(FP8 values, inverse scale) of the weight: its cached copy while the weight and the scale's source are as they
+    were when it was made (see the module docstring), else quantized afresh and cached. The same bytes and scale
+    either way, and the same amax recorded (a max: recording it again changes nothing)."""
+    if not plan.cache_weight:
+        return _quantized(plan, WEIGHT, weight, dtype, split, inner_dim)
+    cache = getattr(weight, WEIGHT_CACHE, None)
+    if cache is None:
+        cache = {}
+        setattr(weight, WEIGHT_CACHE, cache)
+    key = (dtype, plan.recipe.margin, inner_dim, split and plan.split)
+    stamp = (_generation, weight._version, weight.data_ptr())
+    scales = plan.history.scales if plan.use_history else None
+    entry = cache.get(key)
+    if entry is None or entry.stamp != stamp or entry.scales is not scales:
+        cache.pop(key, None)   # the stale copy goes before the new one is made
+        current, scale = plan.measure(WEIGHT, weight, dtype, split, inner_dim)
+        entry = cache[key] = _CachedWeight(stamp, scales, quantize(weight, scale, dtype), scale.reciprocal(), current)
+    elif plan.track and entry.amax is None:
+        entry.amax = amax(weight)
+    if plan.track:
+        plan.history.record(WEIGHT, entry.amax)
+    return entry.values, entry.inverse_scale
 
 
 class _Fp8Linear(torch.autograd.Function):
@@ -171,7 +236,7 @@ class _Fp8Linear(torch.autograd.Function):
         if r.recipe == "rowwise":
             # Inner dimension: the input features, split over TP in a row-parallel linear.
             x_q, x_inv = _quantized(plan, INPUT, x, fwd, split=row, inner_dim=-1)
-            w_q, w_inv = _quantized(plan, WEIGHT, weight, fwd, split=row, inner_dim=1)
+            w_q, w_inv = _quantized_weight(plan, weight, fwd, split=row, inner_dim=1)
             saved_x = x   # the weight gradient scales x per column (over tokens): kept in bf16
         else:
             # A column-parallel input is whole (or a sequence shard, then the amax is over TP); a row-parallel one
@@ -180,7 +245,7 @@ class _Fp8Linear(torch.autograd.Function):
             if plan.gathered is not None:
                 w_q, w_inv = plan.gathered.values, plan.gathered.inverse_scale
             else:
-                w_q, w_inv = _quantized(plan, WEIGHT, weight, fwd, split=True)
+                w_q, w_inv = _quantized_weight(plan, weight, fwd, split=True)
             saved_x = x_q
         if plan.gather_sequence:
             x_q = _gather_fp8(x_q)
@@ -215,7 +280,7 @@ class _Fp8Linear(torch.autograd.Function):
             x, weight = ctx.saved_tensors
             # Input gradient dy [T, out] W [out, in]: inner dimension the outputs, split in a column-parallel linear.
             g_q, g_inv = _quantized(plan, GRAD_OUTPUT, g, bwd, split=ctx.column, inner_dim=1)
-            w_q, w_inv = _quantized(plan, WEIGHT, weight, fwd, split=ctx.column, inner_dim=0)
+            w_q, w_inv = _quantized_weight(plan, weight, fwd, split=ctx.column, inner_dim=0)
             grad_input = scaled_mm(g_q, w_q, g_inv, w_inv, ctx.x_dtype)
             compute, args = functools.partial(_rowwise_weight_gradient, plan, ctx.w_dtype), (g, x)
         else:
@@ -256,13 +321,15 @@ def _rowwise_weight_gradient(plan: _Plan, dtype: torch.dtype, g: torch.Tensor, x
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, recipe: Fp8Recipe, history: Optional[Fp8History], kind: str,
                gather_sequence: bool = False, record: bool = True,
-               store: Optional[WeightGradStore] = None) -> torch.Tensor:
+               store: Optional[WeightGradStore] = None, cache_weight: bool = True) -> torch.Tensor:
     """x W^T in FP8 (see the module docstring); ``kind`` "column" or "row"; ``record``: a training pass, whose
-    amaxes enter the delayed history; ``store``: where a zero-bubble B step defers the weight gradient."""
+    amaxes enter the delayed history; ``store``: where a zero-bubble B step defers the weight gradient;
+    ``cache_weight``: keep the weight's FP8 copy for the next micro-batches."""
     if history is not None:
         history.to(x.device)
     gathered = gathered_fp8_weight(weight) if recipe.recipe != "rowwise" else None
-    y = _Fp8Linear.apply(x, weight, _Plan(recipe, history, kind, gather_sequence, record, gathered, store))
+    y = _Fp8Linear.apply(x, weight, _Plan(recipe, history, kind, gather_sequence, record, gathered, store,
+                                          cache_weight))
     lead = x.shape[:-1] if not gather_sequence else (*x.shape[:SEQUENCE_DIM], -1, *x.shape[SEQUENCE_DIM + 1:-1])
     return y.view(*lead, y.shape[-1])
 

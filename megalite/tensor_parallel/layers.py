@@ -103,10 +103,12 @@ class _Fp8Products:
     def _init_fp8(self, fp8: Fp8Recipe | None) -> None:
         self.fp8 = fp8
         self.fp8_history = Fp8History(fp8) if fp8 is not None and fp8.recipe == "delayed" else None
+        self.fp8_weight_cache = True   # the weight's FP8 copy kept for the step's micro-batches (off at ZeRO-3)
 
     def _fp8_product(self, x: torch.Tensor, weight: torch.Tensor, kind: str, gather_sequence: bool = False):
         return fp8_linear(x, weight, self.fp8, self.fp8_history, kind, gather_sequence,
-                          record=self.training and torch.is_grad_enabled(), store=self.weight_grad_store)
+                          record=self.training and torch.is_grad_enabled(), store=self.weight_grad_store,
+                          cache_weight=self.fp8_weight_cache)
 
 
 def mark_sequence_parallel(param: nn.Parameter | None) -> None:

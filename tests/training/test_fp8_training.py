@@ -5,8 +5,10 @@ that without FP8 tensor cores it is not faster."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
+from megalite.tensor_parallel import fp8_linear
 from megalite.training import Trainer
 
 from ..checkpoint.helpers import CPU
@@ -79,3 +81,24 @@ def test_fp8_linears_hand_their_weight_gradients_to_the_optimizer():
     assert plain.keys() == fp8.keys() and any(name.endswith("linear_qkv.weight") for name in plain)
     for name, grad in plain.items():
         assert float((fp8[name] - grad).norm() / grad.norm()) < 0.1, name
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "delayed"])
+def test_each_fp8_weight_is_quantized_once_a_step(recipe, monkeypatch):
+    """Four micro-batches a step: every FP8 weight is quantized once a step, not once a micro-batch (nor never
+    again: the optimizer writes the weights through the engine's flat buffer, which their version counters do not
+    see)."""
+    cfg = _config(recipe, train_iters=3, micro_batch_size=1, global_batch_size=4)
+    quantized, original = [], fp8_linear.quantize
+
+    def counting(x, scale, dtype):
+        quantized.append(id(x))
+        return original(x, scale, dtype)
+    monkeypatch.setattr(fp8_linear, "quantize", counting)
+    with single_layout():
+        trainer = Trainer(cfg, CPU)
+        weights = {id(m.weight) for m in trainer.model.modules() if getattr(m, "fp8", None) is not None}
+        for step in range(1, 4):
+            trainer.train_step()
+            counts = [quantized.count(w) for w in weights]
+            assert counts == [step] * len(weights), f"step {step}: {counts}"

@@ -57,34 +57,20 @@ def single_layout():
         parallel_state.destroy_model_parallel()
 
 
-META_ONLY = "metaonly"   # a backend name of the tests' own (see meta_only_world)
-
-
 @contextlib.contextmanager
 def meta_only_world(world_size: int, tp: int = 1, pp: int = 1, ep: int = 1):
-    """Inside the block, this process is rank 0 of a world of ``world_size`` whose groups, like NCCL's, refuse
-    tensors of the wrong device: torch's FakeProcessGroup (collectives return at once, moving nothing) registered
-    for the "meta" device only, so a CPU tensor in a collective raises "No backend type associated with device
-    type cpu" as a CPU tensor does on an NCCL group. A TP x PP layout (EP carved from DP) is registered on it."""
-    from torch._C._distributed_c10d import FakeProcessGroup
+    """Inside the block, this process is rank 0 of a simulated world of ``world_size`` whose groups, like NCCL's,
+    refuse tensors of the wrong device (megalite.simulation.world: torch's FakeProcessGroup for the "meta" device
+    only, so a CPU tensor in a collective raises "No backend type associated with device type cpu" as on an NCCL
+    group). A TP x PP layout (EP carved from DP) is registered on it."""
+    from megalite.simulation.world import simulated_world
 
-    def create(common, options):
-        if hasattr(FakeProcessGroup, "_create_internal"):   # torch 2.8+; older ones construct it directly
-            return FakeProcessGroup._create_internal(common.group_rank, common.group_size, options)
-        return FakeProcessGroup(common.group_rank, common.group_size)
-
-    assert not dist.is_initialized(), "meta_only_world makes a world of its own"
-    if META_ONLY not in dist.Backend.backend_list:
-        dist.Backend.register_backend(META_ONLY, create, extended_api=True, devices=["meta"])
-    dist.init_process_group(META_ONLY, store=dist.HashStore(), rank=0, world_size=world_size)
-    try:
+    with simulated_world(world_size, 0):
         parallel_state.initialize_model_parallel(tp, pp, expert_model_parallel_size=ep)
         try:
             yield
         finally:
             parallel_state.destroy_model_parallel()
-    finally:
-        dist.destroy_process_group()
 
 
 def losses(records: list[dict]) -> list[float]:

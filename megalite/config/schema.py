@@ -511,8 +511,8 @@ class TrainingConfig:
            "the collectives of a step, and exit non-zero with one line per broken rule (no torchrun needed). 0: off.",
         metavar="N")
     simulate_rank: str = option(
-        "0", "With --simulate-gpus: the rank to simulate, or 'all' (every rank in turn; the worst is reported).",
-        metavar="R|all")
+        "0", "With --simulate-gpus: the rank to simulate, several separated by commas, or 'all' (every rank in "
+             "turn; the most loaded is reported in full).", metavar="R[,R...]|all")
     simulate_device: str = option(
         "h100", "With --simulate-gpus: the GPU whose memory the simulated ranks are checked against: h100, h200, "
                 "a100 or b200.")

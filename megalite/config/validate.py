@@ -89,9 +89,10 @@ def _check_simulation(cfg: MegaliteConfig) -> None:
     if not t.simulate_gpus:
         return
     _one_of("simulate_device", t.simulate_device, ("h100", "h200", "a100", "b200"))
-    _require(t.simulate_rank == "all" or (t.simulate_rank.isdigit() and int(t.simulate_rank) < t.simulate_gpus),
-             f"{FLAG.simulate_rank} must be a rank below {FLAG.simulate_gpus} {t.simulate_gpus} or 'all', "
-             f"got {t.simulate_rank!r}")
+    ranks = t.simulate_rank.split(",")
+    _require(t.simulate_rank == "all" or all(r.isdigit() and int(r) < t.simulate_gpus for r in ranks),
+             f"{FLAG.simulate_rank} must be ranks below {FLAG.simulate_gpus} {t.simulate_gpus} (separated by commas) "
+             f"or 'all', got {t.simulate_rank!r}")
     _require(not t.dry_run, f"{FLAG.simulate_gpus} and {FLAG.dry_run} are two ways to check a job: choose one")
 
 

@@ -70,7 +70,7 @@ class PipelineLinks:
         ops, freeing = [], []
         for peer, tensor, free_when_sent in sends:
             buffer = tensor.detach().to(self.dtype).contiguous()
-            if free_when_sent and buffer.untyped_storage().data_ptr() != tensor.untyped_storage().data_ptr():
+            if free_when_sent and buffer.untyped_storage()._cdata != tensor.untyped_storage()._cdata:   # a copy
                 self.freed_bytes += free_storage(tensor)   # sent from a copy: the original can go now
                 free_when_sent = False
             ops.append(dist.P2POp(dist.isend, buffer, self.group.ranks[peer], group=self.group.group))

@@ -11,8 +11,8 @@ from megalite.simulation.run import RankReport, simulate_rank
 
 
 def ranks_to_simulate(spec: str, world_size: int) -> list[int]:
-    """``--simulate-rank``: one rank, or every rank ('all')."""
-    return list(range(world_size)) if spec == "all" else [int(spec)]
+    """``--simulate-rank``: ranks separated by commas, or every rank ('all')."""
+    return list(range(world_size)) if spec == "all" else [int(rank) for rank in spec.split(",")]
 
 
 def _group_sizes(cfg: MegaliteConfig, world_size: int) -> dict[str, int]:

@@ -17,22 +17,18 @@ _WIRE = {"all_reduce": lambda n: 2 * (n - 1) / n, "reduce_scatter": lambda n: (n
          "send": lambda n: 1.0, "recv": lambda n: 0.0, "broadcast": lambda n: 1.0}
 
 
-def _gib(value: float) -> str:
-    return f"{value / GiB:8.3f}"
-
-
 def memory_lines(report, planned: StageMemory) -> list[str]:
-    """Simulated against planned bytes, by category, and the ratio of the totals."""
+    """Simulated against planned bytes, by category, and the ratio of the totals (in GiB, or MiB below one)."""
     s = report.peak_by_category
-    plan_activations = planned.activations + planned.gathered
+    unit, scale = ("GiB", GiB) if max(planned.total, report.peak_bytes) >= GiB else ("MiB", 2**20)
     rows = [("weights", s["weights"], planned.weights), ("gradients", s["gradients"], planned.gradients),
             ("optimizer states", s["optimizer"], planned.optimizer),
-            ("activations + buffers", s["activations"] + s["communication"], plan_activations)]
-    lines = [f"    {'GiB':<24}{'simulated':>10}{'planned':>10}"]
-    lines += [f"    {name:<24}{_gib(sim):>10}{_gib(plan):>10}" for name, sim, plan in rows]
+            ("activations + buffers", s["activations"] + s["communication"], planned.activations + planned.gathered)]
+    lines = [f"    {unit:<24}{'simulated':>10}{'planned':>10}"]
+    lines += [f"    {name:<24}{sim / scale:>10.3f}{plan / scale:>10.3f}" for name, sim, plan in rows]
     ratio = report.peak_bytes / planned.total if planned.total else float("inf")
-    lines.append(f"    {'peak':<24}{_gib(report.peak_bytes):>10}{_gib(planned.total):>10}   simulated / planned "
-                 f"{ratio:.3f} (peak during {report.peak_phase})")
+    lines.append(f"    {'peak':<24}{report.peak_bytes / scale:>10.3f}{planned.total / scale:>10.3f}   simulated / "
+                 f"planned {ratio:.3f} (peak during {report.peak_phase})")
     return lines
 
 

@@ -19,12 +19,11 @@ BACKEND = "megalite-sim"
 
 
 def _create_backend(common_options, backend_options):
-    from torch._C._distributed_c10d import FakeProcessGroup   # noqa: PLC0415 - torch's own (2.4 and newer)
-    return FakeProcessGroup._create_internal(common_options.group_rank, common_options.group_size, backend_options)
-
-
-class _Store(dist.Store):
-    """No rendezvous: the process plays one rank, and fake groups never read the store."""
+    from torch._C._distributed_c10d import FakeProcessGroup   # noqa: PLC0415 - torch's own
+    if hasattr(FakeProcessGroup, "_create_internal"):   # torch 2.8 and newer; older ones construct it directly
+        return FakeProcessGroup._create_internal(common_options.group_rank, common_options.group_size,
+                                                 backend_options)
+    return FakeProcessGroup(common_options.group_rank, common_options.group_size)
 
 
 @contextlib.contextmanager
@@ -34,7 +33,7 @@ def simulated_world(world_size: int, rank: int) -> Iterator[None]:
         dist.Backend.register_backend(BACKEND, _create_backend, extended_api=True, devices=["meta"])
     if dist.is_initialized():
         raise RuntimeError("torch.distributed is already initialized: a simulated world needs a process of its own")
-    dist.init_process_group(BACKEND, store=_Store(), rank=rank, world_size=world_size,
+    dist.init_process_group(BACKEND, store=dist.HashStore(), rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(minutes=1))
     try:
         yield

@@ -84,8 +84,10 @@ class LocalExperts(nn.ModuleDict):
         super().__init__({str(first + i): ExpertMLP(cfg, split, world) for i in range(per_rank)})
         self.first, self.swiglu, self.grouped, self.split = first, cfg.swiglu, cfg.moe_grouped_gemm, split
 
-    def forward(self, tokens: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """Each expert applied to its rows of ``tokens`` [N, hidden] (``counts`` rows each, in order)."""
+    def forward(self, tokens: torch.Tensor, counts: list[int], device_counts: torch.Tensor) -> torch.Tensor:
+        """Each expert applied to its rows of ``tokens`` [N, hidden] (``counts`` rows each, in order; the same
+        counts on the device as ``device_counts``, so that the grouped product's offsets and the bias rows need no
+        copy from the host)."""
         experts = list(self.values())
         if self.split:   # TP-split experts: the input gradient is summed over TP, the outputs in forward
             tokens = copy_to_tensor_parallel(tokens)
@@ -93,9 +95,9 @@ class LocalExperts(nn.ModuleDict):
         fc2 = [e.linear_fc2 for e in experts]
         widths = [tokens.shape[-1], fc1[0].weight.shape[0], fc2[0].weight.shape[1]]
         if self.grouped and grouped_mm_available(tokens, widths):
-            offsets = torch.tensor(counts, device=tokens.device).cumsum(0).to(torch.int32)
-            hidden = self._activation(_grouped_linear(tokens, fc1, counts, offsets))
-            out = _grouped_linear(hidden, fc2, counts, offsets, with_bias=False)
+            offsets = device_counts.cumsum(0).to(torch.int32)
+            hidden = self._activation(_grouped_linear(tokens, fc1, device_counts, offsets))
+            out = _grouped_linear(hidden, fc2, device_counts, offsets, with_bias=False)
         else:
             outs = [F.linear(self._activation(F.linear(x, a.weight, a.bias)), b.weight)
                     for x, a, b in zip(tokens.split(counts), fc1, fc2)]
@@ -103,7 +105,7 @@ class LocalExperts(nn.ModuleDict):
         if self.split:
             out = reduce_from_tensor_parallel(out)
         if fc2[0].bias is not None:
-            out = out + _bias_rows(fc2, counts)
+            out = out + _bias_rows(fc2, device_counts, tokens.shape[0])
         return out
 
     def _activation(self, y: torch.Tensor) -> torch.Tensor:
@@ -113,17 +115,17 @@ class LocalExperts(nn.ModuleDict):
         return F.gelu(y)
 
 
-def _bias_rows(linears: list[ExpertLinear], counts: list[int]) -> torch.Tensor:
-    """Each expert's bias repeated for its rows: [N, out]."""
+def _bias_rows(linears: list[ExpertLinear], counts: torch.Tensor, rows: int) -> torch.Tensor:
+    """Each expert's bias repeated for its rows: [rows, out] (``rows`` given: else the host waits to learn it)."""
     biases = torch.stack([linear.bias for linear in linears])
-    return biases.repeat_interleave(torch.tensor(counts, device=biases.device), dim=0)
+    return biases.repeat_interleave(counts, dim=0, output_size=rows)
 
 
-def _grouped_linear(x: torch.Tensor, linears: list[ExpertLinear], counts: list[int], offsets: torch.Tensor,
+def _grouped_linear(x: torch.Tensor, linears: list[ExpertLinear], counts: torch.Tensor, offsets: torch.Tensor,
                     with_bias: bool = True) -> torch.Tensor:
     """Rows of ``x`` times each expert's weight^T in one grouped product (weights stacked [E, out, in])."""
     weights = torch.stack([linear.weight for linear in linears])
     y = torch._grouped_mm(x, weights.transpose(1, 2), offs=offsets)
     if with_bias and linears[0].bias is not None:
-        y = y + _bias_rows(linears, counts)
+        y = y + _bias_rows(linears, counts, x.shape[0])
     return y

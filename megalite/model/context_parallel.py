@@ -34,6 +34,7 @@ The three attentions (q: [batch, heads, local, d], k and v: [batch, key/value he
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -49,15 +50,23 @@ COMM_TYPES = ("p2p", "a2a", "allgather")
 _SEQUENCE = 2   # q, k, v and the core's output are [batch, heads, sequence, head_dim]
 
 
-def local_indices(length: int, cp: int, cp_rank: int, load_balanced: bool) -> torch.Tensor:
+def local_indices(length: int, cp: int, cp_rank: int, load_balanced: bool,
+                  device: Optional[torch.device] = None) -> torch.Tensor:
     """Indices in the sample of the tokens rank ``cp_rank`` holds, ascending: chunks r and 2CP-1-r of 2CP chunks
     (``load_balanced``), else the r-th of CP contiguous shards."""
     if not load_balanced:
         shard = length // cp
-        return torch.arange(cp_rank * shard, (cp_rank + 1) * shard)
+        return torch.arange(cp_rank * shard, (cp_rank + 1) * shard, device=device)
     chunk = length // (2 * cp)
-    return torch.cat([torch.arange(cp_rank * chunk, (cp_rank + 1) * chunk),
-                      torch.arange((2 * cp - 1 - cp_rank) * chunk, (2 * cp - cp_rank) * chunk)])
+    return torch.cat([torch.arange(cp_rank * chunk, (cp_rank + 1) * chunk, device=device),
+                      torch.arange((2 * cp - 1 - cp_rank) * chunk, (2 * cp - cp_rank) * chunk, device=device)])
+
+
+@functools.lru_cache(maxsize=None)
+def device_indices(length: int, cp: int, cp_rank: int, load_balanced: bool, device: torch.device) -> torch.Tensor:
+    """:func:`local_indices` made once on ``device`` and shared (read-only): every ring step of every layer and
+    micro-batch asks for them, and a fresh tensor each time would be a host-to-device copy each."""
+    return local_indices(length, cp, cp_rank, load_balanced, device)
 
 
 @dataclass(frozen=True)
@@ -79,7 +88,7 @@ class SequenceShard:
         """The sample indices of CP rank ``cp_rank``'s tokens."""
         if cp_rank == self.cp_rank:
             return self.indices
-        return local_indices(self.length, self.cp, cp_rank, self.load_balanced).to(self.indices.device)
+        return device_indices(self.length, self.cp, cp_rank, self.load_balanced, self.indices.device)
 
     @property
     def moved_positions(self) -> Optional[torch.Tensor]:
@@ -118,7 +127,7 @@ def shard_sequence(length: int, device: torch.device, *, positions: Optional[tor
     ``positions`` [batch, length] (default: the token's index) and ``documents`` [batch, length] are the whole
     sample's."""
     cp, rank = parallel_state.get_context_parallel_world_size(), parallel_state.get_context_parallel_rank()
-    indices = local_indices(length, cp, rank, comm_type != "a2a").to(device)
+    indices = device_indices(length, cp, rank, comm_type != "a2a", torch.device(device))
     local_positions = indices if positions is None else (positions if cp == 1 else positions[:, indices])
     return SequenceShard(length, indices, local_positions, documents, comm_type, cp, rank)
 

@@ -113,7 +113,11 @@ class DataParallel(DataParallelEngine):
         # fp8_param_gather: the same layout sums gradients in the same order, so the option changes the gather only.
         linears = (fp8_linears(modules, [p for p in self.params if id(p) not in {id(t) for t in tied_params}])
                    if self.distributed and self.dp > 1 else [])
-        self.plan = plan_buckets(self.params, size, self.dp, tied_params, [linear.weight for linear in linears])
+        # Each MoE layer's experts' weights of a kind stay together, stacked: the grouped product reads them as one.
+        together = [group for m in modules for sub in m.modules() if hasattr(sub, "stacked_parameters")
+                    for group in sub.stacked_parameters()]
+        self.plan = plan_buckets(self.params, size, self.dp, tied_params, [linear.weight for linear in linears],
+                                 together)
         self.buckets = self.plan.buckets
         self.tied_params = list(tied_params)
 

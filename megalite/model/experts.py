@@ -11,8 +11,12 @@ TP once for all experts (and the input gradients once in backward); with expert 
 holds whole experts. fc2's bias is added after that sum.
 
 The input is every token this rank's experts received, sorted by expert, with ``counts[i]`` for the i-th local
-expert. ``grouped`` runs each layer of all the experts as one ``torch._grouped_mm`` (weights stacked per call) where
-this torch and device offer it for the dtype and shapes, else a loop over experts (the same products).
+expert. ``grouped`` runs each layer of all the experts as one ``torch._grouped_mm`` where this torch and device offer
+it for the dtype and shapes, else a loop over experts (the same products). The grouped product reads each kind of
+weight of all the experts as one [E, out, in] tensor: the experts' weights of a kind lie one after another in memory
+(laid out so here, after every move of the module, and by the data-parallel buffer, which keeps each
+:meth:`LocalExperts.stacked_parameters` group together), so that tensor is a view, not a copy per call; where they do
+not (FSDP2's gathered parameters), they are stacked, with the same numbers.
 """
 
 from __future__ import annotations
@@ -83,6 +87,27 @@ class LocalExperts(nn.ModuleDict):
         split = world > 1
         super().__init__({str(first + i): ExpertMLP(cfg, split, world) for i in range(per_rank)})
         self.first, self.swiglu, self.grouped, self.split = first, cfg.swiglu, cfg.moe_grouped_gemm, split
+        self._lay_out_stacked()
+
+    def stacked_parameters(self) -> list[list[nn.Parameter]]:
+        """The parameters the grouped product reads as one tensor each, in expert order: each linear's weights, and
+        its biases (the bias rows), of all the experts. The data-parallel buffer keeps each group together."""
+        linears = [[e.linear_fc1 for e in self.values()], [e.linear_fc2 for e in self.values()]]
+        groups = [[linear.weight for linear in kind] for kind in linears]
+        return groups + [[linear.bias for linear in kind] for kind in linears if kind[0].bias is not None]
+
+    def _lay_out_stacked(self) -> None:
+        """Each group of :meth:`stacked_parameters` made views of one stacked tensor (same values)."""
+        for group in self.stacked_parameters():
+            stacked = torch.stack([p.detach() for p in group])
+            for param, row in zip(group, stacked):
+                param.data = row
+
+    def _apply(self, fn, recurse=True):
+        """A move or cast gives every parameter storage of its own: lay the groups out stacked again."""
+        super()._apply(fn, recurse)
+        self._lay_out_stacked()
+        return self
 
     def forward(self, tokens: torch.Tensor, counts: list[int], device_counts: torch.Tensor) -> torch.Tensor:
         """Each expert applied to its rows of ``tokens`` [N, hidden] (``counts`` rows each, in order; the same
@@ -115,16 +140,38 @@ class LocalExperts(nn.ModuleDict):
         return F.gelu(y)
 
 
+class _Stacked(torch.autograd.Function):
+    """Tensors of one shape as one [n, ...] tensor, as torch.stack (each gets its slice of the gradient back), but a
+    view, without a copy, where they lie one after another in one storage."""
+
+    @staticmethod
+    def forward(ctx, *tensors):
+        first, size = tensors[0], tensors[0].numel()
+        if all(t.shape == first.shape and t.is_contiguous() and t.storage_offset() == first.storage_offset() + i * size
+               and t.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+               for i, t in enumerate(tensors)):
+            return first.as_strided((len(tensors), *first.shape), (size, *first.stride()), first.storage_offset())
+        return torch.stack(tensors)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.unbind(0)
+
+
+def stacked(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """``torch.stack(tensors)``, a view where they are laid out stacked (see :class:`_Stacked`)."""
+    return _Stacked.apply(*tensors)
+
+
 def _bias_rows(linears: list[ExpertLinear], counts: torch.Tensor, rows: int) -> torch.Tensor:
     """Each expert's bias repeated for its rows: [rows, out] (``rows`` given: else the host waits to learn it)."""
-    biases = torch.stack([linear.bias for linear in linears])
-    return biases.repeat_interleave(counts, dim=0, output_size=rows)
+    return stacked([linear.bias for linear in linears]).repeat_interleave(counts, dim=0, output_size=rows)
 
 
 def _grouped_linear(x: torch.Tensor, linears: list[ExpertLinear], counts: torch.Tensor, offsets: torch.Tensor,
                     with_bias: bool = True) -> torch.Tensor:
     """Rows of ``x`` times each expert's weight^T in one grouped product (weights stacked [E, out, in])."""
-    weights = torch.stack([linear.weight for linear in linears])
+    weights = stacked([linear.weight for linear in linears])
     y = torch._grouped_mm(x, weights.transpose(1, 2), offs=offsets)
     if with_bias and linears[0].bias is not None:
         y = y + _bias_rows(linears, counts, x.shape[0])

@@ -299,3 +299,54 @@ def test_all_to_all_dispatch_reads_the_host_once(monkeypatch):
         with _HostReads(monkeypatch) as reads:
             layer(x).sum().backward()
         assert reads.count == 1
+
+
+def _forward_backward(layer: MoELayer, x: torch.Tensor):
+    out = layer(x)
+    out.backward(torch.ones_like(out))
+    return out.detach(), [p.grad.clone() for p in layer.parameters()]
+
+
+@pytest.mark.parametrize("options", [{}, {"swiglu": True, "disable_bias_linear": True}])
+def test_grouped_experts_read_their_weights_in_place_bit_for_bit_as_stacked(options, monkeypatch):
+    """The experts' weights of a kind lie stacked in memory, so the grouped product takes them without a copy, in
+    every micro-batch, and after a cast; laid out apart (as FSDP2's gathered parameters) they are stacked, with
+    the same bits."""
+    from megalite.model.experts import stacked
+
+    with single_layout():
+        layer = _layer(moe_grouped_gemm=True, **options).double().float()   # moved: laid out again
+        x = torch.randn(2, 16, 64)
+        for group in layer.experts.stacked_parameters():
+            assert stacked(group).data_ptr() == group[0].data_ptr()
+        stacks = []
+        real_stack = torch.stack
+        monkeypatch.setattr(torch, "stack", lambda *a, **k: stacks.append(1) or real_stack(*a, **k))
+        in_place = [_forward_backward(layer, x) for _ in range(2)]   # two micro-batches: gradients accumulate
+        assert not stacks
+        monkeypatch.setattr(torch, "stack", real_stack)
+        layer.zero_grad()
+        for p in layer.experts.parameters():
+            p.data = p.data.clone()   # each its own storage
+        for group in layer.experts.stacked_parameters():
+            assert stacked(group).data_ptr() != group[0].data_ptr()
+        copied = [_forward_backward(layer, x) for _ in range(2)]
+        for (out, grads), (out_copied, grads_copied) in zip(in_place, copied):
+            assert torch.equal(out, out_copied)
+            assert all(torch.equal(g, h) for g, h in zip(grads, grads_copied))
+
+
+def test_the_data_parallel_buffer_keeps_each_experts_group_stacked():
+    from megalite.model.experts import LocalExperts, stacked
+    from megalite.training import Trainer
+
+    with single_layout():
+        cfg = tiny_config(model={**TINY_MOE, "moe_grouped_gemm": True}, data={"eval_interval": 0})
+        trainer = Trainer(cfg, torch.device("cpu"))
+        experts = [m for m in trainer.model.modules() if isinstance(m, LocalExperts)]
+        assert experts
+        for module in experts:
+            for group in module.stacked_parameters():
+                assert stacked(group).data_ptr() == group[0].data_ptr()
+                buffers = {e.param_buffer.untyped_storage().data_ptr() for e in trainer.engine.engines}
+                assert group[0].untyped_storage().data_ptr() in buffers   # the parameters live in the engine's buffer

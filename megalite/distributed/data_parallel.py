@@ -164,8 +164,12 @@ class DataParallel(DataParallelEngine):
         if overlap_param_gather:
             for m in modules:
                 for sub in m.modules():
-                    if any(select(p) for p in sub.parameters(recurse=False)):
-                        self._hooks.append(sub.register_forward_pre_hook(self._wait_for_params))
+                    # An MoE layer's experts' parameters are read by the experts' forward, not by their own modules'.
+                    used = ([p for group in sub.stacked_parameters() for p in group]
+                            if hasattr(sub, "stacked_parameters") else list(sub.parameters(recurse=False)))
+                    if any(select(p) for p in used):
+                        self._hooks.append(sub.register_forward_pre_hook(
+                            functools.partial(self._wait_for_params, used)))
         self.start_iteration(1)
 
     # ---- where parameters live ----------------------------------------------------------------------------------
@@ -400,8 +404,8 @@ class DataParallel(DataParallelEngine):
         return [self.buckets[i] for i in self._forward_order] + [b for b in reversed(self.buckets)
                                                                  if b.index not in seen]
 
-    def _wait_for_params(self, module: torch.nn.Module, _inputs) -> None:
-        for p in module.parameters(recurse=False):
+    def _wait_for_params(self, params: list[torch.nn.Parameter], _module: torch.nn.Module, _inputs) -> None:
+        for p in params:
             index = self.plan.bucket_of.get(id(p), -1)
             if index >= 0 and index not in self._forward_order:
                 self._forward_order.append(index)

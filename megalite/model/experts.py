@@ -147,7 +147,8 @@ class _Stacked(torch.autograd.Function):
     @staticmethod
     def forward(ctx, *tensors):
         first, size = tensors[0], tensors[0].numel()
-        if all(t.shape == first.shape and t.dtype == first.dtype and t.is_contiguous() and t.storage_offset() == first.storage_offset() + i * size
+        if all(t.shape == first.shape and t.dtype == first.dtype and t.is_contiguous()
+               and t.storage_offset() == first.storage_offset() + i * size
                and torch._C._is_alias_of(t, first)   # one storage (asked of meta and fake tensors too)
                for i, t in enumerate(tensors)):
             return first.as_strided((len(tensors), *first.shape), (size, *first.stride()), first.storage_offset())

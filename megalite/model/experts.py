@@ -97,8 +97,11 @@ class LocalExperts(nn.ModuleDict):
         return groups + [[linear.bias for linear in kind] for kind in linears if kind[0].bias is not None]
 
     def _lay_out_stacked(self) -> None:
-        """Each group of :meth:`stacked_parameters` made views of one stacked tensor (same values)."""
+        """Each group of :meth:`stacked_parameters` made views of one stacked tensor (same values), unless it lies
+        so already (a move that changed nothing; the data-parallel buffer's layout, which must stay)."""
         for group in self.stacked_parameters():
+            if _laid_out_stacked(group):
+                continue
             stacked = torch.stack([p.detach() for p in group])
             for param, row in zip(group, stacked):
                 param.data = row
@@ -140,18 +143,25 @@ class LocalExperts(nn.ModuleDict):
         return F.gelu(y)
 
 
+def _laid_out_stacked(tensors) -> bool:
+    """Whether ``tensors`` of one shape lie one after another in one storage, as the rows of a stacked tensor."""
+    first, size = tensors[0], tensors[0].numel()
+    return all(t.shape == first.shape and t.dtype == first.dtype and t.is_contiguous()
+               and t.storage_offset() == first.storage_offset() + i * size
+               and torch._C._is_alias_of(t, first)   # one storage (asked of meta and fake tensors too)
+               for i, t in enumerate(tensors))
+
+
 class _Stacked(torch.autograd.Function):
     """Tensors of one shape as one [n, ...] tensor, as torch.stack (each gets its slice of the gradient back), but a
     view, without a copy, where they lie one after another in one storage."""
 
     @staticmethod
     def forward(ctx, *tensors):
-        first, size = tensors[0], tensors[0].numel()
-        if all(t.shape == first.shape and t.dtype == first.dtype and t.is_contiguous()
-               and t.storage_offset() == first.storage_offset() + i * size
-               and torch._C._is_alias_of(t, first)   # one storage (asked of meta and fake tensors too)
-               for i, t in enumerate(tensors)):
-            return first.as_strided((len(tensors), *first.shape), (size, *first.stride()), first.storage_offset())
+        if _laid_out_stacked(tensors):
+            first = tensors[0]
+            return first.as_strided((len(tensors), *first.shape), (first.numel(), *first.stride()),
+                                    first.storage_offset())
         return torch.stack(tensors)
 
     @staticmethod

@@ -350,3 +350,16 @@ def test_the_data_parallel_buffer_keeps_each_experts_group_stacked():
                 assert stacked(group).data_ptr() == group[0].data_ptr()
                 buffers = {e.param_buffer.untyped_storage().data_ptr() for e in trainer.engine.engines}
                 assert group[0].untyped_storage().data_ptr() in buffers   # the parameters live in the engine's buffer
+
+
+def test_a_move_that_changes_nothing_keeps_the_experts_in_the_data_parallel_buffer():
+    from megalite.model.experts import LocalExperts
+    from megalite.training import Trainer
+
+    with single_layout():
+        cfg = tiny_config(model={**TINY_MOE, "moe_grouped_gemm": True}, data={"eval_interval": 0})
+        trainer = Trainer(cfg, torch.device("cpu"))
+        experts = next(m for m in trainer.model.modules() if isinstance(m, LocalExperts))
+        before = [p.data_ptr() for p in experts.parameters()]
+        trainer.model.to(torch.device("cpu"), torch.float32)
+        assert [p.data_ptr() for p in experts.parameters()] == before

@@ -7,7 +7,9 @@ rank owns an equal contiguous shard of it (reduce-scatter, the distributed optim
 ``deferred`` (a tied embedding whose gradient must first be summed across pipeline stages) go in a bucket of their
 own that is reduced only after that sum. Parameters given as ``separate`` (the FP8 linears' weights under
 ``--fp8-param-gather``, whose buckets are all-gathered as FP8 bytes) go in buckets of their own too, after the
-ordinary ones.
+ordinary ones. Parameters given ``together`` (an MoE layer's experts' weights of one kind, which the grouped product
+reads as one stacked tensor) lie next to each other in the given order, in one bucket, where the first of them
+would have gone.
 """
 
 from __future__ import annotations
@@ -45,9 +47,24 @@ def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
+def _units(params: list[torch.nn.Parameter], together: list[list[torch.nn.Parameter]]):
+    """``params`` in order, one at a time, but a group of ``together`` whole where its first member comes (groups
+    not wholly among ``params`` are ignored)."""
+    present = {id(p) for p in params}
+    group_of = {id(p): group for group in together if all(id(q) in present for q in group) for p in group}
+    placed: set[int] = set()
+    for p in params:
+        if id(p) in placed:
+            continue
+        unit = group_of.get(id(p), [p])
+        placed.update(id(q) for q in unit)
+        yield unit
+
+
 def plan_buckets(params: list[torch.nn.Parameter], bucket_size: int, dp: int,
                  deferred: list[torch.nn.Parameter] = (),
-                 separate: list[torch.nn.Parameter] = ()) -> BucketPlan:
+                 separate: list[torch.nn.Parameter] = (),
+                 together: list[list[torch.nn.Parameter]] = ()) -> BucketPlan:
     """Lay ``params`` out (given in definition order) into buckets; see the module docstring."""
     deferred_ids, separate_ids = {id(p) for p in deferred}, {id(p) for p in separate} - {id(p) for p in deferred}
     ordinary = [p for p in reversed(params) if id(p) not in deferred_ids | separate_ids]
@@ -66,13 +83,14 @@ def plan_buckets(params: list[torch.nn.Parameter], bucket_size: int, dp: int,
 
     for group, is_deferred in ((ordinary, False), (apart, False), (late, True)):
         bucket = None
-        for p in group:
+        for unit in _units(group, together):
             if bucket is None:
                 bucket = Bucket(len(buckets), offset, offset, deferred=is_deferred)
-            ranges[id(p)] = (offset, offset + p.numel())
-            bucket_of[id(p)] = bucket.index
-            bucket.params.append(p)
-            offset += p.numel()
+            for p in unit:
+                ranges[id(p)] = (offset, offset + p.numel())
+                bucket_of[id(p)] = bucket.index
+                bucket.params.append(p)
+                offset += p.numel()
             if offset - bucket.start >= bucket_size:
                 close(bucket)
                 bucket = None

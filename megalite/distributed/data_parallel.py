@@ -115,7 +115,11 @@ class DataParallel(DataParallelEngine):
         # fp8_param_gather: the same layout sums gradients in the same order, so the option changes the gather only.
         linears = (fp8_linears(modules, [p for p in self.params if id(p) not in {id(t) for t in tied_params}])
                    if self.distributed and self.dp > 1 else [])
-        self.plan = plan_buckets(self.params, size, self.dp, tied_params, [linear.weight for linear in linears])
+        # Each MoE layer's experts' weights of a kind stay together, stacked: the grouped product reads them as one.
+        together = [group for m in modules for sub in m.modules() if hasattr(sub, "stacked_parameters")
+                    for group in sub.stacked_parameters()]
+        self.plan = plan_buckets(self.params, size, self.dp, tied_params, [linear.weight for linear in linears],
+                                 together)
         self.buckets = self.plan.buckets
         self.tied_params = list(tied_params)
 
@@ -162,8 +166,12 @@ class DataParallel(DataParallelEngine):
         if overlap_param_gather:
             for m in modules:
                 for sub in m.modules():
-                    if any(select(p) for p in sub.parameters(recurse=False)):
-                        self._hooks.append(sub.register_forward_pre_hook(self._wait_for_params))
+                    # An MoE layer's experts' parameters are read by the experts' forward, not by their own modules'.
+                    used = ([p for group in sub.stacked_parameters() for p in group]
+                            if hasattr(sub, "stacked_parameters") else list(sub.parameters(recurse=False)))
+                    if any(select(p) for p in used):
+                        self._hooks.append(sub.register_forward_pre_hook(
+                            functools.partial(self._wait_for_params, used)))
         self.start_iteration(1)
 
     # ---- where parameters live ----------------------------------------------------------------------------------
@@ -399,8 +407,8 @@ class DataParallel(DataParallelEngine):
         return [self.buckets[i] for i in self._forward_order] + [b for b in reversed(self.buckets)
                                                                  if b.index not in seen]
 
-    def _wait_for_params(self, module: torch.nn.Module, _inputs) -> None:
-        for p in module.parameters(recurse=False):
+    def _wait_for_params(self, params: list[torch.nn.Parameter], _module: torch.nn.Module, _inputs) -> None:
+        for p in params:
             index = self.plan.bucket_of.get(id(p), -1)
             if index >= 0 and index not in self._forward_order:
                 self._forward_order.append(index)

@@ -28,18 +28,22 @@ The three attentions (q: [batch, heads, local, d], k and v: [batch, key/value he
   into the whole sequence of 1/CP of the heads; the ordinary attention core runs on it (dropout included); a second
   all-to-all turns the output back. Four all-to-alls per layer forward (q, k, v, output; k and v as one), as many
   backward, each of 1/CP of the local activations leaving the rank ((CP-1)/CP of them).
-- ``allgather``: keys and values all-gathered over CP (backward: reduce-scattered), the local queries attend to them
-  under a mask built from the global token indices; simple, and holds the whole sequence's K/V for the layer.
+- ``allgather``: keys and values all-gathered over CP (backward: reduce-scattered) and put in sample order; each
+  local chunk attends to the keys up to its own end, causally aligned to that end (no mask tensor: flash attention
+  on a GPU; with documents a mask built from the global token indices). Simple, and holds the whole sequence's K/V
+  for the layer.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
+from torch.nn.attention.bias import causal_lower_right
 
 from megalite import parallel_state
 from megalite.parallel_state import GroupInfo
@@ -49,15 +53,23 @@ COMM_TYPES = ("p2p", "a2a", "allgather")
 _SEQUENCE = 2   # q, k, v and the core's output are [batch, heads, sequence, head_dim]
 
 
-def local_indices(length: int, cp: int, cp_rank: int, load_balanced: bool) -> torch.Tensor:
+def local_indices(length: int, cp: int, cp_rank: int, load_balanced: bool,
+                  device: Optional[torch.device] = None) -> torch.Tensor:
     """Indices in the sample of the tokens rank ``cp_rank`` holds, ascending: chunks r and 2CP-1-r of 2CP chunks
     (``load_balanced``), else the r-th of CP contiguous shards."""
     if not load_balanced:
         shard = length // cp
-        return torch.arange(cp_rank * shard, (cp_rank + 1) * shard)
+        return torch.arange(cp_rank * shard, (cp_rank + 1) * shard, device=device)
     chunk = length // (2 * cp)
-    return torch.cat([torch.arange(cp_rank * chunk, (cp_rank + 1) * chunk),
-                      torch.arange((2 * cp - 1 - cp_rank) * chunk, (2 * cp - cp_rank) * chunk)])
+    return torch.cat([torch.arange(cp_rank * chunk, (cp_rank + 1) * chunk, device=device),
+                      torch.arange((2 * cp - 1 - cp_rank) * chunk, (2 * cp - cp_rank) * chunk, device=device)])
+
+
+@functools.lru_cache(maxsize=None)
+def device_indices(length: int, cp: int, cp_rank: int, load_balanced: bool, device: torch.device) -> torch.Tensor:
+    """:func:`local_indices` made once on ``device`` and shared (read-only): every ring step of every layer and
+    micro-batch asks for them, and a fresh tensor each time would be a host-to-device copy each."""
+    return local_indices(length, cp, cp_rank, load_balanced, device)
 
 
 @dataclass(frozen=True)
@@ -79,7 +91,7 @@ class SequenceShard:
         """The sample indices of CP rank ``cp_rank``'s tokens."""
         if cp_rank == self.cp_rank:
             return self.indices
-        return local_indices(self.length, self.cp, cp_rank, self.load_balanced).to(self.indices.device)
+        return device_indices(self.length, self.cp, cp_rank, self.load_balanced, self.indices.device)
 
     @property
     def moved_positions(self) -> Optional[torch.Tensor]:
@@ -118,7 +130,7 @@ def shard_sequence(length: int, device: torch.device, *, positions: Optional[tor
     ``positions`` [batch, length] (default: the token's index) and ``documents`` [batch, length] are the whole
     sample's."""
     cp, rank = parallel_state.get_context_parallel_world_size(), parallel_state.get_context_parallel_rank()
-    indices = local_indices(length, cp, rank, comm_type != "a2a").to(device)
+    indices = device_indices(length, cp, rank, comm_type != "a2a", torch.device(device))
     local_positions = indices if positions is None else (positions if cp == 1 else positions[:, indices])
     return SequenceShard(length, indices, local_positions, documents, comm_type, cp, rank)
 
@@ -132,8 +144,10 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         return _RingAttention.apply(q, k, v, shard, group)
     if shard.comm_type == "allgather":
         k, v = all_gather_over(torch.cat([k, v], dim=1), _SEQUENCE, group).chunk(2, dim=1)
-        keys = torch.cat([shard.indices_of(r) for r in range(shard.cp)])
-        return core(q, k, v, shard.allowed(shard.indices, keys))
+        if shard.documents is not None:   # packed documents: which keys each query sees is spelled out in a mask
+            keys = torch.cat([shard.indices_of(r) for r in range(shard.cp)])
+            return core(q, k, v, shard.allowed(shard.indices, keys))
+        return _causal_over_gathered(q, k, v, shard, core)
     if shard.comm_type == "a2a":
         k, v = _expand_key_value_heads(k, v, q.shape[1], shard.cp)
         kv_heads = k.shape[1]
@@ -144,6 +158,25 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         context = core(q, kv[:, :kv_heads // shard.cp], kv[:, kv_heads // shard.cp:], shard.whole_sequence_mask())
         return heads_to_sequence(context, group)
     raise ValueError(f"unknown context-parallel comm type {shard.comm_type!r}; expected one of {COMM_TYPES}")
+
+
+# ---- allgather ---------------------------------------------------------------------------------------------------
+def _causal_over_gathered(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shard: SequenceShard,
+                          core: Callable[..., torch.Tensor]) -> torch.Tensor:
+    """Causal attention of the two local chunks over the gathered keys and values, with no mask tensor: the keys
+    put in sample order, chunk j (of 2 x CP) attends to the first j + 1 chunks, causally aligned to the end
+    (torch's lower-right ``CausalBias``, which SDPA runs as flash or memory-efficient attention on a GPU; on the CPU
+    torch spells it out as a mask)."""
+    cp, rank = shard.cp, shard.cp_rank
+    # Gathered in rank order, rank s holding chunks s and 2CP-1-s: sample chunk j is gathered chunk order[j].
+    order = [*range(0, 2 * cp, 2), *range(2 * cp - 1, 0, -2)]
+    k, v = (torch.cat([t.chunk(2 * cp, dim=_SEQUENCE)[i] for i in order], dim=_SEQUENCE) for t in (k, v))
+    chunk = q.shape[_SEQUENCE] // 2
+    outs = []
+    for q_chunk, j in zip(q.chunk(2, dim=_SEQUENCE), (rank, 2 * cp - 1 - rank)):
+        keys = (j + 1) * chunk
+        outs.append(core(q_chunk, k[:, :, :keys], v[:, :, :keys], causal_lower_right(chunk, keys)))
+    return torch.cat(outs, dim=_SEQUENCE)
 
 
 # ---- a2a: Ulysses' all-to-all -----------------------------------------------------------------------------------

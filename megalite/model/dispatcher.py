@@ -64,12 +64,21 @@ class _AllToAll(torch.autograd.Function):
         return _all_to_all(grad, input_splits, output_splits, ctx.info), None, None, None
 
 
-def permute(tokens: torch.Tensor, routing: torch.Tensor, routing_map: torch.Tensor):
-    """The (token, expert) pairs of ``routing_map`` [T, E] sorted by expert: (their token rows, their weights, their
-    token indices, the number of pairs per expert)."""
-    by_expert = routing_map.t()
-    token_ids = torch.arange(routing_map.shape[0], device=tokens.device).expand_as(by_expert)[by_expert]
-    return tokens.index_select(0, token_ids), routing.t()[by_expert], token_ids, by_expert.sum(dim=1)
+def split_sizes_to_host(counts: torch.Tensor) -> list[int]:
+    """The MoE layer's one host read per micro-batch: the (token, expert) pair counts that size its splits and its
+    all-to-alls, from which every other size is derived on the host. It waits for the device, so it is the only
+    one; a simulation on ``meta`` tensors (which hold no values) replaces this function with balanced counts."""
+    return counts.tolist()
+
+
+def permute(tokens: torch.Tensor, routing: torch.Tensor, routing_map: torch.Tensor, pairs: int):
+    """The ``pairs`` (token, expert) pairs of ``routing_map`` [T, E] sorted by expert (by token within an expert):
+    (their token rows, their weights, their token indices). A stable sort puts the chosen entries of the
+    expert-major map first, in order: boolean indexing would do the same, but asks the host for its size."""
+    by_expert = routing_map.t().reshape(-1)
+    chosen = torch.argsort((~by_expert).to(torch.uint8), stable=True)[:pairs]
+    token_ids = chosen % routing_map.shape[0]
+    return tokens.index_select(0, token_ids), routing.t().reshape(-1)[chosen], token_ids
 
 
 def unpermute(out: torch.Tensor, weights: torch.Tensor, token_ids: torch.Tensor, num_tokens: int) -> torch.Tensor:
@@ -90,29 +99,32 @@ def dispatch_and_combine(kind: str, tokens: torch.Tensor, routing: torch.Tensor,
     info = parallel_state.get_expert_model_parallel_group()
     if info.size > 1 and kind == "allgather":
         return _all_gather_and_reduce_scatter(tokens, routing, routing_map, experts, info)
-    rows, weights, token_ids, counts = permute(tokens, routing, routing_map)
-    if info.size == 1:
-        out = experts(rows, counts.tolist())
-    else:
-        out = _all_to_all_experts(rows, counts, experts, info)
-    return unpermute(out, weights, token_ids, tokens.shape[0])
+    counts = routing_map.sum(dim=0)   # pairs per expert
+    if info.size > 1:
+        return _all_to_all_experts(tokens, routing, routing_map, counts, experts, info)
+    sizes = split_sizes_to_host(counts)
+    rows, weights, token_ids = permute(tokens, routing, routing_map, sum(sizes))
+    return unpermute(experts(rows, sizes, counts), weights, token_ids, tokens.shape[0])
 
 
-def _all_to_all_experts(rows: torch.Tensor, counts: torch.Tensor, experts, info: GroupInfo) -> torch.Tensor:
+def _all_to_all_experts(tokens, routing, routing_map, counts: torch.Tensor, experts, info: GroupInfo) -> torch.Tensor:
     """Send the expert-sorted rows to the ranks of their experts, run the local experts, send the outputs back."""
     ep = info.size
     per_rank = counts.numel() // ep
     received = torch.empty_like(counts)
     dist.all_to_all_single(received, counts, group=info.group)   # [source rank, local expert] row counts
-    received = received.view(ep, per_rank)
-    sends, receives = counts.view(ep, per_rank).sum(dim=1).tolist(), received.sum(dim=1).tolist()
+    host = split_sizes_to_host(torch.cat([counts, received]))      # this rank's counts, then the received ones
+    sent, sizes = host[:counts.numel()], host[counts.numel():]
+    sends = [sum(sent[r * per_rank:(r + 1) * per_rank]) for r in range(ep)]
+    receives = [sum(sizes[s * per_rank:(s + 1) * per_rank]) for s in range(ep)]
+    per_expert = [sum(sizes[s * per_rank + e] for s in range(ep)) for e in range(per_rank)]
+    rows, weights, token_ids = permute(tokens, routing, routing_map, sum(sent))
     x = _AllToAll.apply(rows, receives, sends, info)
-    sizes = received.flatten().tolist()
     by_expert = [s * per_rank + e for e in range(per_rank) for s in range(ep)]     # (source, expert) -> (expert, source)
     by_source = [e * ep + s for s in range(ep) for e in range(per_rank)]
-    out = experts(_reorder(x, sizes, by_expert), received.sum(dim=0).tolist())
+    out = experts(_reorder(x, sizes, by_expert), per_expert, received.view(ep, per_rank).sum(dim=0))
     out = _reorder(out, [sizes[i] for i in by_expert], by_source)
-    return _AllToAll.apply(out, sends, receives, info)
+    return unpermute(_AllToAll.apply(out, sends, receives, info), weights, token_ids, tokens.shape[0])
 
 
 def _all_gather_and_reduce_scatter(tokens, routing, routing_map, experts, info: GroupInfo) -> torch.Tensor:
@@ -121,6 +133,9 @@ def _all_gather_and_reduce_scatter(tokens, routing, routing_map, experts, info: 
     all_routing = conjugate(routing, info, _all_gather, _reduce_scatter)
     all_map = _all_gather(routing_map.to(torch.uint8), info).bool()   # gloo gathers no bools
     local = slice(experts.first, experts.first + len(experts))
-    rows, weights, token_ids, counts = permute(all_tokens, all_routing[:, local], all_map[:, local])
-    shares = unpermute(experts(rows, counts.tolist()), weights, token_ids, all_tokens.shape[0])
+    local_map = all_map[:, local]
+    counts = local_map.sum(dim=0)
+    sizes = split_sizes_to_host(counts)
+    rows, weights, token_ids = permute(all_tokens, all_routing[:, local], local_map, sum(sizes))
+    shares = unpermute(experts(rows, sizes, counts), weights, token_ids, all_tokens.shape[0])
     return conjugate(shares, info, _reduce_scatter, _all_gather)

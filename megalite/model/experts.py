@@ -11,8 +11,12 @@ TP once for all experts (and the input gradients once in backward); with expert 
 holds whole experts. fc2's bias is added after that sum.
 
 The input is every token this rank's experts received, sorted by expert, with ``counts[i]`` for the i-th local
-expert. ``grouped`` runs each layer of all the experts as one ``torch._grouped_mm`` (weights stacked per call) where
-this torch and device offer it for the dtype and shapes, else a loop over experts (the same products).
+expert. ``grouped`` runs each layer of all the experts as one ``torch._grouped_mm`` where this torch and device offer
+it for the dtype and shapes, else a loop over experts (the same products). The grouped product reads each kind of
+weight of all the experts as one [E, out, in] tensor: the experts' weights of a kind lie one after another in memory
+(laid out so here, after every move of the module, and by the data-parallel buffer, which keeps each
+:meth:`LocalExperts.stacked_parameters` group together), so that tensor is a view, not a copy per call; where they do
+not (FSDP2's gathered parameters), they are stacked, with the same numbers.
 """
 
 from __future__ import annotations
@@ -83,9 +87,35 @@ class LocalExperts(nn.ModuleDict):
         split = world > 1
         super().__init__({str(first + i): ExpertMLP(cfg, split, world) for i in range(per_rank)})
         self.first, self.swiglu, self.grouped, self.split = first, cfg.swiglu, cfg.moe_grouped_gemm, split
+        self._lay_out_stacked()
 
-    def forward(self, tokens: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """Each expert applied to its rows of ``tokens`` [N, hidden] (``counts`` rows each, in order)."""
+    def stacked_parameters(self) -> list[list[nn.Parameter]]:
+        """The parameters the grouped product reads as one tensor each, in expert order: each linear's weights, and
+        its biases (the bias rows), of all the experts. The data-parallel buffer keeps each group together."""
+        linears = [[e.linear_fc1 for e in self.values()], [e.linear_fc2 for e in self.values()]]
+        groups = [[linear.weight for linear in kind] for kind in linears]
+        return groups + [[linear.bias for linear in kind] for kind in linears if kind[0].bias is not None]
+
+    def _lay_out_stacked(self) -> None:
+        """Each group of :meth:`stacked_parameters` made views of one stacked tensor (same values), unless it lies
+        so already (a move that changed nothing; the data-parallel buffer's layout, which must stay)."""
+        for group in self.stacked_parameters():
+            if _laid_out_stacked(group):
+                continue
+            stacked = torch.stack([p.detach() for p in group])
+            for param, row in zip(group, stacked):
+                param.data = row
+
+    def _apply(self, fn, recurse=True):
+        """A move or cast gives every parameter storage of its own: lay the groups out stacked again."""
+        super()._apply(fn, recurse)
+        self._lay_out_stacked()
+        return self
+
+    def forward(self, tokens: torch.Tensor, counts: list[int], device_counts: torch.Tensor) -> torch.Tensor:
+        """Each expert applied to its rows of ``tokens`` [N, hidden] (``counts`` rows each, in order; the same
+        counts on the device as ``device_counts``, so that the grouped product's offsets and the bias rows need no
+        copy from the host)."""
         experts = list(self.values())
         if self.split:   # TP-split experts: the input gradient is summed over TP, the outputs in forward
             tokens = copy_to_tensor_parallel(tokens)
@@ -93,9 +123,9 @@ class LocalExperts(nn.ModuleDict):
         fc2 = [e.linear_fc2 for e in experts]
         widths = [tokens.shape[-1], fc1[0].weight.shape[0], fc2[0].weight.shape[1]]
         if self.grouped and grouped_mm_available(tokens, widths):
-            offsets = torch.tensor(counts, device=tokens.device).cumsum(0).to(torch.int32)
-            hidden = self._activation(_grouped_linear(tokens, fc1, counts, offsets))
-            out = _grouped_linear(hidden, fc2, counts, offsets, with_bias=False)
+            offsets = device_counts.cumsum(0).to(torch.int32)
+            hidden = self._activation(_grouped_linear(tokens, fc1, device_counts, offsets))
+            out = _grouped_linear(hidden, fc2, device_counts, offsets, with_bias=False)
         else:
             outs = [F.linear(self._activation(F.linear(x, a.weight, a.bias)), b.weight)
                     for x, a, b in zip(tokens.split(counts), fc1, fc2)]
@@ -103,7 +133,7 @@ class LocalExperts(nn.ModuleDict):
         if self.split:
             out = reduce_from_tensor_parallel(out)
         if fc2[0].bias is not None:
-            out = out + _bias_rows(fc2, counts)
+            out = out + _bias_rows(fc2, device_counts, tokens.shape[0])
         return out
 
     def _activation(self, y: torch.Tensor) -> torch.Tensor:
@@ -113,17 +143,47 @@ class LocalExperts(nn.ModuleDict):
         return F.gelu(y)
 
 
-def _bias_rows(linears: list[ExpertLinear], counts: list[int]) -> torch.Tensor:
-    """Each expert's bias repeated for its rows: [N, out]."""
-    biases = torch.stack([linear.bias for linear in linears])
-    return biases.repeat_interleave(torch.tensor(counts, device=biases.device), dim=0)
+def _laid_out_stacked(tensors) -> bool:
+    """Whether ``tensors`` of one shape lie one after another in one storage, as the rows of a stacked tensor."""
+    first, size = tensors[0], tensors[0].numel()
+    return all(t.shape == first.shape and t.dtype == first.dtype and t.is_contiguous()
+               and t.storage_offset() == first.storage_offset() + i * size
+               and torch._C._is_alias_of(t, first)   # one storage (asked of meta and fake tensors too)
+               for i, t in enumerate(tensors))
 
 
-def _grouped_linear(x: torch.Tensor, linears: list[ExpertLinear], counts: list[int], offsets: torch.Tensor,
+class _Stacked(torch.autograd.Function):
+    """Tensors of one shape as one [n, ...] tensor, as torch.stack (each gets its slice of the gradient back), but a
+    view, without a copy, where they lie one after another in one storage."""
+
+    @staticmethod
+    def forward(ctx, *tensors):
+        if _laid_out_stacked(tensors):
+            first = tensors[0]
+            return first.as_strided((len(tensors), *first.shape), (first.numel(), *first.stride()),
+                                    first.storage_offset())
+        return torch.stack(tensors)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.unbind(0)
+
+
+def stacked(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """``torch.stack(tensors)``, a view where they are laid out stacked (see :class:`_Stacked`)."""
+    return _Stacked.apply(*tensors)
+
+
+def _bias_rows(linears: list[ExpertLinear], counts: torch.Tensor, rows: int) -> torch.Tensor:
+    """Each expert's bias repeated for its rows: [rows, out] (``rows`` given: else the host waits to learn it)."""
+    return stacked([linear.bias for linear in linears]).repeat_interleave(counts, dim=0, output_size=rows)
+
+
+def _grouped_linear(x: torch.Tensor, linears: list[ExpertLinear], counts: torch.Tensor, offsets: torch.Tensor,
                     with_bias: bool = True) -> torch.Tensor:
     """Rows of ``x`` times each expert's weight^T in one grouped product (weights stacked [E, out, in])."""
-    weights = torch.stack([linear.weight for linear in linears])
+    weights = stacked([linear.weight for linear in linears])
     y = torch._grouped_mm(x, weights.transpose(1, 2), offs=offsets)
     if with_bias and linears[0].bias is not None:
-        y = y + _bias_rows(linears, counts)
+        y = y + _bias_rows(linears, counts, x.shape[0])
     return y

@@ -5,7 +5,8 @@ The optimizer steps the data-parallel engine's *pieces*: for each model paramete
 the intersection of the parameter's range in the flat buffer with this rank's shard of the bucket, so Adam states
 exist once across the DP group (ZeRO-1/2); at ZeRO-3, this rank's row shard. Each piece gets a main copy in fp32:
 the parameter's own storage when the model is fp32 (no copy at all), a separate fp32 copy when the model is
-bf16/fp16, and a CPU copy with ``optimizer_cpu_offload`` (stepped by the fused C++ Adam).
+bf16/fp16, and a CPU copy with ``optimizer_cpu_offload`` (stepped by the fused C++ Adam). On CUDA, AdamW is torch's
+fused kernel (:func:`fused_adamw`).
 
 One step: unscale fp16 gradients and skip the step on every rank if any rank overflowed; the exact global norm and
 clipping; AdamW; write main copies back into the parameters; all-gather the shards (distributed optimizer).
@@ -29,6 +30,13 @@ from megalite.optimizer.loss_scaler import ConstantLossScaler, DynamicLossScaler
 def is_embedding_or_output(param: torch.nn.Parameter) -> bool:
     """The word embedding or the output layer (or its copy on the last stage): what --decoupled-lr applies to."""
     return getattr(param, "is_embedding_or_output", False)
+
+
+def fused_adamw(device_types: set[str]) -> bool:
+    """Whether AdamW runs as torch's fused kernel (``fused=True``, as Megatron and torchtitan use on GPUs: one
+    kernel for all parameters instead of a chain of foreach ops): when every main parameter is on CUDA. Elsewhere
+    torch's default (foreach) stays; ``fused=False`` would mean the per-tensor loop."""
+    return device_types == {"cuda"}
 
 
 @dataclass
@@ -70,7 +78,8 @@ class MegaliteOptimizer:
             from megalite.optimizer.cpu_adam import CPUAdamW   # builds the C++ kernel on first use
             self.inner: torch.optim.Optimizer = CPUAdamW(groups, **kwargs)
         else:
-            self.inner = torch.optim.AdamW(groups, **kwargs)
+            fused = fused_adamw({p.main.device.type for p in self.pieces})
+            self.inner = torch.optim.AdamW(groups, **kwargs, fused=True if fused else None)
         self.scaler: Optional[ConstantLossScaler | DynamicLossScaler] = None
         if training.fp16:
             self.scaler = (ConstantLossScaler(cfg.loss_scale) if cfg.loss_scale is not None else

@@ -389,6 +389,7 @@ class Numerics:
     mask_bytes: int = 1                # CUDA dropout keeps a bool mask
     fused_attention_dropout: bool = True   # flash attention regenerates its dropout mask (the CPU uses the math path)
     flash_attention: bool = True       # False: an unfused core (--use-fused-kernels on) keeps the s x s softmax
+    causal_bias_kernel: bool = True    # SDPA runs a lower-right causal bias as a kernel (the CPU spells out a mask)
 
     @classmethod
     def gpu(cls, dtype_bytes: int = 2) -> "Numerics":
@@ -397,7 +398,7 @@ class Numerics:
     @classmethod
     def cpu(cls, dtype_bytes: int = 4) -> "Numerics":
         """torch on the CPU: dropout keeps its float noise; attention with dropout runs the unfused math path."""
-        return cls(dtype_bytes, dtype_bytes, False)
+        return cls(dtype_bytes, dtype_bytes, False, causal_bias_kernel=False)
 
 
 def _norm_statistics(model: ModelConfig) -> int:
@@ -450,8 +451,10 @@ def layer_activation_bytes(model: ModelConfig, tp: int, sequence_parallel: bool,
             core, keeps_output = 4 * b * heads * s, True
         elif not numerics.flash_attention or (dropout and not numerics.fused_attention_dropout):
             # the softmax output, and with dropout its mask and output (the paper's 5as/h; the math path): the
-            # rank's queries against every key
-            core = a * s * whole * b / tp * (2 * p + m if dropout else p)
+            # rank's queries against every key (allgather: each local chunk against the keys up to its end, at most
+            # (2CP + 1) chunk^2 pairs of the 4CP chunk^2)
+            pairs = s * whole if cp == 1 or cp_comm_type != "allgather" else (2 * cp + 1) * (whole // (2 * cp)) ** 2
+            core = a * pairs * b / tp * (2 * p + m if dropout else p)
         else:
             core, keeps_output = 4 * b * heads * s, cp == 1   # flash attention's log-sum-exp (and its output)
         if cp > 1:
@@ -492,16 +495,21 @@ def context_parallel_core_bytes(model: ModelConfig, tp: int, micro_batch_size: i
 
     - p2p (ring): nothing more: it keeps q, k, v, its output and the log-sum-exp, as flash attention does;
     - a2a: the core's output in the head-sharded layout, a tensor besides the output projection's input;
-    - allgather: the whole sequence's keys and values (the core keeps its inputs), and the mask of the rank's
-      queries against every key, which SDPA keeps converted to the activation dtype (p bytes per pair, shared by the
-      micro-batch's samples: 8 MiB per layer for 1024 queries x 2048 keys in fp32)."""
+    - allgather: the whole sequence's keys and values, put in sample order (the core keeps its inputs), and the
+      rank's output in its two chunks (each chunk is a core of its own; their concatenation, the output projection's
+      input, is counted with the per-token terms); where torch spells out the lower-right causal bias as a mask
+      (the CPU: ``Numerics.causal_bias_kernel`` False), SDPA keeps it converted to the activation dtype, p bytes per
+      (query, key) pair of the chunks that attend beyond their own block: (2CP + 1) chunk^2 on the ranks but the
+      first (2CP chunk^2 there)."""
     s, b, h, p = model.seq_length // cp, micro_batch_size, model.hidden_size, numerics.activation_bytes
     if cp_comm_type == "p2p":
         return 0.0
     if cp_comm_type == "a2a":
         return p * b * s * h / tp
     kv_channels = max(model.query_groups // tp, 1) * model.head_dim
-    return p * b * model.seq_length * 2 * kv_channels + p * s * model.seq_length
+    chunk = model.seq_length // (2 * cp)
+    masks = 0.0 if numerics.causal_bias_kernel else p * (2 * cp + 1) * chunk * chunk
+    return p * b * model.seq_length * 2 * kv_channels + p * b * s * model.query_size / tp + masks
 
 
 def moe_activation_bytes(model: ModelConfig, tp: int, sequence_parallel: bool, micro_batch_size: int,

@@ -63,6 +63,17 @@ def rank_device(backend: str) -> tuple[str, torch.device]:
                          int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
 
 
+def allow_tf32(device: torch.device) -> bool:
+    """On a CUDA device, let fp32 matmuls and cuDNN round their inputs to TF32 on the tensor cores (as Megatron and
+    torchtitan do; 8x the fp32 rate on A100/H100; the bf16/fp16 products are unaffected): whether it did. Elsewhere
+    nothing changes."""
+    if device.type != "cuda":
+        return False
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.allow_tf32 = True
+    return True
+
+
 def initialize_distributed(parallel: ParallelConfig, timeout_s: float = 600.0,
                            backend: str = "nccl") -> torch.device:
     """Join the world (when launched by torchrun) over ``backend`` (--distributed-backend, see
@@ -72,6 +83,7 @@ def initialize_distributed(parallel: ParallelConfig, timeout_s: float = 600.0,
     backend, device = rank_device(backend)
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    allow_tf32(device)
     timeout = datetime.timedelta(seconds=timeout_s)
     if "WORLD_SIZE" in os.environ and not dist.is_initialized():
         # torchrun --max-restarts keeps its key-value store across restarts; sub-groups (TP, DP, ...) publish their

@@ -42,3 +42,16 @@ def test_separate_parameters_get_buckets_of_their_own_between_the_others_and_the
     plan = plan_buckets(params, bucket_size=10**6, dp=2, deferred=[params[0]], separate=fp8)
     assert [b.params for b in plan.buckets] == [[params[4], params[2]], [params[3], params[1]], [params[0]]]
     assert [b.deferred for b in plan.buckets] == [False, False, True]
+
+
+def test_parameters_together_lie_next_to_each_other_in_their_order_in_one_bucket():
+    """An MoE layer's experts' weights of a kind (interleaved with their biases in definition order): laid out
+    consecutively, first expert first, where the first of them would go, and never cut by a bucket's end."""
+    params = _params(4, 10, 1, 10, 1, 10, 1)   # a norm, then (weight, bias) of three experts
+    weights, biases = params[1::2], params[2::2]
+    plan = plan_buckets(params, bucket_size=15, dp=2, together=[weights, biases])
+    assert [plan.ranges[id(p)] for p in biases] == [(0, 1), (1, 2), (2, 3)]
+    assert [plan.ranges[id(p)] for p in weights] == [(3, 13), (13, 23), (23, 33)]
+    assert [b.params for b in plan.buckets] == [biases + weights, [params[0]]]
+    # A group not wholly among the parameters is left alone.
+    assert plan_buckets(params[:3], 10**6, 2, together=[weights]).ranges == plan_buckets(params[:3], 10**6, 2).ranges

@@ -155,3 +155,25 @@ def test_gradient_accumulation_fusion_writes_main_grad_without_hooks_and_still_r
         summed[fusion] = [p.main_grad.clone() for p in model.parameters()]
     for fused, hooked in zip(summed[True], summed[False]):
         assert float((fused - hooked).abs().max() / hooked.abs().max()) <= 1e-6
+
+
+class Experts(torch.nn.Module):
+    """Like megalite.model.experts.LocalExperts: its own forward reads its children's weights (stacked_parameters),
+    whose modules never run."""
+
+    def __init__(self):
+        super().__init__()
+        self.experts = torch.nn.ModuleList([torch.nn.Linear(4, 4, bias=False) for _ in range(2)])
+
+    def stacked_parameters(self):
+        return [[expert.weight for expert in self.experts]]
+
+    def forward(self, x):
+        return torch.stack([expert.weight for expert in self.experts]).matmul(x).square().sum()
+
+
+def test_the_experts_forward_waits_for_the_gather_of_their_parameters():
+    model = Experts()
+    engine = DataParallel([model], data_group=ALONE, zero=1, overlap_param_gather=True)
+    model(torch.randn(4, 3))
+    assert engine._forward_order == [engine.plan.bucket_of[id(model.experts[0].weight)]]

@@ -8,7 +8,7 @@ import torch
 
 from megalite.data.packing import packed_documents
 from megalite.model import GPTModel
-from megalite.model.context_parallel import local_indices, shard_sequence
+from megalite.model.context_parallel import SequenceShard, local_indices, shard_sequence
 
 from ..helpers import tiny_config
 
@@ -25,6 +25,18 @@ def test_load_balanced_chunks_pair_early_with_late():
         # Causal work per rank (keys at or before each query) is equal under the load balance.
         work = {int(local_indices(64, cp, r, balanced).add(1).sum()) for r in range(cp)}
         assert len(work) == 1 or not balanced
+
+
+def test_every_ranks_indices_are_made_once_per_device():
+    """The ring asks for a visiting rank's indices at every step of every layer: the same tensor each time, not a
+    new one copied from the host."""
+    indices = local_indices(16, 2, 0, True)
+    shard = SequenceShard(16, indices, indices, None, "p2p", cp=2, cp_rank=0)
+    other = shard.indices_of(1)
+    assert other.tolist() == local_indices(16, 2, 1, True).tolist()
+    assert shard.indices_of(1) is other
+    assert SequenceShard(16, indices, indices, None, "allgather", cp=2, cp_rank=0).indices_of(1) is other
+    assert shard_sequence(16, torch.device("cpu")).indices is shard_sequence(16, torch.device("cpu")).indices
 
 
 def test_masks_are_block_diagonal_causal():

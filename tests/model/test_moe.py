@@ -10,6 +10,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from megalite.config import ConfigError, ModelConfig
 from megalite.model import GPTModel
@@ -233,3 +234,132 @@ def test_full_recompute_gives_the_same_gradients_and_counts_the_routing_once():
     for s, r in zip(stats, recomputed_stats):
         torch.testing.assert_close(r, s)
     assert stats[0][:4].sum() == 2 * 32 * 2   # tokens x top-2, once
+
+
+class _HostReads(TorchDispatchMode):
+    """Counts what makes the host wait for the device (a stream sync on CUDA): reads of values (``tolist``, ``cpu``,
+    ``item``) and operations whose output size depends on values (boolean indexing, ``nonzero``,
+    ``repeat_interleave`` without its output size)."""
+
+    def __init__(self, monkeypatch):
+        super().__init__()
+        self.count = 0
+        for name in ("tolist", "cpu"):
+            original = getattr(torch.Tensor, name)
+            monkeypatch.setattr(torch.Tensor, name, self._counted(original))
+
+    def _counted(self, original):
+        def read(tensor, *args, **kwargs):
+            self.count += 1
+            return original(tensor, *args, **kwargs)
+        return read
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        aten = torch.ops.aten
+        if (func in (aten._local_scalar_dense.default, aten.nonzero.default, aten.masked_select.default)
+                or (func is aten.index.Tensor and any(i is not None and i.dtype == torch.bool for i in args[1]))
+                or (func is aten.repeat_interleave.Tensor and kwargs.get("output_size") is None)):
+            self.count += 1
+        return func(*args, **kwargs)
+
+
+@pytest.mark.parametrize("options", [{"moe_grouped_gemm": True}, {"moe_grouped_gemm": False, "swiglu": True}])
+def test_one_host_read_per_moe_layer_forward_and_backward(options, monkeypatch):
+    """The split sizes are the only values the host reads (once): no boolean indexing, no bias repeat sized on the
+    device, no copies of the counts from the host."""
+    with single_layout():
+        layer = _layer(**options)
+        x = torch.randn(2, 16, 64, requires_grad=True)
+        with _HostReads(monkeypatch) as reads:
+            layer(x).sum().backward()
+        assert reads.count == 1
+
+
+class _FakeExpertGroup:
+    """Two expert-parallel ranks in one process for the all-to-all dispatcher's host reads: the counts come back as
+    sent, the rows as zeros (their values are not what is counted)."""
+    ranks = (0, 1)
+    size = 2
+    group = None
+
+    @staticmethod
+    def all_to_all_single(out, x, output_splits=None, input_splits=None, group=None):
+        out.copy_(x) if output_splits is None else out.zero_()
+
+
+def test_all_to_all_dispatch_reads_the_host_once(monkeypatch):
+    from megalite.model import dispatcher
+
+    with single_layout():
+        layer = _layer(moe_grouped_gemm=False, disable_bias_linear=True)   # all four experts here: the loop runs two
+        monkeypatch.setattr(dispatcher.parallel_state, "get_expert_model_parallel_group", lambda: _FakeExpertGroup)
+        monkeypatch.setattr(dispatcher, "dist", _FakeExpertGroup)
+        x = torch.randn(2, 16, 64, requires_grad=True)
+        with _HostReads(monkeypatch) as reads:
+            layer(x).sum().backward()
+        assert reads.count == 1
+
+
+def _forward_backward(layer: MoELayer, x: torch.Tensor):
+    out = layer(x)
+    out.backward(torch.ones_like(out))
+    return out.detach(), [p.grad.clone() for p in layer.parameters()]
+
+
+@pytest.mark.parametrize("options", [{}, {"swiglu": True, "disable_bias_linear": True}])
+def test_grouped_experts_read_their_weights_in_place_bit_for_bit_as_stacked(options, monkeypatch):
+    """The experts' weights of a kind lie stacked in memory, so the grouped product takes them without a copy, in
+    every micro-batch, and after a cast; laid out apart (as FSDP2's gathered parameters) they are stacked, with
+    the same bits."""
+    from megalite.model.experts import stacked
+
+    with single_layout():
+        layer = _layer(moe_grouped_gemm=True, **options).double().float()   # moved: laid out again
+        x = torch.randn(2, 16, 64)
+        for group in layer.experts.stacked_parameters():
+            assert stacked(group).data_ptr() == group[0].data_ptr()
+        stacks = []
+        real_stack = torch.stack
+        monkeypatch.setattr(torch, "stack", lambda *a, **k: stacks.append(1) or real_stack(*a, **k))
+        in_place = [_forward_backward(layer, x) for _ in range(2)]   # two micro-batches: gradients accumulate
+        assert not stacks
+        monkeypatch.setattr(torch, "stack", real_stack)
+        layer.zero_grad()
+        for p in layer.experts.parameters():
+            p.data = p.data.clone()   # each its own storage
+        for group in layer.experts.stacked_parameters():
+            assert stacked(group).data_ptr() != group[0].data_ptr()
+        copied = [_forward_backward(layer, x) for _ in range(2)]
+        for (out, grads), (out_copied, grads_copied) in zip(in_place, copied):
+            assert torch.equal(out, out_copied)
+            assert all(torch.equal(g, h) for g, h in zip(grads, grads_copied))
+
+
+def test_the_data_parallel_buffer_keeps_each_experts_group_stacked():
+    from megalite.model.experts import LocalExperts, stacked
+    from megalite.training import Trainer
+
+    with single_layout():
+        cfg = tiny_config(model={**TINY_MOE, "moe_grouped_gemm": True}, data={"eval_interval": 0})
+        trainer = Trainer(cfg, torch.device("cpu"))
+        experts = [m for m in trainer.model.modules() if isinstance(m, LocalExperts)]
+        assert experts
+        for module in experts:
+            for group in module.stacked_parameters():
+                assert stacked(group).data_ptr() == group[0].data_ptr()
+                buffers = {e.param_buffer.untyped_storage().data_ptr() for e in trainer.engine.engines}
+                assert group[0].untyped_storage().data_ptr() in buffers   # the parameters live in the engine's buffer
+
+
+def test_a_move_that_changes_nothing_keeps_the_experts_in_the_data_parallel_buffer():
+    from megalite.model.experts import LocalExperts
+    from megalite.training import Trainer
+
+    with single_layout():
+        cfg = tiny_config(model={**TINY_MOE, "moe_grouped_gemm": True}, data={"eval_interval": 0})
+        trainer = Trainer(cfg, torch.device("cpu"))
+        experts = next(m for m in trainer.model.modules() if isinstance(m, LocalExperts))
+        before = [p.data_ptr() for p in experts.parameters()]
+        trainer.model.to(torch.device("cpu"), torch.float32)
+        assert [p.data_ptr() for p in experts.parameters()] == before

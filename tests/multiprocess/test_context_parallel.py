@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.nn.attention.bias import CausalBias
 
 from megalite import parallel_state
 from megalite.model.context_parallel import context_parallel_attention, shard_sequence
@@ -74,8 +75,16 @@ def test_attention_over_the_whole_sequence(cp, comm_type):
             def local(t):   # this rank's tokens of a [batch, heads, length, d] tensor
                 return shard.take(t.transpose(1, 2)).transpose(1, 2)
 
+            masks = []
+
+            def core(q, k, v, mask=None):
+                masks.append(mask)
+                return _sdpa(q, k, v, mask)
+
             mine = [local(t).detach().clone().requires_grad_() for t in (q, k, v)]
-            actual = context_parallel_attention(*mine, shard, _sdpa)
+            actual = context_parallel_attention(*mine, shard, core)
+            if docs is None:   # plain causal attention needs no mask tensor (flash attention on a GPU)
+                assert all(m is None or isinstance(m, CausalBias) for m in masks), comm_type
             actual.backward(local(grad))
             torch.testing.assert_close(actual, local(expected), rtol=0, atol=1e-12)
             for name, got, want in zip("qkv", mine, full):
@@ -263,4 +272,6 @@ def test_activation_bytes_per_rank_shrink_with_context_parallelism(comm_type):
         print(f"{comm_type} CP={cp}: {held:,} bytes per layer and rank, {held / measured[1]:.3f} of CP=1; the "
               f"planner's estimate {planned:,.0f} ({held / planned:.3f})")
         assert abs(held / planned - 1) < 0.05
-    assert measured[2] / measured[1] < (0.51 if comm_type == "p2p" else 0.65)
+    # allgather's two chunk cores keep one output-sized tensor (b s h) more than a single core and a quarter of its
+    # s x L mask (on the CPU only; none on a GPU), which at s = 128 is a little more, at long sequences far less.
+    assert measured[2] / measured[1] < {"p2p": 0.51, "a2a": 0.65, "allgather": 0.66}[comm_type]

@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from megalite.optimizer.optimizer import fused_adamw
 from megalite.training import Trainer
 from megalite.training.stopping import TrainingError
 
@@ -32,3 +33,11 @@ def test_a_nan_gradient_is_reported_skips_the_step_and_stops_training_naming_the
         trainer.engine.finish_grad_sync = finish_with_nan
         with pytest.raises(TrainingError, match=r"iteration 1: gradient norm is nan .*rank\(s\) \[0\]"):
             trainer.train_step()
+
+
+def test_adamw_is_fused_on_cuda_and_keeps_torchs_default_elsewhere():
+    assert fused_adamw({"cuda"})
+    assert not fused_adamw({"cpu"}) and not fused_adamw({"cpu", "cuda"}) and not fused_adamw(set())
+    with single_layout():
+        trainer = Trainer(tiny_config(data={"eval_interval": 0}), torch.device("cpu"))
+        assert trainer.optimizer.inner.defaults["fused"] is None   # foreach, as before (False: the per-tensor loop)

@@ -1,5 +1,6 @@
-"""Which backend and device a process gets (--distributed-backend and the node's GPUs), and the one-line error when a
-node has more processes than GPUs, before any process group exists."""
+"""Which backend and device a process gets (--distributed-backend and the node's GPUs), the one-line error when a
+node has more processes than GPUs, before any process group exists, and the device's numerics settings (TF32 for fp32
+products on CUDA only)."""
 
 from __future__ import annotations
 
@@ -50,3 +51,15 @@ def test_pretrain_gpt_says_so_in_one_line_before_any_process_group(monkeypatch, 
 def test_the_backend_is_nccl_or_gloo(capsys):
     assert pretrain_gpt.main(["model=gpt_tiny", "--distributed-backend", "mpi"]) == 2
     assert "megalite: error: --distributed-backend must be nccl or gloo, got 'mpi'" in capsys.readouterr().err
+
+
+def test_tf32_is_allowed_on_cuda_only():
+    flags = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    try:
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+        assert not initialize.allow_tf32(torch.device("cpu"))
+        assert not torch.backends.cuda.matmul.allow_tf32 and not torch.backends.cudnn.allow_tf32
+        assert initialize.allow_tf32(torch.device("cuda", 0))   # a device object needs no GPU
+        assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = flags

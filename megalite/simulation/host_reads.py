@@ -19,6 +19,7 @@ from typing import Iterator
 
 import torch
 
+_SIMULATION = os.path.dirname(__file__)   # frames of the simulation itself are not where a read is asked for
 _reads: Counter | None = None   # call site -> reads, while answering_host_reads is active
 
 
@@ -29,7 +30,7 @@ def simulating() -> bool:
 
 def _site() -> str:
     for frame in reversed(traceback.extract_stack()[:-2]):
-        if f"{os.sep}torch{os.sep}" not in frame.filename and frame.filename != __file__:
+        if f"{os.sep}torch{os.sep}" not in frame.filename and _SIMULATION not in frame.filename:
             return f"{os.path.relpath(frame.filename)}:{frame.lineno} ({frame.name})"
     return "?"
 

@@ -25,6 +25,8 @@ from typing import Iterator
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import CausalBias, CausalVariant
+from torch.utils._python_dispatch import _disable_current_modes
 
 from megalite import parallel_state
 from megalite.config import MegaliteConfig
@@ -65,12 +67,37 @@ def _attention_as_cuda_picks(original):
         if not query.is_meta:
             return original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
                             scale=scale, enable_gqa=enable_gqa)
-        if attn_mask is None:
-            return torch.ops.aten._scaled_dot_product_flash_attention(query, key, value, dropout_p, is_causal,
-                                                                     False, scale=scale)[0]
+        if attn_mask is None or isinstance(attn_mask, CausalBias):   # a causal bias runs as flash does (its memory)
+            return torch.ops.aten._scaled_dot_product_flash_attention(query, key, value, dropout_p,
+                                                                     is_causal or attn_mask is not None, False,
+                                                                     scale=scale)[0]
         return torch.ops.aten._scaled_dot_product_efficient_attention(query, key, value, attn_mask, True, dropout_p,
                                                                       is_causal, scale=scale)[0]
     return sdpa
+
+
+def _balanced_routing(top_k: int):
+    """(dispatch, split sizes): stand-ins for megalite.model's token dispatch and its one host read, routing every
+    expert the same number of (token, expert) pairs, T k / E of a rank's T tokens (the load the router balances
+    towards; counts are values, which meta tensors do not hold)."""
+    from megalite.model import dispatcher, moe   # noqa: PLC0415 - what is stood in for
+    layer = {}   # the layer being dispatched: its tokens and experts
+
+    def dispatch(kind, tokens, routing, routing_map, experts):
+        layer.update(tokens=routing_map.shape[0], experts=routing_map.shape[1],
+                     ep=parallel_state.get_expert_model_parallel_world_size())
+        return dispatcher.dispatch_and_combine(kind, tokens, routing, routing_map, experts)
+
+    def split_sizes(counts: torch.Tensor) -> list[int]:
+        counts.tolist()   # counted where the dispatcher asks, as every host read is (megalite.simulation.host_reads)
+        pairs, experts, ep = layer["tokens"] * top_k, layer["experts"], layer["ep"]
+        if ep > 1 and counts.numel() == experts // ep:   # allgather: the local experts' share of every rank's tokens
+            experts //= ep
+        share, left = divmod(pairs, experts)
+        block = [share + (e < left) for e in range(experts)]
+        return (block * (counts.numel() // experts + 1))[:counts.numel()]
+
+    return [(moe, "dispatch_and_combine", dispatch), (dispatcher, "split_sizes_to_host", split_sizes)]
 
 
 class _MetaDeviceModule(types.ModuleType):
@@ -86,14 +113,23 @@ class _MetaDeviceModule(types.ModuleType):
 
 
 @contextlib.contextmanager
-def _as_on_gpus() -> Iterator[None]:
-    """What a GPU run has that meta tensors lack: the attention kernels CUDA picks, and FSDP2 (ZeRO-3) accepting a
-    meta device mesh and parameters that stay on meta (it insists they be materialized first)."""
+def _as_on_gpus(cfg: MegaliteConfig) -> Iterator[None]:
+    """What a GPU run has that meta tensors lack: the attention kernels CUDA picks, values for the mixture of
+    experts' split sizes, and FSDP2 (ZeRO-3) accepting a meta device mesh and parameters that stay on meta (it
+    insists they be materialized first)."""
     from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup  # noqa: PLC0415 - torch's own
 
+    from megalite.model import context_parallel   # noqa: PLC0415 - what is stood in for
+
+    def causal_lower_right(*size):   # a tensor subclass torch cannot build under a dispatch mode (the tracker's)
+        with _disable_current_modes():
+            return CausalBias(CausalVariant.LOWER_RIGHT, *size)
+
     patches = [(F, "scaled_dot_product_attention", _attention_as_cuda_picks(F.scaled_dot_product_attention)),
+               (context_parallel, "causal_lower_right", causal_lower_right),
                (torch, "meta", _MetaDeviceModule("torch.meta")),
-               (FSDPParamGroup, "_validate_no_meta_params", lambda self: None)]
+               (FSDPParamGroup, "_validate_no_meta_params", lambda self: None),
+               *_balanced_routing(cfg.model.moe_router_topk)]
     originals = [(owner, name, getattr(owner, name, None)) for owner, name, _ in patches]
     for owner, name, value in patches:
         setattr(owner, name, value)
@@ -135,7 +171,7 @@ def simulate_rank(cfg: MegaliteConfig, world_size: int, rank: int) -> RankReport
     p = cfg.parallel
     tracker = MemoryTracker()
     with simulated_world(world_size, rank), answering_host_reads() as reads, \
-            count_communication(nccl_device=DEVICE) as counter, _as_on_gpus():
+            count_communication(nccl_device=DEVICE) as counter, _as_on_gpus(cfg):
         parallel_state.initialize_model_parallel(
             p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
             context_parallel_size=p.context_parallel_size, expert_model_parallel_size=p.expert_model_parallel_size,

@@ -4,8 +4,14 @@ from __future__ import annotations
 
 import time
 
+import dataclasses
+
 from megalite.config import MegaliteConfig
-from megalite.planner.dry_run import run_memory
+from megalite.data import run_vocab_size
+from megalite.planner.dry_run import dtype_bytes, run_memory
+from megalite.planner.hardware import Hardware
+from megalite.planner.layout import Layout
+from megalite.planner.performance import StepTime, step_time
 from megalite.simulation import report
 from megalite.simulation.run import RankReport, simulate_rank
 
@@ -15,20 +21,28 @@ def ranks_to_simulate(spec: str, world_size: int) -> list[int]:
     return list(range(world_size)) if spec == "all" else [int(rank) for rank in spec.split(",")]
 
 
-def _group_sizes(cfg: MegaliteConfig, world_size: int) -> dict[str, int]:
-    p = cfg.parallel
-    tp, pp, cp, ep = (p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.context_parallel_size,
-                      p.expert_model_parallel_size)
-    dp = world_size // (tp * pp * cp)
-    return {"tensor": tp, "pipeline": pp, "context": cp, "data": dp, "data_context": dp * cp, "expert": ep,
-            "expert_data": dp * cp // ep, "model": tp * pp, "embedding": 2, "world": world_size}
+def _group_sizes(layout: Layout, world_size: int) -> dict[str, int]:
+    """Each group kind's size and (``KIND_span``) the consecutive ranks its ring spans, as the planner prices it."""
+    tp, cp, dp, ep = layout.tp, layout.cp, layout.dp, layout.ep
+    return {"tensor": tp, "pipeline": layout.pp, "context": cp, "data": dp, "data_context": dp * cp, "expert": ep,
+            "expert_data": dp * cp // ep, "model": tp * layout.pp, "embedding": 2, "world": world_size,
+            "context_span": tp * cp, "data_span": tp * dp, "data_context_span": tp * dp * cp,
+            "expert_span": tp * ep, "expert_data_span": tp * dp * cp, "model_span": world_size}
+
+
+def _planned_step(cfg: MegaliteConfig, layout: Layout, hardware: Hardware) -> StepTime:
+    model = dataclasses.replace(cfg.model, vocab_size=run_vocab_size(cfg))
+    return step_time(model, layout, hardware, cfg.training.global_batch_size, dtype_bytes=dtype_bytes(cfg))
 
 
 def simulate_job(cfg: MegaliteConfig) -> tuple[list[str], list[str]]:
     """Simulate the ranks ``cfg`` asks for; (the lines to print, one line per broken rule)."""
     t = cfg.training
     world = t.simulate_gpus
-    _, stages = run_memory(cfg, world, cuda=True)
+    layout, stages = run_memory(cfg, world, cuda=True)
+    name, memory_gib = report.DEVICES[t.simulate_device]
+    hardware = Hardware(num_gpus=world, gpus_per_node=min(8, world), gpu_memory_gib=memory_gib)
+    planned_step, sizes = _planned_step(cfg, layout, hardware), _group_sizes(layout, world)
     planned = {stage.pp_rank: stage for stage in stages}
     ranks = ranks_to_simulate(t.simulate_rank, world)
     lines, errors, reports = [], [], []
@@ -44,9 +58,9 @@ def simulate_job(cfg: MegaliteConfig) -> tuple[list[str], list[str]]:
         if len(ranks) == 1:
             c = result.coordinates
             lines.append(f"megalite: simulated rank {rank} of {world} (TP rank {c['tp']}, CP rank {c['cp']}, DP rank "
-                         f"{c['dp']}, PP rank {c['pp']}), two iterations on {report.DEVICES[t.simulate_device][0]}:")
+                         f"{c['dp']}, PP rank {c['pp']}), two iterations on {name}:")
             lines += report.memory_lines(result, stage)
-            lines += report.communication_lines(result, _group_sizes(cfg, world))
+            lines += report.communication_lines(result, sizes, planned_step, hardware)
             lines += report.host_read_lines(result)
         else:
             lines.append(f"  rank {rank:>5} (PP rank {result.coordinates['pp']}): peak {result.peak_bytes / 2**30:.3f} "
@@ -56,7 +70,7 @@ def simulate_job(cfg: MegaliteConfig) -> tuple[list[str], list[str]]:
             worst = max(reports, key=lambda r: r.peak_bytes)
             lines.append(f"the most loaded rank, {worst.rank}:")
             lines += report.memory_lines(worst, planned[worst.coordinates["pp"]])
-            lines += report.communication_lines(worst, _group_sizes(cfg, world))
+            lines += report.communication_lines(worst, sizes, planned_step, hardware)
             lines += report.host_read_lines(worst)
         lines.append(report.summary_line(reports, planned, t.simulate_device)
                      + f" ({time.perf_counter() - start:.1f} s)")

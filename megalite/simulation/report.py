@@ -3,19 +3,13 @@ rank and layout, the collectives of one step, the host reads, and the broken rul
 
 from __future__ import annotations
 
-from megalite.planner.hardware import GiB
+from megalite.planner.hardware import GiB, Hardware
 from megalite.planner.memory import StageMemory
+from megalite.planner.performance import StepTime, ring_all_reduce_time, ring_gather_time
 
 # The GPUs --simulate-device knows: their name and memory (GiB, about what torch reports as total).
 DEVICES = {"h100": ("H100 SXM 80GB", 80.0), "h200": ("H200 141GB", 140.0), "a100": ("A100 80GB", 80.0),
            "b200": ("B200 192GB", 180.0)}
-
-# Bytes one rank puts on the wire per byte of the counted tensor (megalite.simulation.communication's conventions),
-# for a ring over n ranks: what the planner's communication model counts.
-_WIRE = {"all_reduce": lambda n: 2 * (n - 1) / n, "reduce_scatter": lambda n: (n - 1) / n,
-         "all_gather": lambda n: (n - 1) / n, "all_to_all_single": lambda n: (n - 1) / n,
-         "send": lambda n: 1.0, "recv": lambda n: 0.0, "broadcast": lambda n: 1.0}
-
 
 def memory_lines(report, planned: StageMemory) -> list[str]:
     """Simulated against planned bytes, by category, and the ratio of the totals (in GiB, or MiB below one)."""
@@ -32,16 +26,41 @@ def memory_lines(report, planned: StageMemory) -> list[str]:
     return lines
 
 
-def communication_lines(report, group_sizes: dict[str, int]) -> list[str]:
-    """The collectives of one step (the second iteration): calls and bytes by operation and group."""
-    lines = [f"    {'collectives of one step':<34}{'calls':>7}{'MiB counted':>13}{'MiB on the wire':>17}"]
-    wire_total = 0.0
+# Which part of the planner's communication model a group's collectives belong to, and the span of ranks its ring
+# crosses (a group inside a node runs at the node's link).
+_PLANNED_AS = {"tensor": "tp", "tensor_share": "tp", "pipeline": "pp", "embedding": "dp", "data": "dp",
+               "data_context": "dp", "expert_data": "dp", "context": "cp", "expert": "all_to_all"}
+
+
+def _seconds(op: str, nbytes: float, n: int, bandwidth: float) -> float:
+    """A collective's time in the planner's ring model (megalite.planner.performance)."""
+    if op == "all_reduce":
+        return ring_all_reduce_time(nbytes, n, bandwidth)
+    if op in ("all_gather", "reduce_scatter", "all_to_all_single"):
+        return ring_gather_time(nbytes, n, bandwidth)
+    return nbytes / bandwidth if op in ("send", "broadcast") else 0.0
+
+
+def communication_lines(report, group_sizes: dict[str, int], planned: StepTime, hardware: Hardware) -> list[str]:
+    """The collectives of one step (the second iteration) by operation and group: calls, bytes, and their time at
+    the planner's links beside the planner's own communication model of the step."""
+    lines = [f"    {'collectives of one step':<36}{'calls':>7}{'MiB':>12}{'ms at the planned links':>25}"]
+    simulated = {"tp": 0.0, "pp": 0.0, "dp": 0.0, "cp": 0.0, "all_to_all": 0.0}
     for (op, kind), (calls, _, nbytes) in sorted(report.communication.items(), key=lambda kv: -kv[1][2]):
-        n = group_sizes.get(kind, 2)
-        wire = nbytes * _WIRE.get(op, lambda n: 1.0)(n)
-        wire_total += wire
-        lines.append(f"    {op + ' over ' + kind + f' ({n})':<34}{calls:>7}{nbytes / 2**20:>13.2f}{wire / 2**20:>17.2f}")
-    lines.append(f"    {'sent per step':<34}{'':>7}{'':>13}{wire_total / 2**20:>17.2f}")
+        n = group_sizes.get(kind, 1)
+        span = hardware.num_gpus if kind == "pipeline" else group_sizes.get(f"{kind}_span", n)
+        part = _PLANNED_AS.get(kind)
+        if op == "all_to_all_single":   # the token dispatch, whichever name its ranks' group got first (EP = DP x CP)
+            part, span = "all_to_all", group_sizes["expert_span"]
+        seconds = _seconds(op, nbytes, n, hardware.bandwidth(span))
+        if part is not None:
+            simulated[part] += seconds
+        lines.append(f"    {op + ' over ' + kind + f' ({n})':<36}{calls:>7}{nbytes / 2**20:>12.2f}{seconds * 1e3:>25.2f}")
+    model = {"tp": planned.tp, "pp": planned.pp, "dp": planned.dp, "cp": planned.cp, "all_to_all": planned.all_to_all}
+    shown = [part for part in simulated if simulated[part] or model[part]]
+    lines.append("    communication per step (ms), simulated at the planned links / the planner's model: "
+                 + ", ".join(f"{part.upper() if part != 'all_to_all' else 'EP'} {simulated[part] * 1e3:.2f} / "
+                             f"{model[part] * 1e3:.2f}" for part in shown))
     return lines
 
 

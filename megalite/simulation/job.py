@@ -13,7 +13,7 @@ from megalite.planner.hardware import Hardware
 from megalite.planner.layout import Layout
 from megalite.planner.performance import StepTime, step_time
 from megalite.simulation import report
-from megalite.simulation.run import RankReport, simulate_rank
+from megalite.simulation.run import simulate_rank
 
 
 def ranks_to_simulate(spec: str, world_size: int) -> list[int]:
@@ -76,7 +76,3 @@ def simulate_job(cfg: MegaliteConfig) -> tuple[list[str], list[str]]:
                      + f" ({time.perf_counter() - start:.1f} s)")
     return lines, errors
 
-
-def reports_of(cfg: MegaliteConfig, ranks: list[int]) -> list[RankReport]:
-    """Every asked rank's report (raising at the first broken rule): for tests and tools."""
-    return [simulate_rank(cfg, cfg.training.simulate_gpus, rank) for rank in ranks]

@@ -6,8 +6,8 @@ refuses a module run twice in one iteration (every micro-batch does). So this is
 and taken away when it is freed (a weakref callback), as the CUDA caching allocator's "allocated" counts them
 (without its rounding to 512-byte blocks). At each new peak the live storages are remembered, so that afterwards
 they are put in the categories the planner uses: weights, gradients, optimizer states (the tensors the run names as
-such, see :meth:`MemoryTracker.categorize`), communication buffers (allocated inside a collective) and activations
-(everything else: what forward keeps for backward and the temporaries of the moment).
+such, see :meth:`MemoryTracker.categorize`) and activations (everything else: what forward keeps for backward, the
+communication buffers and the temporaries of the moment).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 
-CATEGORIES = ("weights", "gradients", "optimizer", "communication", "activations")
+CATEGORIES = ("weights", "gradients", "optimizer", "activations")
 
 
 class MemoryTracker(TorchDispatchMode):
@@ -34,8 +34,6 @@ class MemoryTracker(TorchDispatchMode):
         self.live: dict[int, tuple[int, int]] = {}   # id(storage) -> (serial, bytes)
         self._refs: dict[int, weakref.ref] = {}
         self._serial = 0
-        self.in_collective = 0
-        self.communication: set[int] = set()      # serials of storages allocated inside a collective
         self.current = 0
         self.peak = 0
         self.peak_storages: dict[int, int] = {}   # the live storages at the peak: serial -> bytes
@@ -72,10 +70,7 @@ class MemoryTracker(TorchDispatchMode):
             serial, size = self.live.pop(key, (0, 0))
             self.current -= size
             self._refs.pop(key, None)
-            self.communication.discard(serial)
         self._refs[key] = weakref.ref(storage, freed)
-        if self.in_collective:
-            self.communication.add(self._serial)
         self.current += size
         self._note_peak()
 
@@ -131,5 +126,5 @@ class MemoryTracker(TorchDispatchMode):
                         owner.setdefault(known[0], category)
         totals = defaultdict(int)
         for serial, size in self.peak_storages.items():
-            totals[owner.get(serial, "communication" if serial in self.communication else "activations")] += size
+            totals[owner.get(serial, "activations")] += size
         return {category: totals.get(category, 0) for category in CATEGORIES}

@@ -17,7 +17,7 @@ def memory_lines(report, planned: StageMemory) -> list[str]:
     unit, scale = ("GiB", GiB) if max(planned.total, report.peak_bytes) >= GiB else ("MiB", 2**20)
     rows = [("weights", s["weights"], planned.weights), ("gradients", s["gradients"], planned.gradients),
             ("optimizer states", s["optimizer"], planned.optimizer),
-            ("activations + buffers", s["activations"] + s["communication"], planned.activations + planned.gathered)]
+            ("activations + buffers", s["activations"], planned.activations + planned.gathered)]
     lines = [f"    {unit:<24}{'simulated':>10}{'planned':>10}"]
     lines += [f"    {name:<24}{sim / scale:>10.3f}{plan / scale:>10.3f}" for name, sim, plan in rows]
     ratio = report.peak_bytes / planned.total if planned.total else float("inf")

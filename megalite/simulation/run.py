@@ -43,7 +43,7 @@ class RankReport:
     rank: int
     coordinates: dict            # tp, cp, dp, pp ranks
     peak_bytes: int
-    peak_by_category: dict       # weights, gradients, optimizer, communication, activations
+    peak_by_category: dict       # weights, gradients, optimizer, activations (and buffers, temporaries)
     peak_phase: str
     communication: dict          # (op, group kind) -> [calls, elements, bytes] of the second iteration
     host_reads: dict             # call site -> reads in the second iteration

@@ -380,11 +380,11 @@ def collective_device() -> torch.device:
 def any_rank(flag: bool, device: torch.device) -> bool:
     """True on every rank of the layout if ``flag`` is True on any: a MAX over the model-parallel group (one model
     replica), then over DP x CP (the replicas), which together connect every rank of the layout."""
-    value = torch.tensor([1.0 if flag else 0.0], device=device)
+    value = torch.tensor([int(flag)], dtype=torch.int32, device=device)   # a count-like flag: 0 unless raised
     for info in (get_model_parallel_group(), get_data_parallel_group(with_context_parallel=True)):
         if info.size > 1:
             dist.all_reduce(value, op=dist.ReduceOp.MAX, group=info.group)
-    return bool(value.item() > 0)
+    return bool(value.item())
 
 
 def first_message(message: Optional[str], device: torch.device) -> Optional[str]:

@@ -94,6 +94,9 @@ def _check_simulation(cfg: MegaliteConfig) -> None:
              f"{FLAG.simulate_rank} must be ranks below {FLAG.simulate_gpus} {t.simulate_gpus} (separated by commas) "
              f"or 'all', got {t.simulate_rank!r}")
     _require(not t.dry_run, f"{FLAG.simulate_gpus} and {FLAG.dry_run} are two ways to check a job: choose one")
+    _require(not cfg.optimizer.optimizer_cpu_offload,
+             f"{FLAG.simulate_gpus} does not simulate {FLAG.optimizer_cpu_offload}: the simulated GPUs' tensors hold "
+             f"no values to copy to the host ({FLAG.dry_run} estimates its memory)")
 
 
 def _check_training_length(cfg: MegaliteConfig) -> None:

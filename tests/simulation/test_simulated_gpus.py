@@ -24,7 +24,7 @@ from megalite.simulation.communication import CommunicationContractError
 
 ROOT = Path(__file__).resolve().parents[2]
 
-TINY = ["model=gpt_tiny", "--mock-data", "--bf16", "--seq-length", "64", "--global-batch-size", "16",
+TINY = ["model=gpt_tiny", "--mock-data", "--seq-length", "64", "--global-batch-size", "16",
         "--micro-batch-size", "1", "--simulate-gpus", "8"]
 
 # The layouts of the equivalence tests (tests/multiprocess), on 8 ranks.
@@ -50,12 +50,14 @@ LAYOUTS = {
                               "--sequence-parallel",
     "FP8 rowwise": "--fp8-format e4m3 --fp8-recipe rowwise",
     "FP8 param gather ZeRO-1": "--fp8-format hybrid --use-distributed-optimizer --fp8-param-gather",
+    "fp16 dynamic loss scale TP=2": "--fp16 --tensor-model-parallel-size 2",
     "recompute full": "--recompute-granularity full --recompute-method uniform --pipeline-model-parallel-size 2",
     "recompute selective": "--recompute-granularity selective --tensor-model-parallel-size 2 --sequence-parallel",
 }
 
 
 def config(argv: list[str]):
+    argv = argv if "--fp16" in argv else argv + ["--bf16"]
     cfg = parse_command_line(argv, 8).config
     world = cfg.training.simulate_gpus
     validate(cfg, world)
@@ -126,6 +128,14 @@ def test_a_row_major_second_fp8_operand_is_refused(monkeypatch):
     monkeypatch.setattr(fp8, "_kernel_layout", lambda a, b: (a.contiguous(), b.contiguous()))
     with pytest.raises(ValueError, match="column-major"):
         simulate_rank(config(TINY + LAYOUTS["FP8 delayed"].split()), 8, 0)
+
+
+def test_an_fp16_step_is_taken_not_skipped_on_a_stand_in_overflow():
+    """A stand-in value must steer a healthy step: the loss scaler's overflow check reads a flag (0: no overflow), so
+    the optimizer steps and its states exist at the peak."""
+    report = simulate_rank(config(TINY + ["--fp16"]), 8, 0)
+    assert report.peak_by_category["optimizer"] == {s.pp_rank: s for s in run_memory(
+        config(TINY + ["--fp16"]), 8, cuda=True)[1]}[0].optimizer > 0
 
 
 # ---- what it reports -------------------------------------------------------------------------------------------

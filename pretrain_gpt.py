@@ -10,13 +10,12 @@ from __future__ import annotations
 import os
 import sys
 
-from megalite.checkpoint import check_checkpoint, use_checkpoint_args, with_checkpoint_tokenizer
 from megalite.config.cli import parse_command_line
-from megalite.config import ConfigError, megatron, validate
-from megalite.data import check_data_files
+from megalite.config import ConfigError
 from megalite.extensions import ExtensionUnavailable
 from megalite.planner.doctor import is_out_of_memory, out_of_memory_message
 from megalite.planner.dry_run import format_dry_run
+from megalite.run import Run
 from megalite.training import (Trainer, finish_checks, initialize_distributed, rank_device, shutdown_distributed,
                                world_size_from_env)
 from megalite.training.stopping import TrainingError
@@ -40,15 +39,10 @@ def main(argv: list[str]) -> int:
         if simulated:
             command_line = parse_command_line(argv, simulated)
         world_size = simulated or world_size_from_env()
-        cfg = with_checkpoint_tokenizer(command_line.config)   # --data-path alone: the --load checkpoint's tokenizer
-        cfg, notes = use_checkpoint_args(cfg)   # --use-checkpoint-args: the saved model options
-        cfg, warnings = megatron.adjust(cfg)   # --sequence-parallel at TP=1 off, as Megatron does
-        # Every rank checks the options on its own before any collective, so a bad value cannot hang the job.
-        validate(cfg, world_size)
-        check_data_files(cfg)   # data files too: a corrupt file stops every rank here, not in a collective
-        check_checkpoint(cfg, world_size)   # and a missing, partial or corrupt --load checkpoint
-        if not cfg.training.dry_run and not simulated:   # more processes than GPUs here: one line, not "invalid
-            rank_device(cfg.training.distributed_backend)   # device ordinal"
+        # Every rank resolves and checks the run on its own before any collective, so a bad value cannot hang the job.
+        run = Run.resolve(command_line.config, world_size)
+        if not run.cfg.training.dry_run and not simulated:   # more processes than GPUs here: one line, not "invalid
+            rank_device(run.cfg.training.distributed_backend)   # device ordinal"
     except ConfigError as error:
         if os.environ.get("RANK", "0") == "0":   # a refused --deepspeed-config: its table shows what was refused
             for line in getattr(error, "table", ()):
@@ -58,13 +52,14 @@ def main(argv: list[str]) -> int:
         return 2
     finish_checks(failed=False)
     if os.environ.get("RANK", "0") == "0":
-        for line in command_line.deepspeed_settings() + notes:   # what a --deepspeed-config file set (and the flags
-            print(line, flush=True)                              # overrode), what the checkpoint's options changed
-        for line in warnings + megatron.start_lines(cfg):   # Megatron's flags that were adjusted or change nothing
+        # What a --deepspeed-config file set (and the flags overrode), what the checkpoint's options changed,
+        # Megatron's flags that were adjusted or change nothing.
+        for line in command_line.deepspeed_settings() + list(run.notes):
             print(line, flush=True)
+    cfg = run.cfg
     if simulated:   # rank R's real code path on meta tensors under NCCL's rules (megalite.simulation)
         from megalite.simulation.job import simulate_job
-        lines, errors = simulate_job(cfg)
+        lines, errors = simulate_job(run)
         for line in lines:
             print(line, flush=True)
         for line in errors:
@@ -87,7 +82,7 @@ def main(argv: list[str]) -> int:
     if restart and os.environ.get("RANK", "0") == "0":   # torchrun --max-restarts began this attempt after a failure
         print(f"megalite: torchrun restart {restart} of {os.environ.get('TORCHELASTIC_MAX_RESTARTS', '?')}", flush=True)
     try:
-        trainer = Trainer(cfg, device)
+        trainer = Trainer(run, device)
         description = trainer.describe()   # collective: every rank computes it, rank 0 prints it
         trainer.logger.print(description)
         trainer.train()

@@ -112,8 +112,8 @@ def _config(args, save: str, asynchronous: bool) -> MegaliteConfig:
 
 def save_stall(args, scratch: Path) -> None:
     parallel_state.initialize_model_parallel(1, 1)
-    sync = Trainer(_config(args, str(scratch / "sync"), False), CPU)
-    asynchronous = Trainer(_config(args, str(scratch / "async"), True), CPU)
+    sync = Trainer.on_registered_layout(_config(args, str(scratch / "sync"), False), CPU)
+    asynchronous = Trainer.on_registered_layout(_config(args, str(scratch / "async"), True), CPU)
     sync.logger.print = asynchronous.logger.print = lambda *_: None
     params = sum(p.numel() for _, p in sync.canonical_named_parameters())
     for trainer in (sync, asynchronous):

@@ -130,7 +130,7 @@ def main() -> None:
             cfg = dataclasses.replace(base, parallel=dataclasses.replace(base.parallel, context_parallel_size=2,
                                                                          cp_comm_type=comm_type))
         with registered(layouts[name]):
-            return Trainer(cfg, common.CPU)
+            return Trainer.on_registered_layout(cfg, common.CPU)
 
     lines = [f"Context parallelism on {threads} thread(s) per rank, 2 ranks: GPT {args.layers} x {args.hidden} "
              f"({args.heads} heads), sequence {args.seq}, global batch {2 * args.micro_batch}, fp32; load average "

@@ -89,7 +89,7 @@ class OurEngine:
     """megalite's Trainer (its DataParallel engine and optimizer) with the given optimizer options."""
 
     def __init__(self, cfg):
-        self.trainer = Trainer(cfg, common.CPU)
+        self.trainer = Trainer.on_registered_layout(cfg, common.CPU)
 
     def step(self) -> float:
         return self.trainer.train_step()["loss"]

@@ -78,7 +78,7 @@ def main():
     common.set_threads(dist.get_world_size())
     ep = dist.get_world_size()
     parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=ep)
-    trainers = {label: Trainer(moe_config(args, *side), common.CPU) for label, side in SIDES.items()}
+    trainers = {label: Trainer.on_registered_layout(moe_config(args, *side), common.CPU) for label, side in SIDES.items()}
     counts = {label: counted_step(trainer, args.micro_batch) for label, trainer in trainers.items()}   # step 1
     times = common.alternate({label: lambda t=t: t.train_step() for label, t in trainers.items()},
                              args.warmup - 1, args.iters)

@@ -158,7 +158,7 @@ def compare_with_reference(args, tp: int) -> dict:
         reference = parallelize(reference, init_device_mesh("cpu", (tp,)))
     peer = ReferenceTrainer(reference, cfg, tensor_parallel=tp > 1)
     parallel_state.initialize_model_parallel(tp, 1)
-    trainer = Trainer(cfg, common.CPU)
+    trainer = Trainer.on_registered_layout(cfg, common.CPU)
     loss_ours, loss_peer = trainer.train_step()["loss"], peer.step()
     # Single-process steps are short: three times the rounds for the same confidence.
     iters = args.iters * (3 if tp == 1 else 1)
@@ -195,7 +195,7 @@ def compare_pipeline(args, pp: int, v: int) -> dict:
     cfg = common.training_config(args, pp=pp, virtual=v if v > 1 else None, micro_batches=args.pp_micro_batches,
                                  dp=common.world_size() // pp)
     parallel_state.initialize_model_parallel(1, pp)
-    trainer = Trainer(cfg, common.CPU)
+    trainer = Trainer.on_registered_layout(cfg, common.CPU)
     trainer.train_step()
     with count_communication() as counter:
         trainer.train_step()

@@ -67,7 +67,7 @@ def main() -> None:
         trainers = {}
         for name, options in (("ZeRO-1", {"use_distributed_optimizer": True}), ("ZeRO-3", {"zero_stage": 3})):
             cfg = common.training_config(args, micro_batches=micro_batches, dp=dp, **options)
-            trainers[name] = Trainer(cfg, common.CPU)
+            trainers[name] = Trainer.on_registered_layout(cfg, common.CPU)
         parameters = sum(p.numel() for p in trainers["ZeRO-1"].engine.params)
         times = common.alternate({name: t.train_step for name, t in trainers.items()}, args.warmup, args.iters)
         ratio = common.paired_ratio(times["ZeRO-3"], times["ZeRO-1"])

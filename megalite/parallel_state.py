@@ -57,6 +57,25 @@ class GroupInfo:
     def rank(self) -> int:
         return self.ranks.index(dist.get_rank() if dist.is_initialized() else 0)
 
+    def start_sum(self, value: torch.Tensor) -> Optional[dist.Work]:
+        """Launch the in-place sum of ``value`` over the members; its Work (None alone: nothing to wait for)."""
+        return dist.all_reduce(value, group=self.group, async_op=True) if self.size > 1 else None
+
+    def sum(self, value: torch.Tensor) -> torch.Tensor:
+        """``value`` summed in place over the members (alone: as it is)."""
+        return self._reduce(value, dist.ReduceOp.SUM)
+
+    def max(self, value: torch.Tensor) -> torch.Tensor:
+        return self._reduce(value, dist.ReduceOp.MAX)
+
+    def min(self, value: torch.Tensor) -> torch.Tensor:
+        return self._reduce(value, dist.ReduceOp.MIN)
+
+    def _reduce(self, value: torch.Tensor, op: dist.ReduceOp) -> torch.Tensor:
+        if self.size > 1:
+            dist.all_reduce(value, op=op, group=self.group)
+        return value
+
 
 @dataclass(frozen=True)
 class ParallelState:
@@ -262,6 +281,12 @@ def destroy_model_parallel() -> None:
 
 def is_initialized() -> bool:
     return _STATE is not None
+
+
+def layout_size() -> int:
+    """Ranks in the registered layout: TP x CP x DP x PP (the world, unless it was built over fewer ranks)."""
+    s = state()
+    return s.tensor.size * s.context.size * s.data.size * s.pipeline.size
 
 
 def state() -> ParallelState:

@@ -395,7 +395,7 @@ def train_rows(args, device: torch.device, peak_tflops: float | None, log: Calla
     rows = []
     try:
         started = time.monotonic()
-        trainer = Trainer(cfg, device)
+        trainer = Trainer.on_registered_layout(cfg, device)
         log(f"  built {trainer.describe()} in {time.monotonic() - started:.0f} s")
         m, t = trainer.cfg.model, trainer.cfg.training
         description = (f"{model.split('=')[1]} ({m.num_layers} layers, hidden {m.hidden_size}, sequence "
@@ -414,7 +414,7 @@ def train_rows(args, device: torch.device, peak_tflops: float | None, log: Calla
                     torch.cuda.empty_cache()
                 fp8_cfg = parse_args(argv + ["--bf16", "--fp8-format", "hybrid", "--fp8-recipe", fp8_recipe])
                 validate(fp8_cfg, 1)
-                trainer = Trainer(fp8_cfg, device)
+                trainer = Trainer.on_registered_layout(fp8_cfg, device)
             # The Trainer built its model with its options' policy (auto); the modules that read one are switched here.
             for module in trainer.model.modules():
                 if hasattr(module, "kernels"):

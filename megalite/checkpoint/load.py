@@ -33,7 +33,7 @@ from megalite.checkpoint.manifest import Manifest, SavedLayout
 from megalite.checkpoint.model_specs import check_fits
 from megalite.checkpoint.reshard import assemble, merge, split
 from megalite.config import MegaliteConfig
-from megalite.data.builder import run_tokenizer
+from megalite.config.dims import ParallelDims
 from megalite.data.tokenizer import Tokenizer
 from megalite.distributed import copy_into_parameter
 from megalite.optimizer import MegaliteOptimizer
@@ -48,23 +48,20 @@ class LoadResult:
     notes: list[str]               # what was and was not restored, for rank 0 to print
 
 
-def check_checkpoint(cfg: MegaliteConfig, world_size: int) -> None:
+def check_checkpoint(cfg: MegaliteConfig, world_size: int, tokenizer: Optional[Tokenizer] = None) -> None:
     """Raise a one-line CheckpointError if ``--load`` names no usable checkpoint, or one that misses anything this
-    run would read. Reads only the manifest and DCP's index; no process group needed."""
+    run would read, or holds another model than ``cfg``'s read with ``tokenizer`` (megalite.run resolved both: the
+    vocabulary is the tokenizer's). Reads only the manifest and DCP's index; no process group needed."""
     c = cfg.checkpoint
     if c.load is None:
         return
     checkpoint = open_load_checkpoint(c)
     if checkpoint is None:
         return
-    p = cfg.parallel
-    layout = SavedLayout.of(cfg, world_size // (p.tensor_model_parallel_size * p.pipeline_model_parallel_size
-                                                * p.context_parallel_size))
+    layout = SavedLayout.of(cfg, ParallelDims.of(cfg.parallel, world_size).dp)
     checkpoint.verify(optimizer=_loads_optimizer(cfg, checkpoint.manifest),
                       rng=_loads_rng(cfg, checkpoint.manifest, layout, torch.cuda.is_available()))
-    tokenizer = run_tokenizer(cfg)   # it decides the vocabulary, as in the trainer
-    model = cfg.model if tokenizer is None else dataclasses.replace(cfg.model, vocab_size=tokenizer.vocab_size)
-    check_same_model(checkpoint, model, tokenizer, c.finetune)
+    check_same_model(checkpoint, cfg.model, tokenizer, c.finetune)
 
 
 def load_checkpoint(cfg: MegaliteConfig, *, parameters: list[tuple[str, torch.nn.Parameter]],

@@ -5,10 +5,10 @@
 collective. Tokenizers, the indexed file format, the preprocessor and the index builders are in the modules below.
 """
 
-from megalite.data.builder import DataBundle, build_datasets, check_data_files, run_vocab_size
+from megalite.data.builder import DataBundle, build_datasets, check_data_files, run_tokenizer
 from megalite.data.errors import DataError
 from megalite.data.mock import MockGPTDataset
 from megalite.data.sampler import micro_batch_indices
 
 __all__ = ["DataBundle", "DataError", "MockGPTDataset", "build_datasets", "check_data_files", "micro_batch_indices",
-           "run_vocab_size"]
+           "run_tokenizer"]

@@ -44,7 +44,7 @@ class DataBundle:
     train: Optional[Dataset]
     valid: Optional[Dataset]     # None when the split leaves it no documents or it was asked for no samples
     test: Optional[Dataset]
-    vocab_size: int              # run_vocab_size: set the model's from it
+    vocab_size: int              # the tokenizer's, or --vocab-size for mock data
     tokenizer: Optional[Tokenizer]
 
 
@@ -68,15 +68,9 @@ def run_tokenizer(cfg: MegaliteConfig) -> Optional[Tokenizer]:
     return configured_tokenizer(d, cfg.model.vocab_size)
 
 
-def run_vocab_size(cfg: MegaliteConfig) -> int:
-    """The vocabulary the model is built for: the tokenizer's (as in Megatron), or --vocab-size for mock data."""
-    tokenizer = run_tokenizer(cfg)
-    return cfg.model.vocab_size if tokenizer is None else tokenizer.vocab_size
-
-
-def _sources(cfg: MegaliteConfig) -> _Sources:
+def _sources(cfg: MegaliteConfig, tokenizer: Optional[Tokenizer]) -> _Sources:
     d = cfg.data
-    tokenizer = run_tokenizer(cfg)
+    tokenizer = tokenizer or run_tokenizer(cfg)
     if d.data_path is None:
         prefixes, weights = [ensure_default_corpus().prefix], None
     else:
@@ -100,8 +94,8 @@ def _open(sources: _Sources, progress: bool) -> list[IndexedDataset]:
     return datasets
 
 
-def _checked(cfg: MegaliteConfig) -> tuple[_Sources, list[IndexedDataset]]:
-    sources = _sources(cfg)
+def _checked(cfg: MegaliteConfig, tokenizer: Optional[Tokenizer]) -> tuple[_Sources, list[IndexedDataset]]:
+    sources = _sources(cfg, tokenizer)
     indexed = _open(sources, progress=not cfg.logging.quiet)
     fractions = cfg.data.split_fractions()
     if all(first == last for first, last in (split_documents(len(d), fractions)[0] for d in indexed)):
@@ -110,23 +104,25 @@ def _checked(cfg: MegaliteConfig) -> tuple[_Sources, list[IndexedDataset]]:
     return sources, indexed
 
 
-def check_data_files(cfg: MegaliteConfig) -> None:
+def check_data_files(cfg: MegaliteConfig, tokenizer: Optional[Tokenizer] = None) -> None:
     """Raise DataError (one line naming the file) if a data or tokenizer file is missing, truncated or corrupt, or
     holds tokens outside the vocabulary, or if the split leaves nothing to train on. Builds the built-in corpus if it
-    is the one used and not built yet. Costs a pass over each .bin the first time only (the verdict is cached)."""
+    is the one used and not built yet. Costs a pass over each .bin the first time only (the verdict is cached).
+    ``tokenizer``: the run's (megalite.run built it), else built here."""
     if not cfg.data.mock_data:
-        _checked(cfg)
+        _checked(cfg, tokenizer)
 
 
-def build_datasets(cfg: MegaliteConfig, num_samples: tuple[int, int, int]) -> DataBundle:
-    """The (train, valid, test) datasets holding ``num_samples`` samples each (checks the files as
-    :func:`check_data_files` does, cheaply when that already ran)."""
+def build_datasets(cfg: MegaliteConfig, num_samples: tuple[int, int, int],
+                   tokenizer: Optional[Tokenizer] = None) -> DataBundle:
+    """The (train, valid, test) datasets holding ``num_samples`` samples each, read with ``tokenizer`` (the run's;
+    built here when not given) (checks the files as :func:`check_data_files` does, cheaply when that already ran)."""
     m, seed = cfg.model, cfg.training.seed
     if cfg.data.mock_data:
         mocks = [MockGPTDataset(m.vocab_size, m.seq_length, seed + offset, n)
                  for offset, n in zip(_MOCK_SEED_OFFSETS, num_samples)]
         return DataBundle(*mocks, vocab_size=m.vocab_size, tokenizer=None)
-    sources, indexed = _checked(cfg)
+    sources, indexed = _checked(cfg, tokenizer)
     fractions = cfg.data.split_fractions()
     ranges = [split_documents(len(dataset), fractions) for dataset in indexed]
     splits = []

@@ -22,7 +22,6 @@ import torch
 from megalite import parallel_state
 from megalite.config import MegaliteConfig
 from megalite.config.flags import FLAG
-from megalite.data import run_vocab_size
 from megalite.planner.dry_run import dtype_bytes, numerics_for
 from megalite.planner.hardware import GiB, Hardware, gib
 from megalite.planner.layout import Layout
@@ -66,7 +65,7 @@ def diagnose_out_of_memory(cfg: MegaliteConfig, error: BaseException, *, world_s
     device = device_memory or device_memory_bytes(error)
     layout = Layout.from_config(cfg, world_size)
     pp_rank = _pp_rank(layout)
-    model = dataclasses.replace(cfg.model, vocab_size=run_vocab_size(cfg))
+    model = cfg.model   # a resolved run's: its vocabulary is the tokenizer's (megalite.run)
     gbs, nbytes, numerics = cfg.training.global_batch_size, dtype_bytes(cfg), numerics_for(cfg, cuda)
 
     def memory(lay: Layout, m=model) -> StageMemory:

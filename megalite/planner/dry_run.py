@@ -13,7 +13,6 @@ import torch
 
 from megalite.config import MegaliteConfig
 from megalite.config.batches import batch_schedule, describe
-from megalite.data import run_vocab_size
 from megalite.pipeline.simulation import schedule_bubble
 from megalite.planner.hardware import GiB
 from megalite.planner.layout import Layout
@@ -41,7 +40,7 @@ def run_memory(cfg: MegaliteConfig, world_size: int, cuda: bool | None = None) -
     """The layout of ``cfg`` at ``world_size`` and the memory of one GPU of each pipeline stage."""
     cuda = torch.cuda.is_available() if cuda is None else cuda
     layout = Layout.from_config(cfg, world_size)
-    model = dataclasses.replace(cfg.model, vocab_size=run_vocab_size(cfg))
+    model = cfg.model   # a resolved run's: its vocabulary is the tokenizer's (megalite.run)
     stages = memory_per_stage(model, layout, cfg.training.global_batch_size, dtype_bytes=dtype_bytes(cfg),
                               numerics=numerics_for(cfg, cuda), bucket_size=cfg.optimizer.ddp_bucket_size,
                               prefetch_bucket_size=cfg.optimizer.zero3_prefetch_bucket_size,
@@ -81,7 +80,7 @@ def format_dry_run(cfg: MegaliteConfig, world_size: int, cuda: bool | None = Non
     """What --dry-run prints: the layout, the parameters, and each stage's memory split, most loaded marked."""
     cuda = torch.cuda.is_available() if cuda is None else cuda
     layout, stages = run_memory(cfg, world_size, cuda)
-    model = dataclasses.replace(cfg.model, vocab_size=run_vocab_size(cfg))
+    model = cfg.model   # a resolved run's: its vocabulary is the tokenizer's (megalite.run)
     params = count_parameters(model, layout.tp, layout.pp, layout.virtual_stages, layout.placement, ep=layout.ep,
                               expert_tp=layout.expert_tp)
     m = layout.num_micro_batches(cfg.training.global_batch_size)   # the largest batch, when it ramps up

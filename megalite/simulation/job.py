@@ -7,13 +7,13 @@ import time
 import dataclasses
 
 from megalite.config import MegaliteConfig
-from megalite.data import run_vocab_size
 from megalite.planner.dry_run import dtype_bytes, run_memory
 from megalite.planner.hardware import Hardware
 from megalite.planner.layout import Layout
 from megalite.planner.performance import StepTime, step_time
 from megalite.simulation import report
 from megalite.simulation.run import simulate_rank
+from megalite.run import Run
 
 
 def ranks_to_simulate(spec: str, world_size: int) -> list[int]:
@@ -31,14 +31,15 @@ def _group_sizes(layout: Layout, world_size: int) -> dict[str, int]:
 
 
 def _planned_step(cfg: MegaliteConfig, layout: Layout, hardware: Hardware) -> StepTime:
-    model = dataclasses.replace(cfg.model, vocab_size=run_vocab_size(cfg))
+    model = cfg.model   # a resolved run's: its vocabulary is the tokenizer's (megalite.run)
     return step_time(model, layout, hardware, cfg.training.global_batch_size, dtype_bytes=dtype_bytes(cfg))
 
 
-def simulate_job(cfg: MegaliteConfig) -> tuple[list[str], list[str]]:
-    """Simulate the ranks ``cfg`` asks for; (the lines to print, one line per broken rule)."""
+def simulate_job(run: Run) -> tuple[list[str], list[str]]:
+    """Simulate the ranks the run asks for; (the lines to print, one line per broken rule)."""
+    cfg = run.cfg
     t = cfg.training
-    world = t.simulate_gpus
+    world = run.dims.world
     layout, stages = run_memory(cfg, world, cuda=True)
     name, memory_gib = report.DEVICES[t.simulate_device]
     hardware = Hardware(num_gpus=world, gpus_per_node=min(8, world), gpu_memory_gib=memory_gib)
@@ -49,7 +50,7 @@ def simulate_job(cfg: MegaliteConfig) -> tuple[list[str], list[str]]:
     start = time.perf_counter()
     for rank in ranks:
         try:
-            result = simulate_rank(cfg, world, rank)
+            result = simulate_rank(run, rank)
         except Exception as error:   # noqa: BLE001 - every broken rule becomes its line; the ranks after it still run
             errors.append(f"rank {rank}: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}")
             continue

@@ -30,6 +30,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from megalite import parallel_state
 from megalite.config import MegaliteConfig
+from megalite.run import Run
 from megalite.simulation.communication import CommCounter, count_communication
 from megalite.simulation.host_reads import answering_host_reads
 from megalite.simulation.memory import MemoryTracker
@@ -163,11 +164,12 @@ def _named_tensors(trainer) -> dict[str, list[torch.Tensor]]:
             "optimizer": [piece.main for piece in trainer.optimizer.pieces] + states}
 
 
-def simulate_rank(cfg: MegaliteConfig, world_size: int, rank: int) -> RankReport:
-    """Run rank ``rank`` of ``world_size`` simulated GPUs for two iterations; what it held and sent."""
+def simulate_rank(run: Run, rank: int) -> RankReport:
+    """Run rank ``rank`` of the run's simulated GPUs for two iterations; what it held and sent."""
     from megalite.training import Trainer   # noqa: PLC0415 - the trainer is what is simulated
 
-    cfg = simulation_config(cfg)
+    cfg, world_size = simulation_config(run.cfg), run.dims.world
+    run = dataclasses.replace(run, cfg=cfg)
     p = cfg.parallel
     tracker = MemoryTracker()
     with simulated_world(world_size, rank), answering_host_reads() as reads, \
@@ -183,7 +185,7 @@ def simulate_rank(cfg: MegaliteConfig, world_size: int, rank: int) -> RankReport
                            "pp": parallel_state.get_pipeline_model_parallel_rank()}
             with tracker:
                 tracker.label = "building the model"
-                trainer = Trainer(cfg, DEVICE)
+                trainer = Trainer(run, DEVICE)
                 trainer.describe()
                 tracker.label = "iteration 1"
                 trainer.train_step()

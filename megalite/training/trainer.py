@@ -13,7 +13,6 @@ rank's micro-batches (megalite.model.context_parallel); their loss sums over DP 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import math
 import time
@@ -33,6 +32,7 @@ from megalite.kernels import KernelPolicy, prepare
 from megalite.model import GPTModel
 from megalite.model.context_parallel import SequenceShard, shard_sequence
 from megalite.model.flops import model_flops_per_iteration
+from megalite.run import Run
 from megalite.optimizer import LRSchedule, MegaliteOptimizer
 from megalite.optimizer.clip_grads import counts_toward_norm
 from megalite.pipeline import (PipelineLinks, StepClock, build_schedule, chunks_of_rank, placement_of, plan_transfers,
@@ -129,15 +129,15 @@ class TrainState:
 class Trainer:
     """Builds this rank's model chunks, optimizer and data for the registered layout, then runs iterations."""
 
-    def __init__(self, cfg: MegaliteConfig, device: torch.device):
+    def __init__(self, run: Run, device: torch.device):
+        cfg = run.cfg
         t, d = cfg.training, cfg.data
         # The global batch of each iteration (constant, or ramping up with the consumed samples) and the run's length.
         self.batches = batch_schedule(t, cfg.model.seq_length)
         self.train_iters = train_iterations(t, self.batches)
         valid_samples = d.eval_iters * t.global_batch_size if d.eval_interval > 0 else 0
-        self.data = build_datasets(cfg, (self.batches.consumed_after(self.train_iters), valid_samples, 0))
-        # The tokenizer decides the vocabulary (as in Megatron); --vocab-size only sizes mock data.
-        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=self.data.vocab_size))
+        self.data = build_datasets(cfg, (self.batches.consumed_after(self.train_iters), valid_samples, 0),
+                                   run.tokenizer)
         self.cfg, self.device = cfg, device
         seed, m = cfg.training.seed, cfg.model
         self.pp = parallel_state.get_pipeline_model_parallel_world_size()
@@ -239,6 +239,12 @@ class Trainer:
         self.peak_tflops = peak_tflops(device, cfg.logging.peak_tflops)
         self.flops_per_sample = model_flops_per_iteration(m, 1)
         self.moe = MoEStatistics(self.model, m, cfg.training.micro_batch_size)
+
+    @classmethod
+    def on_registered_layout(cls, cfg: MegaliteConfig, device: torch.device) -> "Trainer":
+        """The trainer of ``cfg`` resolved at the size of the layout already registered (tools, benchmarks and
+        tests that build their own groups; pretrain_gpt resolves the run from the world first)."""
+        return cls(Run.resolve(cfg, parallel_state.layout_size()), device)
 
     def describe(self) -> str:
         """One line for the start of a run: layout, schedule, model size, data."""

@@ -32,7 +32,7 @@ VOCAB = 301     # not a multiple of 128: megalite pads it, HF must not see the p
 def train_and_save(cfg, directory, iterations: int) -> list[float]:
     """Run ``iterations`` steps of ``cfg`` (whose train_iters sets the LR schedule), then save; the losses."""
     with single_layout():
-        trainer = Trainer(cfg, CPU)
+        trainer = Trainer.on_registered_layout(cfg, CPU)
         result = [trainer.train_step()["loss"] for _ in range(iterations)]
         trainer.save_checkpoint(str(directory))
     return result

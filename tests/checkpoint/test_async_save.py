@@ -26,7 +26,7 @@ def test_async_save_equals_a_sync_save_while_training_goes_on(tmp_path, monkeypa
     cfg = tiny_config(model={"hidden_dropout": 0.1, "attention_dropout": 0.1}, data={"eval_interval": 0},
                       training={"train_iters": 6})
     with single_layout():
-        trainer = Trainer(cfg, CPU)
+        trainer = Trainer.on_registered_layout(cfg, CPU)
         for _ in range(3):
             trainer.train_step()
         trainer.save_checkpoint(str(tmp_path / "sync"))
@@ -40,7 +40,7 @@ def test_async_save_equals_a_sync_save_while_training_goes_on(tmp_path, monkeypa
 
     monkeypatch.setattr(dcp.FileSystemWriter, "write_data", held_write_data)
     with single_layout():
-        trainer = Trainer(with_checkpoint(cfg, async_save=True), CPU)
+        trainer = Trainer.on_registered_layout(with_checkpoint(cfg, async_save=True), CPU)
         for _ in range(3):
             trainer.train_step()
         assert trainer.save_checkpoint(str(tmp_path / "async")) is None     # in the background
@@ -62,7 +62,7 @@ def test_the_end_of_training_waits_for_the_save(tmp_path):
     cfg = with_checkpoint(tiny_config(data={"eval_interval": 0}, training={"train_iters": 5}), save=str(tmp_path),
                           save_interval=2, async_save=True)
     with single_layout():
-        Trainer(cfg, CPU).train()
+        Trainer.on_registered_layout(cfg, CPU).train()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["iter_0000002", "iter_0000004", "iter_0000005",
                                                           POINTER_NAME]
     assert open_checkpoint(tmp_path).manifest.iteration == 5

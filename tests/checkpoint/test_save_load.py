@@ -28,22 +28,22 @@ def test_exact_resume(tmp_path, options):
     sections["training"] = {"train_iters": 6, **options.get("training", {})}
     cfg = tiny_config(**sections)
     with single_layout():
-        straight = losses(Trainer(cfg, CPU).train())
+        straight = losses(Trainer.on_registered_layout(cfg, CPU).train())
     first = train_and_save(cfg, tmp_path, 3)
     with single_layout():
-        second = losses(Trainer(with_checkpoint(cfg, load=str(tmp_path)), CPU).train())
+        second = losses(Trainer.on_registered_layout(with_checkpoint(cfg, load=str(tmp_path)), CPU).train())
     assert first + second == straight   # bit for bit
 
 
 def test_finetune_and_no_load_optim(cfg, saved):
     with single_layout():
-        reference = Trainer(with_checkpoint(cfg, load=str(saved)), CPU)
+        reference = Trainer.on_registered_layout(with_checkpoint(cfg, load=str(saved)), CPU)
         assert reference.state.iteration == 3 and reference.state.consumed_samples == 24
         assert len(reference.optimizer.inner.state) > 0
         weights = [p.detach().clone() for _, p in reference.canonical_named_parameters()]
     for options in ({"finetune": True}, {"no_load_optim": True}):
         with single_layout():
-            trainer = Trainer(with_checkpoint(cfg, load=str(saved), **options), CPU)
+            trainer = Trainer.on_registered_layout(with_checkpoint(cfg, load=str(saved), **options), CPU)
             assert trainer.state.iteration == (0 if "finetune" in options else 3)
             assert len(trainer.optimizer.inner.state) == 0            # Adam starts afresh
             assert all(torch.equal(a, p) for a, (_, p) in zip(weights, trainer.canonical_named_parameters()))
@@ -53,11 +53,11 @@ def test_saves_at_interval_and_end_once(tmp_path):
     cfg = with_checkpoint(tiny_config(data={"eval_interval": 0}, training={"train_iters": 5}), save=str(tmp_path),
                           save_interval=2)
     with single_layout():
-        Trainer(cfg, CPU).train()
+        Trainer.on_registered_layout(cfg, CPU).train()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["iter_0000002", "iter_0000004", "iter_0000005",
                                                           POINTER_NAME]
     with single_layout():   # resuming a finished run trains nothing and saves nothing new
-        trainer = Trainer(with_checkpoint(cfg, load=str(tmp_path)), CPU)
+        trainer = Trainer.on_registered_layout(with_checkpoint(cfg, load=str(tmp_path)), CPU)
         assert trainer.train() == [] and trainer.state.iteration == 5
     assert (tmp_path / POINTER_NAME).read_text() == "5\n"
 

@@ -342,7 +342,7 @@ def test_the_data_parallel_buffer_keeps_each_experts_group_stacked():
 
     with single_layout():
         cfg = tiny_config(model={**TINY_MOE, "moe_grouped_gemm": True}, data={"eval_interval": 0})
-        trainer = Trainer(cfg, torch.device("cpu"))
+        trainer = Trainer.on_registered_layout(cfg, torch.device("cpu"))
         experts = [m for m in trainer.model.modules() if isinstance(m, LocalExperts)]
         assert experts
         for module in experts:
@@ -358,7 +358,7 @@ def test_a_move_that_changes_nothing_keeps_the_experts_in_the_data_parallel_buff
 
     with single_layout():
         cfg = tiny_config(model={**TINY_MOE, "moe_grouped_gemm": True}, data={"eval_interval": 0})
-        trainer = Trainer(cfg, torch.device("cpu"))
+        trainer = Trainer.on_registered_layout(cfg, torch.device("cpu"))
         experts = next(m for m in trainer.model.modules() if isinstance(m, LocalExperts))
         before = [p.data_ptr() for p in experts.parameters()]
         trainer.model.to(torch.device("cpu"), torch.float32)

@@ -50,7 +50,7 @@ def train(cfg, ranks=None, inspect=None):
                 etp=p.expert_tensor_parallel_size) as member:
         if not member:
             return None
-        trainer = Trainer(cfg, CPU)
+        trainer = Trainer.on_registered_layout(cfg, CPU)
         records = trainer.train()
         if inspect is not None:
             inspect(trainer)
@@ -66,7 +66,7 @@ def resumed_losses(cfg, tp: int, pp: int, ranks, iteration: int, ep: int = 1):
     with layout(tp, pp, ranks=ranks, ep=ep) as member:
         if not member:
             return None
-        trainer = Trainer(cfg, CPU)
+        trainer = Trainer.on_registered_layout(cfg, CPU)
         assert trainer.state.iteration == iteration
         return [r["loss"] for r in trainer.train() if "loss" in r]
 
@@ -82,7 +82,7 @@ def reference(cfg):
     cfg = dataclasses.replace(cfg, model=model, parallel=ParallelConfig(), optimizer=optimizer)
     if repr(cfg) not in _REFERENCES:
         with single_layout():
-            trainer = Trainer(cfg, CPU)
+            trainer = Trainer.on_registered_layout(cfg, CPU)
             _REFERENCES[repr(cfg)] = trainer.train(), full_parameters(trainer)
     return _REFERENCES[repr(cfg)]
 

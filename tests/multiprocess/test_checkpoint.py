@@ -52,13 +52,13 @@ def test_exact_resume_same_layout(directory, label, tp, pp, model, optimizer):
         cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel,
                                                                     num_virtual_stages_per_pipeline_rank=2))
     with layout(tp, pp):
-        straight = losses(Trainer(cfg, CPU).train())
+        straight = losses(Trainer.on_registered_layout(cfg, CPU).train())
     with layout(tp, pp):
-        trainer = Trainer(cfg, CPU)
+        trainer = Trainer.on_registered_layout(cfg, CPU)
         first = [trainer.train_step()["loss"] for _ in range(5)]   # train_iters stays 10: the same LR schedule
         trainer.save_checkpoint(directory)
     with layout(tp, pp):
-        resumed = Trainer(with_checkpoint(cfg, load=directory), CPU)
+        resumed = Trainer.on_registered_layout(with_checkpoint(cfg, load=directory), CPU)
         assert resumed.state.iteration == 5 and resumed.state.consumed_samples == 40
         second = losses(resumed.train())
     difference = max_relative_difference(first + second, straight)
@@ -73,7 +73,7 @@ def test_reshard_to_other_layouts(directory):
                       training={"train_iters": 6}, data={"eval_interval": 0})
     cfg = dataclasses.replace(cfg, optimizer=dataclasses.replace(cfg.optimizer, adam_eps=1e-5))   # see equivalence
     with layout(2, 2):
-        uninterrupted = losses(Trainer(with_checkpoint(cfg, save=directory, save_interval=4), CPU).train())
+        uninterrupted = losses(Trainer.on_registered_layout(with_checkpoint(cfg, save=directory, save_interval=4), CPU).train())
     resumed_cfg = with_checkpoint(cfg, load=f"{directory}/iter_0000004")   # the end of training saved 6 too
     for label, tp, pp, ranks, optimizer in [
         ("TP=1 x PP=1 x DP=1", 1, 1, [0], {"use_distributed_optimizer": False}),
@@ -87,7 +87,7 @@ def test_reshard_to_other_layouts(directory):
         with layout(tp, pp, ranks=ranks) as member:
             if not member:
                 continue
-            trainer = Trainer(run_cfg, CPU)
+            trainer = Trainer.on_registered_layout(run_cfg, CPU)
             assert trainer.state.iteration == 4
             resumed = losses(trainer.train())
         difference = max_relative_difference(resumed, uninterrupted[4:])
@@ -113,11 +113,11 @@ def test_imported_hugging_face_model_loads_at_a_parallel_layout(directory):
     cfg = with_checkpoint(tiny_config(model={"num_layers": 4, "openai_gelu": True}, training={"train_iters": 2},
                                        data={"eval_interval": 0}), load=f"{directory}/ckpt", finetune=True)
     with layout(1, 1, ranks=[dist.get_rank()]):
-        expected = losses(Trainer(cfg, CPU).train())
+        expected = losses(Trainer.on_registered_layout(cfg, CPU).train())
     parallel = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, tensor_model_parallel_size=2,
                                                                      pipeline_model_parallel_size=2))
     with layout(2, 2):
-        actual = losses(Trainer(parallel, CPU).train())
+        actual = losses(Trainer.on_registered_layout(parallel, CPU).train())
     difference = max_relative_difference(actual, expected)
     print(f"imported GPT-2 fine-tuned at TP=2 x PP=2 vs one process: max rel loss diff {difference:.1e}")
     assert difference < RESHARD
@@ -138,12 +138,12 @@ def test_reshard_llama_style_model(directory):
     if "sequence_parallel" in {f.name for f in dataclasses.fields(ParallelConfig)}:
         cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, sequence_parallel=True))
     with layout(2, 2):
-        uninterrupted = losses(Trainer(with_checkpoint(cfg, save=directory, save_interval=3), CPU).train())
+        uninterrupted = losses(Trainer.on_registered_layout(with_checkpoint(cfg, save=directory, save_interval=3), CPU).train())
     resumed_cfg = dataclasses.replace(
         with_checkpoint(cfg, load=f"{directory}/iter_0000003"),
         parallel=dataclasses.replace(ParallelConfig(), pipeline_model_parallel_size=4))
     with layout(1, 4):
-        resumed = losses(Trainer(resumed_cfg, CPU).train())
+        resumed = losses(Trainer.on_registered_layout(resumed_cfg, CPU).train())
     difference = max_relative_difference(resumed, uninterrupted[3:])
     print(f"Llama-style model saved at TP=2 x PP=2 (ZeRO-1), resumed at PP=4: iteration 4 rel loss diff "
           f"{difference:.1e}")
@@ -154,7 +154,7 @@ def test_async_save_waits_for_every_rank_and_a_damaged_item_stops_every_rank(dir
     cfg = tiny_config(tp=2, optimizer={"use_distributed_optimizer": True}, data={"eval_interval": 0},
                       training={"train_iters": 6})
     with layout(2, 1):
-        trainer = Trainer(cfg, CPU)
+        trainer = Trainer.on_registered_layout(cfg, CPU)
         for _ in range(2):
             trainer.train_step()
         trainer.save_checkpoint(f"{directory}/sync")
@@ -166,7 +166,7 @@ def test_async_save_waits_for_every_rank_and_a_damaged_item_stops_every_rank(dir
 
     monkeypatch.setattr(dcp.FileSystemWriter, "write_data", held_on_rank_1)
     with layout(2, 1):
-        trainer = Trainer(with_checkpoint(cfg, async_save=True), CPU)
+        trainer = Trainer.on_registered_layout(with_checkpoint(cfg, async_save=True), CPU)
         for _ in range(2):
             trainer.train_step()
         trainer.save_checkpoint(f"{directory}/async")
@@ -192,7 +192,7 @@ def test_async_save_waits_for_every_rank_and_a_damaged_item_stops_every_rank(dir
         damaged = [None]
     dist.broadcast_object_list(damaged, src=0)
     with layout(2, 1), pytest.raises(CheckpointError) as error:
-        Trainer(with_checkpoint(cfg, load=f"{directory}/async"), CPU)
+        Trainer.on_registered_layout(with_checkpoint(cfg, load=f"{directory}/async"), CPU)
     messages = [None] * dist.get_world_size()
     dist.all_gather_object(messages, str(error.value))
     assert messages == damaged * dist.get_world_size(), messages

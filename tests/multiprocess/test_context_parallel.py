@@ -123,7 +123,7 @@ def test_bf16_ring_attention_stays_close_to_fp32():
     with layout(ranks=[0, 1], cp=2) as member:
         if not member:
             return
-        trainer = Trainer(cp_config(2, training={"bf16": True}, optimizer={"adam_eps": 1e-5}), CPU)
+        trainer = Trainer.on_registered_layout(cp_config(2, training={"bf16": True}, optimizer={"adam_eps": 1e-5}), CPU)
         assert "TP=1 x CP=2 (p2p) x PP=1 x DP=1" in trainer.describe()   # the start-up line
         bf16 = losses(trainer.train())
     print(f"bf16 CP=2 vs fp32 single process after 10 iterations: {bf16[-1]:.5f} vs {fp32[-1]:.5f}")
@@ -170,7 +170,7 @@ def test_checkpoints_move_between_context_parallel_sizes(directory):
                                       optimizer=dataclasses.replace(cfg.optimizer,
                                                                     use_distributed_optimizer=distributed))
         with layout(cp=cp):
-            trainer, result = Trainer(run_cfg, CPU), []
+            trainer, result = Trainer.on_registered_layout(run_cfg, CPU), []
             while trainer.state.iteration < 6:
                 result.append(trainer.train_step()["loss"])
                 if trainer.state.iteration == save_after:
@@ -195,13 +195,13 @@ def test_exact_resume_at_the_same_context_parallel_layout(directory):
     cfg = cp_config(2, model={"hidden_dropout": 0.1}, optimizer={"use_distributed_optimizer": True},
                     training={"train_iters": 6}, data={"eval_interval": 0})
     with layout(cp=2):
-        straight = losses(Trainer(cfg, CPU).train())
+        straight = losses(Trainer.on_registered_layout(cfg, CPU).train())
     with layout(cp=2):
-        trainer = Trainer(cfg, CPU)
+        trainer = Trainer.on_registered_layout(cfg, CPU)
         first = [trainer.train_step()["loss"] for _ in range(3)]
         trainer.save_checkpoint(directory)
     with layout(cp=2):
-        second = losses(Trainer(with_checkpoint(cfg, load=directory), CPU).train())
+        second = losses(Trainer.on_registered_layout(with_checkpoint(cfg, load=directory), CPU).train())
     difference = max_relative_difference(first + second, straight)
     print(f"exact resume at CP=2 x DP=2, with dropout: max rel loss diff {difference:.1e}")
     assert len(second) == 3 and difference <= 1e-7
@@ -223,7 +223,7 @@ def test_communication_per_step_is_the_planner_s(comm_type, op):
 
     cfg = cp_config(2, comm_type, training={"train_iters": 1}, data={"eval_interval": 0})
     with layout(cp=2):
-        trainer = Trainer(cfg, CPU)
+        trainer = Trainer.on_registered_layout(cfg, CPU)
         with count_communication() as counter:
             trainer.train_step()
     m, layers = trainer.num_micro_batches, cfg.model.num_layers

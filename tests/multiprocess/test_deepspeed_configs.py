@@ -63,7 +63,7 @@ def _without_speed_knobs(command_line, path: Path, directory: str) -> Path:
 def _train(cfg) -> list[float]:
     """The losses and gradient norms of each iteration (Adam hides a gradient's scale from the next loss)."""
     with layout(1, 1, ranks=list(range(DP))) as member:
-        records = Trainer(cfg, CPU).train() if member else []
+        records = Trainer.on_registered_layout(cfg, CPU).train() if member else []
     return losses(records) + [r["grad_norm"] for r in records if "grad_norm" in r]
 
 

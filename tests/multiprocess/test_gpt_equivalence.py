@@ -60,7 +60,7 @@ def test_tied_embedding_copies_stay_identical_across_stages():
     with layout(1, 2, ranks=[0, 1]) as member:
         if not member:
             return
-        trainer = Trainer(cfg, CPU)
+        trainer = Trainer.on_registered_layout(cfg, CPU)
         trainer.train()
         weights = trainer.tied_embedding_weights
         assert len(weights) == 1
@@ -77,9 +77,9 @@ def test_tied_embedding_copies_stay_identical_across_stages():
 def test_initial_weights_are_layout_independent(untie):
     cfg = tiny_config(tp=2, pp=2, model={"untie_embeddings_and_output_weights": untie})
     with single_layout():
-        expected = full_parameters(Trainer(dataclasses.replace(cfg, parallel=ParallelConfig()), CPU))
+        expected = full_parameters(Trainer.on_registered_layout(dataclasses.replace(cfg, parallel=ParallelConfig()), CPU))
     with layout(2, 2):
-        actual = full_parameters(Trainer(cfg, CPU))
+        actual = full_parameters(Trainer.on_registered_layout(cfg, CPU))
     assert actual.keys() <= expected.keys()
     for name in actual:
         assert torch.equal(actual[name], expected[name]), name
@@ -89,9 +89,9 @@ def test_initial_weights_are_layout_independent(untie):
 def test_bf16_stays_close_to_fp32():
     cfg = tiny_config(tp=2, training={"bf16": True, "train_iters": 20})
     with single_layout():
-        fp32 = Trainer(tiny_config(training={"train_iters": 20}), CPU).train()
+        fp32 = Trainer.on_registered_layout(tiny_config(training={"train_iters": 20}), CPU).train()
     with layout(2):
-        bf16 = Trainer(cfg, CPU).train()
+        bf16 = Trainer.on_registered_layout(cfg, CPU).train()
     final = [[r for r in run if "loss" in r][-1]["loss"] for run in (bf16, fp32)]
     print(f"bf16 vs fp32 after 20 iterations: {final[0]:.5f} vs {final[1]:.5f} "
           f"({abs(final[0] - final[1]) / final[1]:.2%})")
@@ -179,7 +179,7 @@ def test_fp8_param_gather_takes_the_same_steps_on_half_the_bytes(recipe, tp, zer
         run_cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, fp8_param_gather=gather))
         with layout(tp, 1) as member:
             assert member
-            trainer = Trainer(run_cfg, CPU)
+            trainer = Trainer.on_registered_layout(run_cfg, CPU)
             with count_communication() as counter:
                 records = trainer.train()
             carriers = [p for p in trainer.model.parameters() if getattr(p, GATHERED, None) is not None]
@@ -220,7 +220,7 @@ def test_fp8_sequence_parallel_gathers_move_one_byte_an_element():
                                                                      fp8_recipe="tensorwise"))
         with layout(2, 1, ranks=[0, 1]) as member:
             if member:
-                trainer = Trainer(run_cfg, CPU)
+                trainer = Trainer.on_registered_layout(run_cfg, CPU)
                 with count_communication() as counter:
                     trainer.train_step()
                 gathered.append(counter.bytes("all_gather", "tensor"))
@@ -254,7 +254,7 @@ def test_fp8_param_gather_at_zero3_takes_the_same_steps_on_half_the_bytes(recipe
         run_cfg = with_checkpoint(run_cfg, save=f"{directory}/{gather}", save_interval=2)
         with layout(tp, 1) as member:
             assert member
-            trainer = Trainer(run_cfg, CPU)
+            trainer = Trainer.on_registered_layout(run_cfg, CPU)
             with count_communication() as counter:
                 records = trainer.train()
             fp8_weights = sum(m.weight.numel() for m in trainer.model.modules()

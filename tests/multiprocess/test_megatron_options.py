@@ -53,12 +53,12 @@ def test_grad_reduce_in_bf16_stays_close_to_the_single_process():
     cfg = tiny_config(tp=2, pp=2, model={"num_layers": 4}, training={"bf16": True, "micro_batch_size": 1},
                       optimizer={"grad_reduce_in_bf16": True}, data={"eval_interval": 0})
     with single_layout():
-        reference = Trainer(dataclasses.replace(cfg, parallel=dataclasses.replace(
+        reference = Trainer.on_registered_layout(dataclasses.replace(cfg, parallel=dataclasses.replace(
             cfg.parallel, tensor_model_parallel_size=1, pipeline_model_parallel_size=1)), CPU)
         assert reference.engine.grad_buffer.dtype == torch.bfloat16
         expected = losses(reference.train())
     with layout(2, 2):
-        trainer = Trainer(cfg, CPU)
+        trainer = Trainer.on_registered_layout(cfg, CPU)
         assert trainer.engine.grad_buffer.dtype == torch.bfloat16
         actual = losses(trainer.train())
     difference = max_relative_difference(actual, expected)

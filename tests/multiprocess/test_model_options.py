@@ -86,7 +86,7 @@ def test_a_shared_key_value_head_is_gathered_over_its_sharing_ranks_only():
 
     cfg = tiny_config(tp=4, model=LLAMA, training={"train_iters": 1}, data={"eval_interval": 0})
     with layout(4, 1):
-        trainer = Trainer(cfg, CPU)
+        trainer = Trainer.on_registered_layout(cfg, CPU)
         with count_communication() as counter:
             trainer.train_step()
     per_pass = kv_head_gather_elements(cfg.model, Layout(tp=4, micro_batch_size=cfg.training.micro_batch_size))

@@ -77,7 +77,7 @@ def test_checkpoint_saved_at_ep2_resumes_at_ep1_and_ep4(directory):
                      data={"eval_interval": 0})
     cfg = dataclasses.replace(cfg, training=dataclasses.replace(cfg.training, train_iters=6))
     with layout(ep=2):
-        trainer = Trainer(with_checkpoint(cfg, save=directory, save_interval=4), CPU)
+        trainer = Trainer.on_registered_layout(with_checkpoint(cfg, save=directory, save_interval=4), CPU)
         held = count_parameters(cfg.model).per_stage[0]   # every expert, whichever rank holds it (EP=1)
         assert f"{held / 1e6:.2f}M parameters (" in trainer.describe() and "active per token, EP=2" in \
             trainer.describe()

@@ -46,7 +46,7 @@ def test_matches_single_process(label, tp, pp, ranks, options):
 
 
 def _state_bytes(cfg) -> int:
-    trainer = Trainer(cfg, CPU)
+    trainer = Trainer.on_registered_layout(cfg, CPU)
     trainer.train()     # Adam states exist after the first step
     return trainer.optimizer.state_bytes(), len(trainer.engine.buckets)
 
@@ -70,7 +70,7 @@ def test_fp16_overflow_on_one_rank_skips_the_step_everywhere():
                                  "loss_scale_window": 2},
                       training={"fp16": True, "micro_batch_size": 1, "train_iters": 8})
     with layout(1, 1):
-        trainer = Trainer(cfg, CPU)
+        trainer = Trainer.on_registered_layout(cfg, CPU)
         finish = trainer.engine.finish_grad_sync
         inject_at = {2, 5, 6}   # iterations whose gradients get an inf on DP rank 1's own shard only
 
@@ -131,7 +131,7 @@ def test_no_blocking_data_parallel_collective_stands_between_the_gathers_and_the
     monkeypatch.setattr(data_parallel, "_all_gather", recorded_gather)
     monkeypatch.setattr(dist, "all_reduce", recorded_all_reduce)
     with layout(1, 1):
-        Trainer(cfg, CPU).train()
+        Trainer.on_registered_layout(cfg, CPU).train()
     in_flight, between = False, []   # what happens from a step's gather launches to the first wait on one
     for event in events:
         in_flight = event == "gather launch" or (in_flight and event != "gather wait")

@@ -109,7 +109,7 @@ def test_zbv_checkpoint_reshards_to_other_schedules(directory):
                               data=dataclasses.replace(cfg.data, eval_interval=0),
                               optimizer=dataclasses.replace(cfg.optimizer, adam_eps=1e-5))
     with layout(1, 2):
-        trainer = Trainer(with_checkpoint(cfg, save=directory, save_interval=2), CPU)
+        trainer = Trainer.on_registered_layout(with_checkpoint(cfg, save=directory, save_interval=2), CPU)
         assert [chunk.layer_offset for chunk in trainer.model] == [[0, 3], [1, 2]][trainer.pp_rank]
         start_up = "TP=1 x PP=2 x DP=2 (V=2, ZB-V, 4 micro-batches per step, global batch 8)"
         assert start_up in trainer.describe()
@@ -182,7 +182,7 @@ def test_measured_bubble_is_lower_for_the_zero_bubble_schedules(tmp_path):
         with layout(1, 2, ranks=[0, 1]) as member:   # every rank builds every layout (group creation is collective)
             if not member:
                 continue
-            trainer = Trainer(cfg, CPU)
+            trainer = Trainer.on_registered_layout(cfg, CPU)
             _pace(trainer, 0.015)
             records = trainer.train()
         if dist.get_rank() == 0:
@@ -214,7 +214,7 @@ def test_activation_bytes_per_stage_against_1f1b_and_the_planner():
         with layout(1, 2, ranks=[0, 1]) as member:   # every rank builds every layout (group creation is collective)
             if not member:
                 continue
-            trainer = Trainer(cfg, CPU)
+            trainer = Trainer.on_registered_layout(cfg, CPU)
             held = HeldActivations(exclude=list(trainer.model.parameters()))
             store = trainer.weight_grads
             probe = functools.partial(engine.run_schedule, after_step=lambda step: held.sample(
@@ -310,7 +310,7 @@ def test_fp8_weight_gradients_move_to_the_w_steps_and_train_as_1f1b(monkeypatch)
                                   data=dataclasses.replace(cfg.data, eval_interval=0))
         deferred.clear()
         with layout(1, 2):
-            trainer = Trainer(cfg, CPU)
+            trainer = Trainer.on_registered_layout(cfg, CPU)
             records = [r for r in trainer.train() if "loss" in r]
             fp8_linears = sum(1 for chunk in trainer.model for m in chunk.modules() if getattr(m, "fp8", None))
             every_rank = [None] * dist.get_world_size()

@@ -51,7 +51,7 @@ def test_model_states_equal_the_engine_s_on_every_rank(label, tp, model, trainin
                       parallel={"sequence_parallel": tp > 1},
                       training={"train_iters": 1, "micro_batch_size": 1, **training}, data={"eval_interval": 0})
     with layout(tp, 1):
-        trainer = Trainer(cfg, CPU)
+        trainer = Trainer.on_registered_layout(cfg, CPU)
         trainer.train()
         measured = _held(trainer)
         dp_rank, dp = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
@@ -120,7 +120,7 @@ def test_working_memory_is_the_gathered_units_on_top_of_the_activations(prefetch
                       training={"train_iters": 2, "micro_batch_size": 1, "global_batch_size": 4},
                       data={"eval_interval": 0})
     with layout(1, 1):
-        trainer = Trainer(cfg, CPU)
+        trainer = Trainer.on_registered_layout(cfg, CPU)
         trainer.train_step()   # FSDP2's lazy initialization and Adam's states: not part of a step's peak
         peak = _PeakBytes(mallinfo2)
         before = peak.live()

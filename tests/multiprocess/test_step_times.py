@@ -28,7 +28,7 @@ def test_a_pipelined_run_records_every_step_on_one_clock(directory):
                       training={"micro_batch_size": 1, "global_batch_size": 6, "train_iters": 3},
                       logging={"log_interval": 2, "timing_log_level": 2, "metrics_file": metrics})
     with layout(1, 4):
-        Trainer(cfg, CPU).train()
+        Trainer.on_registered_layout(cfg, CPU).train()
     dist.barrier()
     if dist.get_rank() != 0:
         return
@@ -62,7 +62,7 @@ def test_a_zbv_run_on_part_of_the_world_records_its_steps_and_timers(directory):
     records = []
     with layout(1, 2, ranks=[0, 1]) as member:
         if member:
-            records = [r for r in Trainer(cfg, CPU).train() if "loss" in r]
+            records = [r for r in Trainer.on_registered_layout(cfg, CPU).train() if "loss" in r]
     dist.barrier()
     if dist.get_rank() != 0:
         return

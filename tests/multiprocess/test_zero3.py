@@ -68,11 +68,11 @@ def _bytes(trainer: Trainer) -> torch.Tensor:
 def test_bytes_per_rank_are_one_over_dp():
     cfg = tiny_config(training={"train_iters": 1}, data={"eval_interval": 0})
     with single_layout():
-        trainer = Trainer(cfg, CPU)
+        trainer = Trainer.on_registered_layout(cfg, CPU)
         trainer.train()
         unsharded = _bytes(trainer)
     with layout(1, 1):
-        trainer = Trainer(dataclasses.replace(cfg, optimizer=dataclasses.replace(cfg.optimizer, **ZERO3)), CPU)
+        trainer = Trainer.on_registered_layout(dataclasses.replace(cfg, optimizer=dataclasses.replace(cfg.optimizer, **ZERO3)), CPU)
         trainer.train()
         mine = _bytes(trainer)
         # Rows are cut ceil(rows / DP) at a time: the most a rank can hold.
@@ -95,7 +95,7 @@ def test_mixed_precision_follows_stage_one(precision, tolerance):
     runs = {}
     for stage, optimizer in [(1, {"use_distributed_optimizer": True}), (3, ZERO3)]:
         with layout(1, 1):
-            runs[stage] = Trainer(dataclasses.replace(cfg, optimizer=dataclasses.replace(cfg.optimizer, **optimizer)),
+            runs[stage] = Trainer.on_registered_layout(dataclasses.replace(cfg, optimizer=dataclasses.replace(cfg.optimizer, **optimizer)),
                                   CPU).train()
     difference = max_relative_difference(losses(runs[3]), losses(runs[1]))
     print(f"{precision}: ZeRO-3 vs ZeRO-1 at DP=4, max rel loss diff {difference:.1e}")
@@ -109,9 +109,9 @@ def test_checkpoints_move_between_stages(directory):
     stage1 = dataclasses.replace(cfg, optimizer=dataclasses.replace(cfg.optimizer, use_distributed_optimizer=True))
     stage3 = dataclasses.replace(cfg, optimizer=dataclasses.replace(cfg.optimizer, **ZERO3))
     with layout(1, 1):
-        straight = losses(Trainer(with_checkpoint(stage1, save=f"{directory}/s1", save_interval=5), CPU).train())
+        straight = losses(Trainer.on_registered_layout(with_checkpoint(stage1, save=f"{directory}/s1", save_interval=5), CPU).train())
     with layout(1, 1):
-        zero3 = losses(Trainer(with_checkpoint(stage3, save=f"{directory}/s3", save_interval=5), CPU).train())
+        zero3 = losses(Trainer.on_registered_layout(with_checkpoint(stage3, save=f"{directory}/s3", save_interval=5), CPU).train())
     assert max_relative_difference(zero3, straight) < RTOL
     for label, run_cfg, saved, ranks in [
         ("saved at ZeRO-3, resumed at ZeRO-1", stage1, "s3", None),
@@ -121,7 +121,7 @@ def test_checkpoints_move_between_stages(directory):
         with layout(1, 1, ranks=ranks) as member:
             if not member:
                 continue
-            trainer = Trainer(with_checkpoint(run_cfg, load=f"{directory}/{saved}/iter_0000005"), CPU)
+            trainer = Trainer.on_registered_layout(with_checkpoint(run_cfg, load=f"{directory}/{saved}/iter_0000005"), CPU)
             assert trainer.state.iteration == 5
             resumed = losses(trainer.train())
         difference = max_relative_difference(resumed, straight[5:])

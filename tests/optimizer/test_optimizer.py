@@ -16,7 +16,7 @@ from ..helpers import single_layout, tiny_config
 
 def test_a_nan_gradient_is_reported_skips_the_step_and_stops_training_naming_the_rank():
     with single_layout():
-        trainer = Trainer(tiny_config(data={"eval_interval": 0}), torch.device("cpu"))
+        trainer = Trainer.on_registered_layout(tiny_config(data={"eval_interval": 0}), torch.device("cpu"))
         optimizer = trainer.optimizer
         assert not optimizer.has_nonfinite_grads()
         optimizer.pieces[-1].grad[0] = float("nan")
@@ -39,5 +39,5 @@ def test_adamw_is_fused_on_cuda_and_keeps_torchs_default_elsewhere():
     assert fused_adamw({"cuda"})
     assert not fused_adamw({"cpu"}) and not fused_adamw({"cpu", "cuda"}) and not fused_adamw(set())
     with single_layout():
-        trainer = Trainer(tiny_config(data={"eval_interval": 0}), torch.device("cpu"))
+        trainer = Trainer.on_registered_layout(tiny_config(data={"eval_interval": 0}), torch.device("cpu"))
         assert trainer.optimizer.inner.defaults["fused"] is None   # foreach, as before (False: the per-tensor loop)

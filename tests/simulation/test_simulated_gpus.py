@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 
 import pretrain_gpt
-from megalite.config import validate
 from megalite.config.cli import parse_command_line
 from megalite.planner.dry_run import run_memory
+from megalite.run import Run
 from megalite.simulation import simulate_rank
 from megalite.simulation.communication import CommunicationContractError
 
@@ -59,13 +59,11 @@ LAYOUTS = {
 def config(argv: list[str]):
     argv = argv if "--fp16" in argv else argv + ["--bf16"]
     cfg = parse_command_line(argv, 8).config
-    world = cfg.training.simulate_gpus
-    validate(cfg, world)
-    return cfg
+    return Run.resolve(cfg, cfg.training.simulate_gpus)
 
 
-def planned_total(cfg, pp_rank: int) -> float:
-    return {stage.pp_rank: stage for stage in run_memory(cfg, cfg.training.simulate_gpus, cuda=True)[1]}[pp_rank].total
+def planned_total(run, pp_rank: int) -> float:
+    return {stage.pp_rank: stage for stage in run_memory(run.cfg, run.dims.world, cuda=True)[1]}[pp_rank].total
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -75,7 +73,7 @@ def test_every_rank_of_the_layout_runs_on_8_simulated_gpus(layout):
     which the planner does not count: their peaks agree within 30% (GPT-2 small's within 10%, below)."""
     cfg = config(TINY + LAYOUTS[layout].split())
     for rank in range(8):
-        report = simulate_rank(cfg, 8, rank)
+        report = simulate_rank(cfg, rank)
         ratio = report.peak_bytes / planned_total(cfg, report.coordinates["pp"])
         assert 0.7 < ratio < 1.3, (rank, ratio)
         assert report.communication, "a step without collectives"
@@ -92,13 +90,13 @@ def test_the_planner_is_within_ten_percent_of_the_simulated_peak(layout):
                   "--micro-batch-size", "2", "--simulate-gpus", "8", "--attention-dropout", "0", "--num-layers", "8"]
                  + LAYOUTS[layout].replace("--num-layers 4", "").split())
     for rank in (0, 7):
-        report = simulate_rank(cfg, 8, rank)
+        report = simulate_rank(cfg, rank)
         assert 0.9 < report.peak_bytes / planned_total(cfg, report.coordinates["pp"]) < 1.1
 
 
 def test_weights_gradients_and_optimizer_states_are_the_planner_s_to_the_byte():
     cfg = config(TINY + LAYOUTS["TP=2 x PP=2 x DP=2"].split())
-    report = simulate_rank(cfg, 8, 4)
+    report = simulate_rank(cfg, 4)
     stage = {s.pp_rank: s for s in run_memory(cfg, 8, cuda=True)[1]}[1]
     found = report.peak_by_category
     assert (found["weights"], found["gradients"], found["optimizer"]) == \
@@ -113,27 +111,27 @@ def test_a_cpu_tensor_in_a_collective_is_named_with_its_call_site(monkeypatch):
     monkeypatch.setattr(trainer, "parameter_counts", lambda params, device: original(params, "cpu"))
     with pytest.raises(CommunicationContractError, match=r"trainer\.py:\d+ \(parameter_counts\): all_reduce on a cpu "
                                                           r"tensor: NCCL serves meta tensors only"):
-        simulate_rank(config(TINY + ["--tensor-model-parallel-size", "2"]), 8, 0)
+        simulate_rank(config(TINY + ["--tensor-model-parallel-size", "2"]), 0)
 
 
 def test_p2p_bookkeeping_that_expects_one_work_per_op_fails_under_nccl_s_coalesced_batches(monkeypatch):
     from megalite.pipeline import p2p
     monkeypatch.setattr(p2p, "_works_per_op", lambda works, num_ops: works)   # the old assumption
     with pytest.raises(RuntimeError, match="no receive posted"):
-        simulate_rank(config(TINY + ["--pipeline-model-parallel-size", "2"]), 8, 0)
+        simulate_rank(config(TINY + ["--pipeline-model-parallel-size", "2"]), 0)
 
 
 def test_a_row_major_second_fp8_operand_is_refused(monkeypatch):
     from megalite.tensor_parallel import fp8
     monkeypatch.setattr(fp8, "_kernel_layout", lambda a, b: (a.contiguous(), b.contiguous()))
     with pytest.raises(ValueError, match="column-major"):
-        simulate_rank(config(TINY + LAYOUTS["FP8 delayed"].split()), 8, 0)
+        simulate_rank(config(TINY + LAYOUTS["FP8 delayed"].split()), 0)
 
 
 def test_an_fp16_step_is_taken_not_skipped_on_a_stand_in_overflow():
     """A stand-in value must steer a healthy step: the loss scaler's overflow check reads a flag (0: no overflow), so
     the optimizer steps and its states exist at the peak."""
-    report = simulate_rank(config(TINY + ["--fp16"]), 8, 0)
+    report = simulate_rank(config(TINY + ["--fp16"]), 0)
     assert report.peak_by_category["optimizer"] == {s.pp_rank: s for s in run_memory(
         config(TINY + ["--fp16"]), 8, cuda=True)[1]}[0].optimizer > 0
 
@@ -141,7 +139,7 @@ def test_an_fp16_step_is_taken_not_skipped_on_a_stand_in_overflow():
 # ---- what it reports -------------------------------------------------------------------------------------------
 
 def test_a_mixture_of_experts_reads_the_host_once_per_layer_and_micro_batch():
-    report = simulate_rank(config(TINY + LAYOUTS["EP=4 alltoall"].split()), 8, 0)
+    report = simulate_rank(config(TINY + LAYOUTS["EP=4 alltoall"].split()), 0)
     dispatcher = {site: n for site, n in report.host_reads.items() if "dispatcher.py" in site}
     assert sum(dispatcher.values()) == 2 * 2   # 2 MoE layers x 2 micro-batches (16 / (1 x DP 8))
 

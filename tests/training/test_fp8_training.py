@@ -27,8 +27,8 @@ def _config(recipe: str | None, **training):
 
 def test_fp8_recipes_train_like_bf16():
     with single_layout():
-        bf16 = losses(Trainer(_config(None), CPU).train())
-        runs = {recipe: losses(Trainer(_config(recipe), CPU).train()) for recipe in RECIPES}
+        bf16 = losses(Trainer.on_registered_layout(_config(None), CPU).train())
+        runs = {recipe: losses(Trainer.on_registered_layout(_config(recipe), CPU).train()) for recipe in RECIPES}
     assert bf16[-1] < bf16[0] - 1.0   # it learns
     for recipe, run in runs.items():
         gaps = [abs(a - b) / b for a, b in zip(run[-10:], bf16[-10:])]
@@ -39,11 +39,11 @@ def test_fp8_recipes_train_like_bf16():
 def test_delayed_histories_resume_bit_for_bit(tmp_path):
     cfg = _config("delayed", train_iters=6)
     with single_layout():
-        whole = losses(Trainer(cfg, CPU).train())
-        first = Trainer(with_checkpoint(cfg, save=str(tmp_path)), CPU)
+        whole = losses(Trainer.on_registered_layout(cfg, CPU).train())
+        first = Trainer.on_registered_layout(with_checkpoint(cfg, save=str(tmp_path)), CPU)
         head = [first.train_step()["loss"] for _ in range(3)]
         first.save_checkpoint(str(tmp_path))
-        resumed = Trainer(with_checkpoint(cfg, load=str(tmp_path)), CPU)
+        resumed = Trainer.on_registered_layout(with_checkpoint(cfg, load=str(tmp_path)), CPU)
         assert ("bfloat16 with FP8 hybrid delayed (amax history 16, max) in the attention and MLP linears (no FP8 "
                 "tensor cores on cpu: correct, but not faster than bf16" in resumed.describe())
         assert len(resumed.fp8_histories) == 2 * 4   # qkv, proj, fc1, fc2 of both layers
@@ -56,16 +56,16 @@ def test_delayed_histories_resume_bit_for_bit(tmp_path):
 
 def test_bf16_checkpoint_loads_into_a_delayed_run_with_fresh_histories(tmp_path):
     with single_layout():
-        first = Trainer(with_checkpoint(_config(None, train_iters=2), save=str(tmp_path)), CPU)
+        first = Trainer.on_registered_layout(with_checkpoint(_config(None, train_iters=2), save=str(tmp_path)), CPU)
         first.train()
-        resumed = Trainer(with_checkpoint(_config("delayed", train_iters=3), load=str(tmp_path)), CPU)
+        resumed = Trainer.on_registered_layout(with_checkpoint(_config("delayed", train_iters=3), load=str(tmp_path)), CPU)
     assert resumed.fp8_histories and all(history.steps == 0 for _, history in resumed.fp8_histories)
 
 
 def _linear_gradients(recipe: str | None) -> dict[str, torch.Tensor]:
-    """The main gradients of the attention and MLP linears after one global batch, fp32 activations."""
+    """The main gradients of the attention and MLP linears after one global batch."""
     with single_layout():
-        trainer = Trainer(_config(recipe, bf16=False, train_iters=1), CPU)
+        trainer = Trainer.on_registered_layout(_config(recipe, train_iters=1), CPU)
         trainer.engine.start_iteration(trainer.num_micro_batches)
         trainer._run_global_batch(trainer.data.train, 0, forward_only=False)
         trainer.engine.finish_grad_sync()
@@ -96,7 +96,7 @@ def test_each_fp8_weight_is_quantized_once_a_step(recipe, monkeypatch):
         return original(x, scale, dtype)
     monkeypatch.setattr(fp8_linear, "quantize", counting)
     with single_layout():
-        trainer = Trainer(cfg, CPU)
+        trainer = Trainer.on_registered_layout(cfg, CPU)
         weights = {id(m.weight) for m in trainer.model.modules() if getattr(m, "fp8", None) is not None}
         for step in range(1, 4):
             trainer.train_step()

@@ -35,13 +35,13 @@ def _ramp_config(**sections):
 def test_rampup_batches_learning_rates_length_and_resume_follow_the_schedules(tmp_path):
     cfg = _ramp_config(model={"hidden_dropout": 0.1})
     with single_layout():
-        trainer = Trainer(cfg, CPU)
+        trainer = Trainer.on_registered_layout(cfg, CPU)
         records = trainer.train()
         # Resumed mid-ramp (after 3 iterations, before the batch of 6): the uninterrupted run's losses, bit for bit.
-        first = Trainer(with_checkpoint(cfg, save=str(tmp_path)), CPU)
+        first = Trainer.on_registered_layout(with_checkpoint(cfg, save=str(tmp_path)), CPU)
         head = [first.train_step()["loss"] for _ in range(3)]
         first.save_checkpoint(str(tmp_path))
-        rest = losses(Trainer(with_checkpoint(cfg, load=str(tmp_path)), CPU).train())
+        rest = losses(Trainer.on_registered_layout(with_checkpoint(cfg, load=str(tmp_path)), CPU).train())
     assert head + rest == losses(records)
     schedule = batch_schedule(cfg.training, cfg.model.seq_length)
     lr = LRSchedule.from_config(cfg.optimizer, cfg.training, cfg.model.seq_length)
@@ -113,11 +113,11 @@ def test_grad_reduce_in_bf16_keeps_bf16_gradients_and_learns():
     cfg = tiny_config(training={"bf16": True, "train_iters": 3}, optimizer={"grad_reduce_in_bf16": True},
                       data={"eval_interval": 0})
     with single_layout():
-        trainer = Trainer(cfg, CPU)
+        trainer = Trainer.on_registered_layout(cfg, CPU)
         assert trainer.engine.grad_buffer.dtype == torch.bfloat16
         assert all(p.main.dtype == torch.float32 for p in trainer.optimizer.pieces)
         bf16_grads = losses(trainer.train())
-        fp32_grads = losses(Trainer(dataclasses.replace(cfg, optimizer=dataclasses.replace(
+        fp32_grads = losses(Trainer.on_registered_layout(dataclasses.replace(cfg, optimizer=dataclasses.replace(
             cfg.optimizer, grad_reduce_in_bf16=False)), CPU).train())
     assert bf16_grads[-1] < bf16_grads[0]
     assert max(abs(a - b) / b for a, b in zip(bf16_grads, fp32_grads)) < 1e-2

@@ -38,7 +38,7 @@ def _run(prefetch: bool) -> tuple[list[float], list[float]]:
     """(ms waited for the batch per step, losses)."""
     cfg = tiny_config(data={"no_data_prefetch": not prefetch, "eval_interval": 0},
                       logging={"timing_log_level": 1}, training={"train_iters": 4, "global_batch_size": 4, "micro_batch_size": 1})
-    trainer = Trainer(cfg, CPU)
+    trainer = Trainer.on_registered_layout(cfg, CPU)
     trainer.data.train = SlowReads(trainer.data.train)
     waited, records = [], []
     for _ in range(cfg.training.train_iters):

@@ -97,7 +97,7 @@ def test_the_planner_is_within_ten_percent_of_the_simulated_peak(layout):
 def test_weights_gradients_and_optimizer_states_are_the_planner_s_to_the_byte():
     cfg = config(TINY + LAYOUTS["TP=2 x PP=2 x DP=2"].split())
     report = simulate_rank(cfg, 4)
-    stage = {s.pp_rank: s for s in run_memory(cfg, 8, cuda=True)[1]}[1]
+    stage = {s.pp_rank: s for s in run_memory(cfg.cfg, 8, cuda=True)[1]}[1]
     found = report.peak_by_category
     assert (found["weights"], found["gradients"], found["optimizer"]) == \
         (stage.weights, stage.gradients, stage.optimizer)
@@ -133,7 +133,7 @@ def test_an_fp16_step_is_taken_not_skipped_on_a_stand_in_overflow():
     the optimizer steps and its states exist at the peak."""
     report = simulate_rank(config(TINY + ["--fp16"]), 0)
     assert report.peak_by_category["optimizer"] == {s.pp_rank: s for s in run_memory(
-        config(TINY + ["--fp16"]), 8, cuda=True)[1]}[0].optimizer > 0
+        config(TINY + ["--fp16"]).cfg, 8, cuda=True)[1]}[0].optimizer > 0
 
 
 # ---- what it reports -------------------------------------------------------------------------------------------

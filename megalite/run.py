@@ -31,16 +31,22 @@ class Run:
 
     @classmethod
     def resolve(cls, cfg: MegaliteConfig, world_size: int) -> "Run":
-        """The run ``cfg`` describes at ``world_size`` ranks, checked (ConfigError, DataError or CheckpointError:
-        one line, the same on every rank)."""
+        """The run a command line's ``cfg`` describes at ``world_size`` ranks, checked (ConfigError, DataError or
+        CheckpointError: one line, the same on every rank)."""
         cfg = with_checkpoint_tokenizer(cfg)   # --data-path alone: the --load checkpoint's tokenizer
         cfg, notes = use_checkpoint_args(cfg)
         cfg, warnings = megatron.adjust(cfg)   # --sequence-parallel at TP=1 off, as Megatron does
         validate(cfg, world_size)
+        run = cls.of(cfg, world_size, notes + warnings + megatron.start_lines(cfg))
+        check_data_files(run.cfg, run.tokenizer)   # a corrupt file stops every rank here, not in a collective
+        check_checkpoint(run.cfg, world_size, run.tokenizer)   # a missing, partial, corrupt or other model's one
+        return run
+
+    @classmethod
+    def of(cls, cfg: MegaliteConfig, world_size: int, notes: list[str] = ()) -> "Run":
+        """The run of options taken as they are (checked by :meth:`resolve`, or built by a test or a tool): the
+        tokenizer built, its vocabulary filled in, the layout's sizes."""
         tokenizer = run_tokenizer(cfg)
-        check_data_files(cfg, tokenizer)   # a corrupt file stops every rank here, not in a collective
         if tokenizer is not None:
             cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=tokenizer.vocab_size))
-        check_checkpoint(cfg, world_size, tokenizer)   # a missing, partial, corrupt or other model's checkpoint
-        return cls(cfg, ParallelDims.of(cfg.parallel, world_size), tokenizer,
-                   tuple(notes + warnings + megatron.start_lines(cfg)))
+        return cls(cfg, ParallelDims.of(cfg.parallel, world_size), tokenizer, tuple(notes))

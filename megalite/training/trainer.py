@@ -242,9 +242,9 @@ class Trainer:
 
     @classmethod
     def on_registered_layout(cls, cfg: MegaliteConfig, device: torch.device) -> "Trainer":
-        """The trainer of ``cfg`` resolved at the size of the layout already registered (tools, benchmarks and
-        tests that build their own groups; pretrain_gpt resolves the run from the world first)."""
-        return cls(Run.resolve(cfg, parallel_state.layout_size()), device)
+        """The trainer of ``cfg`` as it is, at the size of the layout already registered (tools, benchmarks and
+        tests that build their own groups; pretrain_gpt resolves and checks the run from the world first)."""
+        return cls(Run.of(cfg, parallel_state.layout_size()), device)
 
     def describe(self) -> str:
         """One line for the start of a run: layout, schedule, model size, data."""

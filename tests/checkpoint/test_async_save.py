@@ -40,8 +40,7 @@ def test_async_save_equals_a_sync_save_while_training_goes_on(tmp_path, monkeypa
 
     monkeypatch.setattr(dcp.FileSystemWriter, "write_data", held_write_data)
     with single_layout():
-        trainer = Trainer.on_registered_layout(with_checkpoint(cfg, save=str(tmp_path / "async"), async_save=True),
-                                               CPU)
+        trainer = Trainer.on_registered_layout(with_checkpoint(cfg, async_save=True), CPU)
         for _ in range(3):
             trainer.train_step()
         assert trainer.save_checkpoint(str(tmp_path / "async")) is None     # in the background

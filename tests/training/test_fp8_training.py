@@ -63,9 +63,9 @@ def test_bf16_checkpoint_loads_into_a_delayed_run_with_fresh_histories(tmp_path)
 
 
 def _linear_gradients(recipe: str | None) -> dict[str, torch.Tensor]:
-    """The main gradients of the attention and MLP linears after one global batch."""
+    """The main gradients of the attention and MLP linears after one global batch, fp32 activations."""
     with single_layout():
-        trainer = Trainer.on_registered_layout(_config(recipe, train_iters=1), CPU)
+        trainer = Trainer.on_registered_layout(_config(recipe, bf16=False, train_iters=1), CPU)
         trainer.engine.start_iteration(trainer.num_micro_batches)
         trainer._run_global_batch(trainer.data.train, 0, forward_only=False)
         trainer.engine.finish_grad_sync()

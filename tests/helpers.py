@@ -1,11 +1,16 @@
-"""Shared test helpers: tiny configurations, the single-process layout, training records and tolerances."""
+"""Shared test helpers: tiny configurations (as dataclasses and as command-line words), the single-process layout,
+launching pretrain_gpt.py or a tool as a child process (under torchrun or alone), training records and tolerances."""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import json
+import os
+import subprocess
+import sys
 import types
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -14,6 +19,8 @@ import torch.distributed as dist
 from megalite import parallel_state
 from megalite.config import (DataConfig, LoggingConfig, MegaliteConfig, ModelConfig, OptimizerConfig, ParallelConfig,
                              TrainingConfig)
+
+ROOT = Path(__file__).resolve().parent.parent   # this checkout, whatever its folder is called
 
 
 def tiny_config(tp: int = 1, pp: int = 1, **sections) -> MegaliteConfig:
@@ -33,6 +40,14 @@ def tiny_config(tp: int = 1, pp: int = 1, **sections) -> MegaliteConfig:
     for section, values in sections.items():
         setattr(cfg, section, dataclasses.replace(getattr(cfg, section), **values))
     return cfg
+
+
+# A tiny GPT's command line (configs/model/gpt_tiny.yaml: 2 layers, hidden 64, 4 heads, 32 tokens, vocabulary 500)
+# on mock data, evaluation off. A test adds what it needs: a later flag, or a group chosen again (model=moe_tiny),
+# wins over TINY's (flags are applied after Hydra overrides, each kind left to right: megalite/config/cli.py).
+TINY = ["model=gpt_tiny", "data=mock", "--eval-interval", "0"]
+# Dropout off: for runs whose losses are compared with another run's.
+NO_DROPOUT = ["--hidden-dropout", "0", "--attention-dropout", "0"]
 
 
 # A tiny mixture of experts (model options for ``tiny_config``): 4 experts of 32, top-2, both layers MoE, with the
@@ -110,3 +125,57 @@ def fake_fused_extension(**replaced) -> types.ModuleType:
     module.__dict__.update({name: getattr(torch_ops, name) for name in dir(torch_ops) if not name.startswith("_")})
     module.__dict__.update(replaced)
     return module
+
+
+# torchrun's rendezvous on a free port of its own, so that concurrent launches on the machine cannot collide.
+STANDALONE = ("--standalone",)
+
+
+def child_environment() -> dict[str, str]:
+    """This process's environment for a child: without the rank variables of a torchrun this test may run under (the
+    child starts a world of its own), and with this checkout first on PYTHONPATH, so that the child imports this copy
+    of megalite rather than an installed one."""
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    return env
+
+
+def child_command(argv: Sequence[str], nproc: int | None = None, torchrun: Sequence[str] = STANDALONE) -> list[str]:
+    """The command that runs ``argv``: a script of this checkout and its words (``["pretrain_gpt.py", *TINY]``,
+    ``["tools/gpu_check.py"]``; made absolute, so tracebacks name the checkout's files) or ``["-c", code, ...]``.
+    With ``nproc``, under torchrun with that many ranks per node and the launcher options ``torchrun`` (a standalone
+    rendezvous unless told otherwise, e.g. a two-node one); without, in one plain Python process."""
+    program = [str(ROOT / argv[0]), *argv[1:]] if argv[0].endswith(".py") else list(argv)
+    if nproc is None:
+        return [sys.executable, *program]
+    return [sys.executable, "-m", "torch.distributed.run", *torchrun, "--nproc-per-node", str(nproc), *program]
+
+
+def start(argv: Sequence[str], nproc: int | None = None, torchrun: Sequence[str] = STANDALONE,
+          **popen) -> subprocess.Popen:
+    """Start ``argv`` (see child_command) from the checkout's root, its output piped as text unless ``popen`` says
+    otherwise; for a test that acts on the child while it runs."""
+    options = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True, **popen}
+    return subprocess.Popen(child_command(argv, nproc, torchrun), cwd=ROOT, env=child_environment(), **options)
+
+
+def launch(argv: Sequence[str], nproc: int | None = None, timeout: float = 180) -> subprocess.CompletedProcess:
+    """Run ``argv`` (see child_command) from the checkout's root to its end, its output captured as text."""
+    return subprocess.run(child_command(argv, nproc), capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+                          env=child_environment())
+
+
+def worker_pid(launcher_pid: int, local_rank: int) -> int | None:
+    """The pid of the torchrun worker with this LOCAL_RANK (read from /proc: no extra dependency)."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            status = (entry / "status").read_text()
+            environ = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        ppid = int(next(line.split()[1] for line in status.splitlines() if line.startswith("PPid:")))
+        if ppid == launcher_pid and f"LOCAL_RANK={local_rank}".encode() in environ:
+            return int(entry.name)
+    return None

@@ -6,11 +6,9 @@ from __future__ import annotations
 
 import ast
 import re
-import subprocess
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from .helpers import ROOT, launch
 
 
 def layers() -> list[str]:
@@ -73,8 +71,8 @@ def test_training_starts_without_hydra_the_command_line_the_planner_or_plotting(
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('hydra', 'omegaconf', 'matplotlib')\n"
             "             or m.startswith(('megalite.planner', 'megalite.config.cli', 'megalite.config.deepspeed',\n"
             "                          'megalite.visual'))))")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
-    assert result.stdout.strip() == "[]"
+    result = launch(["-c", code])
+    assert result.returncode == 0 and result.stdout.strip() == "[]", result.stderr
 
 
 PLOTTING = ("matplotlib", "tqdm")

@@ -4,26 +4,14 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 import pretrain_gpt
 
-from .helpers import losses, read_metrics
+from .helpers import launch, losses, read_metrics
 
-ROOT = Path(__file__).resolve().parent.parent
 METRIC_KEYS = {"iteration", "loss", "grad_norm", "lr", "consumed_samples", "elapsed_ms", "tokens_per_sec"}
-
-
-def _torchrun(nproc: int, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-                           str(ROOT / "pretrain_gpt.py"), *args],
-                          capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
 
 
 def test_single_process_run_writes_the_metrics_contract(tmp_path, capsys):
@@ -93,14 +81,14 @@ def test_bad_options_fail_with_one_line(argv, message, capsys):
 
 def test_torchrun_tensor_parallel_run_and_bad_layout_on_every_rank(tmp_path):
     metrics = tmp_path / "m.jsonl"
-    good = _torchrun(2, "--tensor-model-parallel-size", "2", "model=gpt_tiny", "--train-iters", "6", "--eval-iters",
-                     "1", "--lr", "2e-3", "--metrics-file", str(metrics))
+    good = launch(["pretrain_gpt.py", "--tensor-model-parallel-size", "2", "model=gpt_tiny", "--train-iters", "6",
+                   "--eval-iters", "1", "--lr", "2e-3", "--metrics-file", str(metrics)], nproc=2, timeout=120)
     assert good.returncode == 0, good.stderr[-2000:]
     good_losses = losses(read_metrics(metrics))
     assert len(good_losses) == 6 and good_losses[-1] < good_losses[0]
 
-    bad = _torchrun(2, "--tensor-model-parallel-size", "2", "--num-attention-heads", "3", "--hidden-size", "96",
-                    timeout=60)
+    bad = launch(["pretrain_gpt.py", "--tensor-model-parallel-size", "2", "--num-attention-heads", "3",
+                  "--hidden-size", "96"], nproc=2, timeout=60)
     assert bad.returncode != 0
     lines = [l for l in bad.stderr.splitlines() if "megalite: error:" in l]
     assert len(lines) == 2   # one per rank

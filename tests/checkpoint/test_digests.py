@@ -15,12 +15,12 @@ from megalite.checkpoint import digests as digest_module
 from megalite.checkpoint.contents import NO_DIGESTS
 from megalite.checkpoint.digests import default_algorithm, digest_ranges, even_shares
 
-from ..helpers import tiny_config
+from ..helpers import TINY, tiny_config
 from .helpers import (flip_bytes, flip_index, flip_manifest_key, flip_manifest_value, flip_payload, refused,
                       train_and_save, without_digests)
 from .test_tools import _tool as tool
 
-TINY = ["model=gpt_tiny", "data=mock", "--vocab-size", "301", "--eval-interval", "0", "--train-iters", "4"]
+ARGV = [*TINY, "--vocab-size", "301", "--train-iters", "4"]
 
 
 def test_a_save_records_a_digest_of_every_item_and_verify_passes(saved, capsys):
@@ -37,7 +37,7 @@ def test_a_save_records_a_digest_of_every_item_and_verify_passes(saved, capsys):
 @pytest.mark.parametrize("damage", [flip_payload, flip_index, flip_manifest_value, flip_manifest_key])
 def test_a_flipped_byte_is_refused_with_one_line(saved, capsys, damage):
     message = damage(saved / "iter_0000003")
-    assert refused([*TINY, "--load", str(saved)], capsys).endswith(f"iter_0000003/{message}")
+    assert refused([*ARGV, "--load", str(saved)], capsys).endswith(f"iter_0000003/{message}")
     assert tool("convert_checkpoint").main(["verify", "--load", str(saved)]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("convert_checkpoint: error: ") and err.endswith(message) and "\n" not in err
@@ -48,13 +48,13 @@ def test_only_what_a_load_reads_must_match(saved, capsys):
     checkpoint = open_checkpoint(saved)
     index, info = next((i, s) for i, s in checkpoint.metadata.storage_data.items() if i.fqn.endswith("/exp_avg"))
     flip_bytes(saved / "iter_0000003" / info.relative_path, info.offset + info.length - 8)
-    assert refused([*TINY, "--load", str(saved)], capsys).endswith(f"checksum mismatch in {index.fqn}")
-    assert pretrain_gpt.main([*TINY, "--load", str(saved), "--no-load-optim"]) == 0
+    assert refused([*ARGV, "--load", str(saved)], capsys).endswith(f"checksum mismatch in {index.fqn}")
+    assert pretrain_gpt.main([*ARGV, "--load", str(saved), "--no-load-optim"]) == 0
 
 
 def test_a_checkpoint_without_digests_loads_with_a_note(saved, capsys):
     without_digests(saved / "iter_0000003")
-    assert pretrain_gpt.main([*TINY, "--load", str(saved)]) == 0
+    assert pretrain_gpt.main([*ARGV, "--load", str(saved)]) == 0
     assert NO_DIGESTS in capsys.readouterr().out
     summary = verify_checkpoint(saved)
     assert summary.startswith(f"{open_checkpoint(saved).path}: complete, ") and summary.endswith(f"; but {NO_DIGESTS}")

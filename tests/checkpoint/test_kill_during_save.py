@@ -12,19 +12,17 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 from megalite import load_pretrained
 from megalite.checkpoint import open_checkpoint
 
-from ..helpers import read_metrics
+from ..helpers import TINY, read_metrics, start
 
 import pretrain_gpt
 
-ROOT = Path(__file__).resolve().parent.parent.parent
-TINY = ["model=gpt_tiny", "data=mock", "--eval-interval", "0", "--train-iters", "4", "--save-interval", "2"]
+ARGV = [*TINY, "--train-iters", "4", "--save-interval", "2"]
 
 CHILD = """
 import sys, time
@@ -80,20 +78,18 @@ def _kill_when_held(child: subprocess.Popen, held) -> None:
 
 
 def _start(program: str, marker: Path, *args: str) -> subprocess.Popen:
-    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
-    return subprocess.Popen([sys.executable, "-c", program, str(marker), *args], cwd=ROOT, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    return start(["-c", program, str(marker), *args], stdout=subprocess.DEVNULL)
 
 
 def test_kill_9_during_save_keeps_the_previous_checkpoint(tmp_path):
     ckpt, marker = tmp_path / "ckpt", tmp_path / "held"
-    _kill_when_held(_start(CHILD, marker, *TINY, "--save", str(ckpt)), marker.exists)
+    _kill_when_held(_start(CHILD, marker, *ARGV, "--save", str(ckpt)), marker.exists)
     half_written = Path(marker.read_text())
     assert half_written.name == "iter_0000004.tmp" and (half_written / "manifest.json").is_file()
     assert open_checkpoint(ckpt).manifest.iteration == 2          # the pointer still names the previous one
     assert load_pretrained(ckpt).iteration == 2                   # and it loads
     # Resuming finishes the run; the next save clears the leftover.
-    assert pretrain_gpt.main([*TINY, "--save", str(ckpt), "--load", str(ckpt)]) == 0
+    assert pretrain_gpt.main([*ARGV, "--save", str(ckpt), "--load", str(ckpt)]) == 0
     assert open_checkpoint(ckpt).manifest.iteration == 4 and not half_written.exists()
 
 
@@ -103,7 +99,7 @@ def test_kill_9_during_an_async_save_keeps_the_previous_checkpoint(tmp_path):
     def held_while_training_went_on() -> bool:
         return marker.exists() and metrics.exists() and any(r["iteration"] >= 6 for r in read_metrics(metrics))
 
-    argv = [*TINY, "--train-iters", "6", "--global-batch-size", "2", "--save", str(ckpt), "--async-save",
+    argv = [*ARGV, "--train-iters", "6", "--global-batch-size", "2", "--save", str(ckpt), "--async-save",
             "--metrics-file", str(metrics)]
     _kill_when_held(_start(ASYNC_CHILD, marker, *argv), held_while_training_went_on)
     half_written = Path(marker.read_text())

@@ -13,10 +13,10 @@ from megalite.checkpoint.directory import POINTER_NAME
 from megalite.checkpoint.storage import read_metadata
 from megalite.training import Trainer
 
-from ..helpers import losses, read_metrics, single_layout, tiny_config, with_checkpoint
+from ..helpers import TINY, losses, read_metrics, single_layout, tiny_config, with_checkpoint
 from .helpers import CPU, rewrite_index, train_and_save, without_digests
 
-TINY = ["model=gpt_tiny", "data=mock", "--eval-interval", "0", "--train-iters", "4", "--lr", "1e-3"]
+ARGV = [*TINY, "--train-iters", "4", "--lr", "1e-3"]
 
 
 @pytest.mark.parametrize("options", [
@@ -65,7 +65,7 @@ def test_saves_at_interval_and_end_once(tmp_path):
 def test_pretrain_gpt_save_then_resume_where_load_is_save(tmp_path, capsys):
     metrics = tmp_path / "m.jsonl"
     ckpt = str(tmp_path / "ckpt")
-    common = [*TINY, "--save", ckpt, "--load", ckpt, "--metrics-file", str(metrics)]
+    common = [*ARGV, "--save", ckpt, "--load", ckpt, "--metrics-file", str(metrics)]
     assert pretrain_gpt.main(common) == 0           # nothing saved yet: starts from scratch
     assert "starting from scratch" in capsys.readouterr().out
     assert pretrain_gpt.main([*common, "--train-iters", "6"]) == 0
@@ -77,12 +77,12 @@ def test_pretrain_gpt_save_then_resume_where_load_is_save(tmp_path, capsys):
 def test_checkpoint_that_does_not_fit_the_model(cfg, saved, capsys):
     """Another model is refused before its shapes are compared (tests/checkpoint/test_identity.py); with --finetune,
     which loads the weights into another model, the shapes must still fit."""
-    assert pretrain_gpt.main([*TINY, "--hidden-size", "128", "--vocab-size", "301", "--load", str(saved)]) == 2
+    assert pretrain_gpt.main([*ARGV, "--hidden-size", "128", "--vocab-size", "301", "--load", str(saved)]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("megalite: error:") and "\n" not in err
     assert "trained with another model: --hidden-size 64 (checkpoint) vs 128, --ffn-hidden-size 256 (checkpoint) vs " \
            "512 (--use-checkpoint-args takes the model from the checkpoint" in err
-    assert pretrain_gpt.main([*TINY, "--hidden-size", "128", "--vocab-size", "301", "--load", str(saved),
+    assert pretrain_gpt.main([*ARGV, "--hidden-size", "128", "--vocab-size", "301", "--load", str(saved),
                               "--finetune"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("megalite: error:") and "\n" not in err
@@ -110,7 +110,7 @@ def _remove_optimizer_piece(directory):
 ])
 def test_partial_or_corrupt_checkpoint_is_a_one_line_error(saved, capsys, damage, message):
     damage(saved / "iter_0000003")
-    assert pretrain_gpt.main([*TINY, "--vocab-size", "301", "--load", str(saved)]) == 2
+    assert pretrain_gpt.main([*ARGV, "--vocab-size", "301", "--load", str(saved)]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("megalite: error:") and "\n" not in err and message in err, err
 
@@ -147,6 +147,6 @@ def test_corrupt_tensor_bytes_are_reported_by_name(saved, digests):
     (["checkpoint.load=/no/such/dir"], "--load /no/such/dir: no such directory"),
 ])
 def test_checkpoint_options_fail_with_one_line(argv, message, capsys):
-    assert pretrain_gpt.main([*TINY, *argv]) == 2
+    assert pretrain_gpt.main([*ARGV, *argv]) == 2
     err = capsys.readouterr().err.strip()
     assert err == f"megalite: error: {message}"

@@ -5,11 +5,8 @@ here in one process), exit code 2; ``verify`` accepts the good copy and refuses 
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,25 +15,17 @@ import torch
 from megalite import load_pretrained
 from megalite.checkpoint import open_checkpoint
 
+from ..helpers import ROOT, TINY, launch
 from .helpers import flip_index, flip_manifest_value, flip_payload, refused
 from .test_tools import _tool
 
-ROOT = Path(__file__).resolve().parent.parent.parent
-TINY = ["model=gpt_tiny", "data=mock", "--eval-interval", "0", "--train-iters", "2"]
-
-
-def _torchrun(*args: str) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
-    # --standalone: a free port of its own, so concurrent launches on the machine cannot collide.
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           str(ROOT / "pretrain_gpt.py"), *TINY, *args],
-                          capture_output=True, text=True, timeout=180, cwd=ROOT, env=env)
+ARGV = [*TINY, "--train-iters", "2"]
 
 
 @pytest.fixture(scope="module")
 def two_rank_checkpoint(tmp_path_factory):
     ckpt = tmp_path_factory.mktemp("two_ranks") / "ckpt"
-    saved = _torchrun("--save", str(ckpt))
+    saved = launch(["pretrain_gpt.py", *ARGV, "--save", str(ckpt)], nproc=2)
     assert saved.returncode == 0, saved.stderr[-3000:]
     return ckpt
 
@@ -58,7 +47,7 @@ def test_a_damaged_index_or_manifest_is_refused(two_rank_checkpoint, tmp_path, c
     copy = tmp_path / "ckpt"
     shutil.copytree(two_rank_checkpoint, copy)
     message = damage(copy / "iter_0000002")
-    assert refused([*TINY, "--load", str(copy)], capsys).endswith(message)
+    assert refused([*ARGV, "--load", str(copy)], capsys).endswith(message)
     assert _tool("convert_checkpoint").main(["verify", "--load", str(copy)]) == 2
     assert capsys.readouterr().err.strip().endswith(message)
 
@@ -69,7 +58,7 @@ def test_a_damaged_payload_stops_every_rank_with_one_line(two_rank_checkpoint, t
     message = flip_payload(copy / "iter_0000002")
     assert _tool("convert_checkpoint").main(["verify", "--load", str(copy)]) == 2
     assert capsys.readouterr().err.strip().endswith(message)
-    bad = _torchrun("--load", str(copy), "--tensor-model-parallel-size", "2")
+    bad = launch(["pretrain_gpt.py", *ARGV, "--load", str(copy), "--tensor-model-parallel-size", "2"], nproc=2)
     assert bad.returncode != 0
     lines = [line for line in bad.stderr.splitlines() if "megalite: error:" in line]
     assert len(lines) == 2 and all(line.endswith(f"iter_0000002/{message}") for line in lines), bad.stderr

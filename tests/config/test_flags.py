@@ -4,13 +4,14 @@ into a command line."""
 from __future__ import annotations
 
 import dataclasses
-import sys
 
 import pytest
 
 from megalite.config import ConfigError, MegaliteConfig, OptimizerConfig, sections
 from megalite.config import flags
 from megalite.config.cli import parse_args
+
+from ..helpers import launch
 
 
 def all_fields():
@@ -60,8 +61,8 @@ def test_zero_level_and_its_settings_are_inverse():
 def test_importing_the_config_leaves_hydra_unloaded():
     code = ("import sys, megalite.config, megalite.config.flags; "
             "print(any(m.split('.')[0] in ('hydra', 'omegaconf') for m in sys.modules))")
-    import subprocess
-    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout == "False\n"
+    result = launch(["-c", code])
+    assert result.returncode == 0 and result.stdout == "False\n", result.stderr
 
 
 def test_composition_errors_are_one_line():

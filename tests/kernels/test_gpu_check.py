@@ -4,19 +4,17 @@ the table."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-SCRIPT = Path(__file__).resolve().parents[2] / "tools" / "gpu_check.py"
+from ..helpers import launch
+
+SCRIPT = "tools/gpu_check.py"
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU: run tools/gpu_check.py itself")
 def test_without_a_gpu_it_exits_with_a_message():
-    result = subprocess.run([sys.executable, str(SCRIPT)], capture_output=True, text=True, timeout=120)
+    result = launch([SCRIPT], timeout=120)
     assert result.returncode == 2, result.stderr
     assert "gpu_check: no CUDA device is visible" in result.stderr
     assert "run it on a machine with an NVIDIA GPU" in result.stderr
@@ -24,8 +22,7 @@ def test_without_a_gpu_it_exits_with_a_message():
 
 
 def test_cpu_dry_run_passes_and_prints_the_table_last():
-    result = subprocess.run([sys.executable, str(SCRIPT), "--cpu-dry-run", "--iters", "2", "--train-iters", "2"],
-                            capture_output=True, text=True, timeout=300)
+    result = launch([SCRIPT, "--cpu-dry-run", "--iters", "2", "--train-iters", "2"], timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     table = result.stdout[result.stdout.index("gpu_check summary"):]
     for op in ("masked softmax", "bias + GeLU", "bias + tanh GeLU", "LayerNorm", "RMSNorm", "rotary", "cross entropy"):

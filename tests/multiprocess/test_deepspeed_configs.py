@@ -23,14 +23,13 @@ from megalite.config.cli import parse_command_line
 from megalite.config.deepspeed import IGNORED, MAPPED
 from megalite.training import Trainer
 
-from ..helpers import losses, max_relative_difference
+from ..helpers import NO_DROPOUT, TINY, losses, max_relative_difference
 from .equivalence import CPU
 from .groups import layout
 
 CONFIGS = Path(__file__).resolve().parents[1] / "config" / "deepspeed_configs"
 # (--timing-log-level 0: the timers take their min/max over the world, and ranks 2 and 3 do not train here)
-TINY = ["model=gpt_tiny", "data=mock", "--num-layers", "4", "--vocab-size", "301", "--hidden-dropout", "0",
-        "--attention-dropout", "0", "--train-iters", "2", "--eval-interval", "0", "--log-interval", "1",
+ARGV = [*TINY, *NO_DROPOUT, "--num-layers", "4", "--vocab-size", "301", "--train-iters", "2", "--log-interval", "1",
         "--timing-log-level", "0"]
 DP = 2
 # Settings that change how fast a step runs, or how much memory it needs, never what it computes.
@@ -40,7 +39,7 @@ SPEED_SETTINGS = {"optimizer.overlap_grad_reduce", "optimizer.ddp_bucket_size", 
 
 
 def _parse(path: Path, *argv: str):
-    return parse_command_line(["--deepspeed-config", str(path), *TINY, *argv], world_size=DP)
+    return parse_command_line(["--deepspeed-config", str(path), *ARGV, *argv], world_size=DP)
 
 
 def _without_speed_knobs(command_line, path: Path, directory: str) -> Path:

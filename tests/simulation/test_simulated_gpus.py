@@ -8,10 +8,7 @@ from __future__ import annotations
 
 import re
 import resource
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 
@@ -22,10 +19,10 @@ from megalite.run import Run
 from megalite.simulation import simulate_rank
 from megalite.simulation.communication import CommunicationContractError
 
-ROOT = Path(__file__).resolve().parents[2]
+from ..helpers import TINY, launch
 
-TINY = ["model=gpt_tiny", "--mock-data", "--seq-length", "64", "--global-batch-size", "16",
-        "--micro-batch-size", "1", "--simulate-gpus", "8"]
+# (TINY turns evaluation off, as a simulated run does anyway: megalite/simulation/run.py.)
+ARGV = [*TINY, "--seq-length", "64", "--global-batch-size", "16", "--micro-batch-size", "1", "--simulate-gpus", "8"]
 
 # The layouts of the equivalence tests (tests/multiprocess), on 8 ranks.
 LAYOUTS = {
@@ -71,7 +68,7 @@ def test_every_rank_of_the_layout_runs_on_8_simulated_gpus(layout):
     """Two iterations of every rank: no CPU tensor in a collective, p2p under one Work per batch, FP8 operands laid
     out for the kernel, a collective on every rank of each group. Tiny models are mostly fixed-size temporaries,
     which the planner does not count: their peaks agree within 30% (GPT-2 small's within 10%, below)."""
-    cfg = config(TINY + LAYOUTS[layout].split())
+    cfg = config(ARGV + LAYOUTS[layout].split())
     for rank in range(8):
         report = simulate_rank(cfg, rank)
         ratio = report.peak_bytes / planned_total(cfg, report.coordinates["pp"])
@@ -95,7 +92,7 @@ def test_the_planner_is_within_ten_percent_of_the_simulated_peak(layout):
 
 
 def test_weights_gradients_and_optimizer_states_are_the_planner_s_to_the_byte():
-    cfg = config(TINY + LAYOUTS["TP=2 x PP=2 x DP=2"].split())
+    cfg = config(ARGV + LAYOUTS["TP=2 x PP=2 x DP=2"].split())
     report = simulate_rank(cfg, 4)
     stage = {s.pp_rank: s for s in run_memory(cfg.cfg, 8, cuda=True)[1]}[1]
     found = report.peak_by_category
@@ -111,41 +108,41 @@ def test_a_cpu_tensor_in_a_collective_is_named_with_its_call_site(monkeypatch):
     monkeypatch.setattr(trainer, "parameter_counts", lambda params, device: original(params, "cpu"))
     with pytest.raises(CommunicationContractError, match=r"trainer\.py:\d+ \(parameter_counts\): all_reduce on a cpu "
                                                           r"tensor: NCCL serves meta tensors only"):
-        simulate_rank(config(TINY + ["--tensor-model-parallel-size", "2"]), 0)
+        simulate_rank(config(ARGV + ["--tensor-model-parallel-size", "2"]), 0)
 
 
 def test_p2p_bookkeeping_that_expects_one_work_per_op_fails_under_nccl_s_coalesced_batches(monkeypatch):
     from megalite.pipeline import p2p
     monkeypatch.setattr(p2p, "_works_per_op", lambda works, num_ops: works)   # the old assumption
     with pytest.raises(RuntimeError, match="no receive posted"):
-        simulate_rank(config(TINY + ["--pipeline-model-parallel-size", "2"]), 0)
+        simulate_rank(config(ARGV + ["--pipeline-model-parallel-size", "2"]), 0)
 
 
 def test_a_row_major_second_fp8_operand_is_refused(monkeypatch):
     from megalite.tensor_parallel import fp8
     monkeypatch.setattr(fp8, "_kernel_layout", lambda a, b: (a.contiguous(), b.contiguous()))
     with pytest.raises(ValueError, match="column-major"):
-        simulate_rank(config(TINY + LAYOUTS["FP8 delayed"].split()), 0)
+        simulate_rank(config(ARGV + LAYOUTS["FP8 delayed"].split()), 0)
 
 
 def test_an_fp16_step_is_taken_not_skipped_on_a_stand_in_overflow():
     """A stand-in value must steer a healthy step: the loss scaler's overflow check reads a flag (0: no overflow), so
     the optimizer steps and its states exist at the peak."""
-    report = simulate_rank(config(TINY + ["--fp16"]), 0)
+    report = simulate_rank(config(ARGV + ["--fp16"]), 0)
     assert report.peak_by_category["optimizer"] == {s.pp_rank: s for s in run_memory(
-        config(TINY + ["--fp16"]).cfg, 8, cuda=True)[1]}[0].optimizer > 0
+        config(ARGV + ["--fp16"]).cfg, 8, cuda=True)[1]}[0].optimizer > 0
 
 
 # ---- what it reports -------------------------------------------------------------------------------------------
 
 def test_a_mixture_of_experts_reads_the_host_once_per_layer_and_micro_batch():
-    report = simulate_rank(config(TINY + LAYOUTS["EP=4 alltoall"].split()), 0)
+    report = simulate_rank(config(ARGV + LAYOUTS["EP=4 alltoall"].split()), 0)
     dispatcher = {site: n for site, n in report.host_reads.items() if "dispatcher.py" in site}
     assert sum(dispatcher.values()) == 2 * 2   # 2 MoE layers x 2 micro-batches (16 / (1 x DP 8))
 
 
 def test_pretrain_gpt_prints_memory_and_collectives_and_exits_non_zero_on_a_broken_rule(monkeypatch, capsys):
-    argv = TINY + ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--simulate-rank", "5"]
+    argv = ARGV + ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--simulate-rank", "5"]
     assert pretrain_gpt.main(argv) == 0
     out = capsys.readouterr().out
     assert "simulated rank 5 of 8 (TP rank 1, CP rank 0, DP rank 0, PP rank 1)" in out
@@ -160,8 +157,8 @@ def test_pretrain_gpt_prints_memory_and_collectives_and_exits_non_zero_on_a_brok
 
 
 def test_bad_simulation_options_are_one_line_each(capsys):
-    assert pretrain_gpt.main(TINY + ["--simulate-rank", "8"]) == 2
-    assert pretrain_gpt.main(TINY + ["--simulate-device", "v100"]) == 2
+    assert pretrain_gpt.main(ARGV + ["--simulate-rank", "8"]) == 2
+    assert pretrain_gpt.main(ARGV + ["--simulate-device", "v100"]) == 2
     err = capsys.readouterr().err
     assert "--simulate-rank must be ranks below --simulate-gpus 8" in err
     assert "--simulate-device must be h100, h200, a100 or b200, got 'v100'" in err
@@ -171,12 +168,12 @@ def test_llama2_70b_on_1024_simulated_h100s_first_and_last_rank():
     """The README's scale check: TP 8 x PP 8 x DP 16, sequence 4096, bf16, distributed optimizer, sequence
     parallelism, selective recompute, global batch 1024 (64 micro-batches): both ranks in well under 5 minutes and
     4 GiB of host memory, each peak within 10% of the planner's."""
-    command = [sys.executable, str(ROOT / "pretrain_gpt.py"), "model=llama2_70b", "--mock-data", "--bf16",
-               "--tensor-model-parallel-size", "8", "--pipeline-model-parallel-size", "8", "--sequence-parallel",
-               "--use-distributed-optimizer", "--recompute-granularity", "selective", "--micro-batch-size", "1",
-               "--global-batch-size", "1024", "--simulate-gpus", "1024", "--simulate-rank", "0,1023"]
+    argv = ["pretrain_gpt.py", "model=llama2_70b", "--mock-data", "--bf16",
+            "--tensor-model-parallel-size", "8", "--pipeline-model-parallel-size", "8", "--sequence-parallel",
+            "--use-distributed-optimizer", "--recompute-granularity", "selective", "--micro-batch-size", "1",
+            "--global-batch-size", "1024", "--simulate-gpus", "1024", "--simulate-rank", "0,1023"]
     start = time.perf_counter()
-    done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=300)
+    done = launch(argv, timeout=300)
     seconds = time.perf_counter() - start
     assert done.returncode == 0, done.stderr[-2000:]
     assert seconds < 300

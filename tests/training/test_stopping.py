@@ -1,6 +1,8 @@
 """Stopping on purpose and on failure: SIGTERM saves and exits 0 on every rank, --exit-interval stops after a
-checkpoint, a NaN stops training naming the iteration and rank, and a rank killed with SIGKILL under
-``torchrun --max-restarts`` resumes from the latest checkpoint with the losses of an uninterrupted run."""
+checkpoint, a NaN stops training naming the iteration and rank, a rank killed with SIGKILL under
+``torchrun --max-restarts`` resumes from the latest checkpoint with the losses of an uninterrupted run, and a stalled
+rank (SIGSTOP, as a hung GPU or a frozen node looks from outside) makes the others fail within
+--distributed-timeout-minutes with one clear line, instead of waiting forever."""
 
 from __future__ import annotations
 
@@ -8,17 +10,14 @@ import os
 import re
 import signal
 import subprocess
-import sys
+import time
 from pathlib import Path
 
 import pretrain_gpt
 
-from ..helpers import read_metrics
-from .test_failures import _worker_pid
+from ..helpers import NO_DROPOUT, STANDALONE, TINY, read_metrics, start, worker_pid
 
-ROOT = Path(__file__).resolve().parent.parent.parent
-TINY = ["model=gpt_tiny", "data=mock", "--hidden-dropout", "0", "--attention-dropout", "0", "--eval-interval", "0",
-        "--log-interval", "1"]
+ARGV = [*TINY, *NO_DROPOUT, "--log-interval", "1"]
 
 
 def _records(path: Path) -> list[dict]:
@@ -26,10 +25,7 @@ def _records(path: Path) -> list[dict]:
 
 
 def _launch(*args: str, restarts: int = 0) -> subprocess.Popen:
-    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
-    return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                             "--max-restarts", str(restarts), str(ROOT / "pretrain_gpt.py"), *TINY, *args],
-                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return start(["pretrain_gpt.py", *ARGV, *args], nproc=2, torchrun=[*STANDALONE, "--max-restarts", str(restarts)])
 
 
 def _wait_for_iteration(launcher: subprocess.Popen, iteration: int) -> None:
@@ -40,13 +36,13 @@ def _wait_for_iteration(launcher: subprocess.Popen, iteration: int) -> None:
 
 
 def test_nan_stops_training_naming_iteration_and_rank(capsys):
-    assert pretrain_gpt.main([*TINY, "--train-iters", "3", "--lr", "1e30", "--clip-grad", "0"]) == 1
+    assert pretrain_gpt.main([*ARGV, "--train-iters", "3", "--lr", "1e30", "--clip-grad", "0"]) == 1
     err = capsys.readouterr().err
     assert "megalite: error: iteration 2: loss is nan" in err and "rank(s) [0]" in err
 
 
 def test_exit_interval_stops_after_a_checkpoint(tmp_path, capsys):
-    assert pretrain_gpt.main([*TINY, "--train-iters", "10", "--exit-interval", "3", "--save", str(tmp_path)]) == 0
+    assert pretrain_gpt.main([*ARGV, "--train-iters", "10", "--exit-interval", "3", "--save", str(tmp_path)]) == 0
     assert "stopping after iteration 3: --exit-interval 3" in capsys.readouterr().out
     assert (tmp_path / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
 
@@ -55,7 +51,7 @@ def test_sigterm_on_one_rank_saves_on_every_rank_and_exits_zero(tmp_path):
     launcher = _launch("--train-iters", "100000", "--exit-signal-handler", "--save", str(tmp_path))
     try:
         _wait_for_iteration(launcher, 2)
-        os.kill(_worker_pid(launcher.pid, 1), signal.SIGTERM)   # a scheduler may signal ranks one by one
+        os.kill(worker_pid(launcher.pid, 1), signal.SIGTERM)   # a scheduler may signal ranks one by one
         out, err = launcher.communicate(timeout=120)
     finally:
         launcher.kill()
@@ -64,18 +60,18 @@ def test_sigterm_on_one_rank_saves_on_every_rank_and_exits_zero(tmp_path):
     saved = int((tmp_path / "latest_checkpointed_iteration.txt").read_text())
     assert saved >= 2
     # The checkpoint loads: one more iteration from it.
-    assert pretrain_gpt.main([*TINY, "--train-iters", str(saved + 1), "--load", str(tmp_path)]) == 0
+    assert pretrain_gpt.main([*ARGV, "--train-iters", str(saved + 1), "--load", str(tmp_path)]) == 0
 
 
 def test_killed_rank_restarts_and_resumes_with_uninterrupted_losses(tmp_path):
     iters = ["--train-iters", "8", "--micro-batch-size", "1"]
-    assert pretrain_gpt.main([*TINY, *iters, "--metrics-file", str(tmp_path / "straight.jsonl")]) == 0
+    assert pretrain_gpt.main([*ARGV, *iters, "--metrics-file", str(tmp_path / "straight.jsonl")]) == 0
     ckpt = tmp_path / "ckpt"
     launcher = _launch(*iters, "--save", str(ckpt), "--load", str(ckpt), "--save-interval", "2",
                        "--metrics-file", str(tmp_path / "restarted.jsonl"), restarts=1)
     try:
         _wait_for_iteration(launcher, 5)   # checkpoints at 2 and 4 exist by now
-        os.kill(_worker_pid(launcher.pid, 1), signal.SIGKILL)
+        os.kill(worker_pid(launcher.pid, 1), signal.SIGKILL)
         out, err = launcher.communicate(timeout=240)
     finally:
         launcher.kill()
@@ -91,3 +87,31 @@ def test_killed_rank_restarts_and_resumes_with_uninterrupted_losses(tmp_path):
         restarted[r["iteration"]] = r["loss"]
     assert sorted(restarted) == list(range(1, 9))
     assert max(abs(restarted[i] - straight[i]) / straight[i] for i in straight) < 1e-5
+
+
+def test_stalled_rank_makes_the_others_fail_within_the_timeout(tmp_path):
+    launcher = start(["pretrain_gpt.py", *TINY, "--train-iters", "100000", "--log-interval", "1",
+                      "--distributed-timeout-minutes", "0.1"], nproc=2)
+    victim = None
+    try:
+        for line in launcher.stdout:           # wait until training runs
+            if line.startswith("iteration"):
+                break
+        victim = worker_pid(launcher.pid, 1)
+        assert victim is not None
+        os.kill(victim, signal.SIGSTOP)
+        stalled_at = time.monotonic()
+        err = ""
+        for line in launcher.stderr:           # rank 0 must give up on its own, after ~6 s
+            err += line
+            if "megalite: error:" in line:
+                break
+        waited = time.monotonic() - stalled_at
+    finally:
+        if victim is not None:
+            os.kill(victim, signal.SIGKILL)
+        launcher.kill()
+        launcher.wait()
+    assert "a collective timed out after --distributed-timeout-minutes 0.1: another rank died or stalled" in err
+    assert "rank 0" in err
+    assert waited < 60

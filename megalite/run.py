@@ -30,9 +30,9 @@ class Run:
     notes: tuple[str, ...] = ()      # what the checkpoint's options changed, Megatron's adjustments and no-op flags
 
     @classmethod
-    def resolve(cls, cfg: MegaliteConfig, world_size: int) -> "Run":
+    def resolve(cls, cfg: MegaliteConfig, world_size: int, accepted: tuple[str, ...] = ()) -> "Run":
         """The run ``cfg`` describes at ``world_size`` ranks, checked (ConfigError, DataError or CheckpointError:
-        one line, the same on every rank)."""
+        one line, the same on every rank); ``accepted``: the command line's Megatron flags without effect."""
         cfg = with_checkpoint_tokenizer(cfg)   # --data-path alone: the --load checkpoint's tokenizer
         cfg, notes = use_checkpoint_args(cfg)
         cfg, warnings = megatron.adjust(cfg)   # --sequence-parallel at TP=1 off, as Megatron does
@@ -43,4 +43,4 @@ class Run:
             cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=tokenizer.vocab_size))
         check_checkpoint(cfg, world_size, tokenizer)   # a missing, partial, corrupt or other model's checkpoint
         return cls(cfg, ParallelDims.of(cfg.parallel, world_size), tokenizer,
-                   tuple(notes + warnings + megatron.start_lines(cfg)))
+                   tuple(notes + warnings + megatron.start_lines(cfg, accepted)))

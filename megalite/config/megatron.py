@@ -32,17 +32,12 @@ class Accepted:
     type: Optional[type] = None    # of its one value; None: a switch
     choices: Optional[tuple[str, ...]] = None   # the values that are no-ops here (others are refused)
 
-    @property
-    def key(self) -> str:
-        """``section.field``, the key a manifest saved it under when it was an option."""
-        return f"{self.section}.{self.flag[2:].replace('-', '_')}"
-
 
 ACCEPTED = (
     Accepted("--attention-backend", "model", "Megatron's choice of attention implementation: megalite picks its "
              "attention core itself (scaled_dot_product_attention, flash or memory-efficient kernels on GPUs; "
-             "--use-fused-kernels on for the fused masked softmax).", str, ("auto", "flash", "fused", "unfused",
-                                                                           "local")),
+             "--use-fused-kernels on for the fused masked softmax).", str,
+             ("auto", "flash", "fused", "unfused", "local")),
     Accepted("--num-workers", "data", "Megatron's data-loader worker processes: megalite reads samples in the "
              "training process (the memory-mapped files need no workers).", int),
     Accepted("--no-mmap-bin-files", "data", "Megatron's switch from memory-mapped to read() access of the .bin files: "
@@ -64,21 +59,18 @@ ACCEPTED = (
     Accepted("--cross-entropy-loss-fusion", "kernels", "Megatron's opt-in for the fused cross entropy: megalite "
              "fuses it by default (see --no-cross-entropy-loss-fusion)."),
 )
-SAVED_BEFORE = frozenset(a.key for a in ACCEPTED)   # keys of older manifests' configs, read back without a word
+# Their ``section.field`` keys in the configs of older manifests (they were options), read back without a word.
+SAVED_BEFORE = frozenset(f"{a.section}.{a.flag[2:].replace('-', '_')}" for a in ACCEPTED)
 
 
 def add_accepted(groups: dict[str, Any]) -> None:
-    """Add the :data:`ACCEPTED` flags to a parser's groups (one per config section); a flag's value is parsed into
-    the namespace under its flag (``--ckpt-format``), which :func:`given` takes out."""
+    """Add the :data:`ACCEPTED` flags to a parser's groups (one per config section), each parsed into the namespace
+    under its flag (``--ckpt-format``), where :func:`given` finds it."""
     for a in ACCEPTED:
-        help_text = f"{a.help} Accepted without effect."
-        if a.type is None:
-            groups[a.section].add_argument(a.flag, dest=a.flag, action="store_true", default=argparse.SUPPRESS,
-                                           help=help_text)
-        else:
-            groups[a.section].add_argument(a.flag, dest=a.flag, type=a.type, choices=a.choices,
-                                           default=argparse.SUPPRESS, help=help_text,
-                                           metavar="|".join(a.choices) if a.choices else a.type.__name__.upper())
+        value = ({"action": "store_true"} if a.type is None else
+                 {"type": a.type, "choices": a.choices, "metavar": "|".join(a.choices or [a.type.__name__.upper()])})
+        groups[a.section].add_argument(a.flag, dest=a.flag, default=argparse.SUPPRESS,
+                                       help=f"{a.help} Accepted without effect.", **value)
 
 
 def given(values: dict[str, Any]) -> tuple[str, ...]:

@@ -37,19 +37,14 @@ def option(default, help: str, **kwargs):
 
 @dataclass
 class ModelConfig:
-    """The model's options, each with a role (see :data:`MODEL_DEFINING`, which every reader of the roles uses):
-
-    - ``model`` (the default, so an option added later counts): decides the function the weights compute. A resumed
-      run must match it, ``--use-checkpoint-args`` takes it, a Hugging Face export must map it.
-    - ``numerics-neutral``: how the same function is computed or communicated, the steps unchanged (recompute replays
-      dropout exactly, ``--fp8-param-gather`` gathers the same FP8 values; grouped GEMM and the token dispatcher add
-      the same products, at most in another order).
-    - ``run``: how the model trains, not what its trained weights compute: dropout, initialization, sample length,
-      the FP8 recipe (the same bf16 weights, their products rounded otherwise while training), the vocabulary's
-      padding multiple (checkpoints store the vocabulary unpadded), the balancing losses and the expert bias's rate,
-      and token dropping (a training budget: the experts and router are the same at any capacity, as Switch
-      Transformer evaluates at other capacity factors than it trains with; Hugging Face's models drop nothing).
-    """
+    """The model's options, each with a role (:data:`MODEL_DEFINING` names the first kind for every reader):
+    ``model`` (the default, so an option added later counts) decides the function the weights compute: a resume must
+    match it, --use-checkpoint-args takes it, a Hugging Face export maps it. ``numerics-neutral``: only how the same
+    numbers are computed (recompute replays dropout; FP8 parameter gathering moves the same FP8 values; grouped GEMM
+    and the token dispatcher sum the same products, at most in another order). ``run``: how the model trains, not what
+    its weights compute: dropout, initialization, sample length, the FP8 recipe (the bf16 weights' products rounded
+    while training), the vocabulary's padding (stored unpadded), the balancing losses, the expert bias's rate, and
+    token dropping (a training budget: Switch Transformer evaluates at other capacities; Hugging Face drops none)."""
     num_layers: int = option(4, "Number of transformer layers.")
     hidden_size: int = option(128, "Transformer hidden size.")
     ffn_hidden_size: Optional[int] = option(None, "MLP hidden size; default 4 x hidden size.")

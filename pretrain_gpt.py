@@ -40,7 +40,7 @@ def main(argv: list[str]) -> int:
             command_line = parse_command_line(argv, simulated)
         world_size = simulated or world_size_from_env()
         # Every rank resolves and checks the run on its own before any collective, so a bad value cannot hang the job.
-        run = Run.resolve(command_line.config, world_size)
+        run = Run.resolve(command_line.config, world_size, command_line.accepted)
         if not run.cfg.training.dry_run and not simulated:   # more processes than GPUs here: one line, not "invalid
             rank_device(run.cfg.training.distributed_backend)   # device ordinal"
     except ConfigError as error:

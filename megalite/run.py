@@ -30,14 +30,15 @@ class Run:
     notes: tuple[str, ...] = ()      # what the checkpoint's options changed, Megatron's adjustments and no-op flags
 
     @classmethod
-    def resolve(cls, cfg: MegaliteConfig, world_size: int) -> "Run":
+    def resolve(cls, cfg: MegaliteConfig, world_size: int, accepted: tuple[str, ...] = ()) -> "Run":
         """The run a command line's ``cfg`` describes at ``world_size`` ranks, checked (ConfigError, DataError or
-        CheckpointError: one line, the same on every rank)."""
+        CheckpointError: one line, the same on every rank); ``accepted``: the command line's Megatron flags that
+        change nothing here."""
         cfg = with_checkpoint_tokenizer(cfg)   # --data-path alone: the --load checkpoint's tokenizer
         cfg, notes = use_checkpoint_args(cfg)
         cfg, warnings = megatron.adjust(cfg)   # --sequence-parallel at TP=1 off, as Megatron does
         validate(cfg, world_size)
-        run = cls.of(cfg, world_size, notes + warnings + megatron.start_lines(cfg))
+        run = cls.of(cfg, world_size, notes + warnings + megatron.start_lines(cfg, accepted))
         check_data_files(run.cfg, run.tokenizer)   # a corrupt file stops every rank here, not in a collective
         check_checkpoint(run.cfg, world_size, run.tokenizer)   # a missing, partial, corrupt or other model's one
         return run

@@ -134,7 +134,8 @@ def paths(tmp_path, corpus):
     (llama3_8b_fp8, 8, "TP=1 x PP=1 x DP=8", (8.02e9, 8.04e9),
      ["--sequence-parallel turned off", "accepted without effect here (README: Coming from Megatron-LM): "
       "--attention-backend fused, --num-workers 1, --no-mmap-bin-files, --no-create-attention-mask-in-dataloader, "
-      "--calculate-per-token-loss, --use-mcore-models, --log-throughput, --cross-entropy-loss-fusion, "
+      "--calculate-per-token-loss, --use-mcore-models, --log-throughput, --ckpt-format torch_dist, "
+      "--cross-entropy-loss-fusion, "
       "--tiktoken-pattern v2 (the tokenizer is NullTokenizer)"]),
     # 32 GPUs: expert parallelism 8 needs 8 data-parallel ranks at PP 4 (the script's 8 GPUs per node on 4 nodes).
     (mixtral_8x7b, 32, "TP=1 x PP=4 x DP=8", None,

@@ -36,12 +36,10 @@ _HF_DEFAULTS = {"n_positions": 1024, "n_embd": 768, "n_layer": 12, "n_head": 12,
                 "scale_attn_by_inverse_layer_idx": False, "add_cross_attention": False, "tie_word_embeddings": True,
                 "vocab_size": 50257}
 
-# ModelConfig fields the GPT-2 mapping accounts for, or that change neither the weights nor the maths (activation
-# recompute); any other field (rotary positions, RMSNorm, SwiGLU, ...) must keep its default to be exported.
-_MAPPED_FIELDS = {"num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "seq_length",
-                  "max_position_embeddings", "vocab_size", "make_vocab_size_divisible_by", "init_method_std",
-                  "hidden_dropout", "attention_dropout", "layernorm_epsilon", "untie_embeddings_and_output_weights",
-                  "openai_gelu", "recompute_granularity", "recompute_method", "recompute_num_layers"}
+# The model-defining options (MODEL_DEFINING) the GPT-2 mapping accounts for; any other (rotary positions, RMSNorm,
+# SwiGLU, ...) must keep its default to be exported.
+_MAPPED_FIELDS = {"num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "max_position_embeddings",
+                  "vocab_size", "layernorm_epsilon", "untie_embeddings_and_output_weights", "openai_gelu"}
 
 _LAYER_NAMES = [  # (megalite name inside layer i, HF name inside block i, transposed)
     ("input_norm.weight", "ln_1.weight", False), ("input_norm.bias", "ln_1.bias", False),

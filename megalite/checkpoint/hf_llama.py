@@ -45,16 +45,13 @@ SILU = ("silu", "swish")   # the same function in transformers' ACT2FN
 LLAMA_OPTIONS = {"position_embedding_type": "rope", "normalization": "RMSNorm", "swiglu": True,
                  "disable_bias_linear": True}
 
-# ModelConfig fields the mapping accounts for, or that change neither the weights nor the inference maths
-# (activation recompute, hidden dropout); any other field must keep its default to be exported.
-_MAPPED_FIELDS = {"num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "seq_length",
-                  "max_position_embeddings", "vocab_size", "make_vocab_size_divisible_by", "init_method_std",
-                  "hidden_dropout", "attention_dropout", "layernorm_epsilon", "untie_embeddings_and_output_weights",
-                  "rotary_base", "use_rope_scaling", "rope_scaling_factor", "rope_scaling_low_freq_factor",
+# The model-defining options (MODEL_DEFINING) the mapping accounts for; any other must keep its default to be exported.
+_MAPPED_FIELDS = {"num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "max_position_embeddings",
+                  "vocab_size", "layernorm_epsilon", "untie_embeddings_and_output_weights", "rotary_base",
+                  "use_rope_scaling", "rope_scaling_factor", "rope_scaling_low_freq_factor",
                   "rope_scaling_high_freq_factor", "rope_scaling_original_max_position_embeddings",
-                  "group_query_attention", "num_query_groups", "add_qkv_bias", "recompute_granularity",
-                  "recompute_method", "recompute_num_layers", "kv_channels", *LLAMA_OPTIONS,
-                  "no_position_embedding"}   # HF's head_dim; no learned positions beside rope anyway
+                  "group_query_attention", "num_query_groups", "add_qkv_bias", "kv_channels",   # HF's head_dim
+                  *LLAMA_OPTIONS, "no_position_embedding"}   # no learned positions beside rope anyway
 
 # The config class's defaults, for config.json files that leave keys out (None: derived from other keys, or unset).
 _COMMON_DEFAULTS = {"hidden_act": "silu", "initializer_range": 0.02, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,

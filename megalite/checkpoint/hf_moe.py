@@ -42,12 +42,11 @@ from megalite.config import ModelConfig
 MIXTRAL, QWEN2_MOE, QWEN3_MOE = "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"
 MODEL_TYPES = {"mixtral": MIXTRAL, "qwen2_moe": QWEN2_MOE, "qwen3_moe": QWEN3_MOE}
 
-# ModelConfig fields a conversion accounts for (beside the Llama ones), or that only shape training.
+# The model-defining options a conversion accounts for beside the Llama ones (the router's score function and
+# scaling keep their defaults: check_exportable names them).
 _MAPPED_FIELDS = hf_llama._MAPPED_FIELDS | {
-    "kv_channels", "qk_layernorm", "num_experts", "moe_ffn_hidden_size", "moe_router_topk", "moe_layer_freq",
-    "moe_shared_expert_intermediate_size", "moe_shared_expert_gate", "moe_router_pre_softmax",
-    "moe_router_load_balancing_type", "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_expert_capacity_factor",
-    "moe_token_drop_policy", "moe_token_dispatcher_type", "moe_grouped_gemm", "moe_router_bias_update_rate"}
+    "qk_layernorm", "num_experts", "moe_ffn_hidden_size", "moe_router_topk", "moe_layer_freq",
+    "moe_shared_expert_intermediate_size", "moe_shared_expert_gate", "moe_router_pre_softmax"}
 
 # The HF names of a MoE block, legacy (per expert, on disk) layout: (router, expert prefix, gate, up, down).
 _BLOCKS = {MIXTRAL: ("block_sparse_moe.gate.weight", "block_sparse_moe.experts", "w1", "w3", "w2"),

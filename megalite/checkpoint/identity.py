@@ -1,11 +1,12 @@
 """Same model or a clear refusal: a resumed run must compute what the checkpoint's weights were trained to compute.
 
-Every model option (a ``ModelConfig`` field) counts except those that only shape training: dropout, initialization,
-the sequence length, activation recompute, the FP8 recipe (the same bf16 weights, their products rounded
-differently) and the vocabulary's padding multiple (padded rows are masked out). Options
+The model options whose role is ``model`` count (:data:`megalite.config.schema.MODEL_DEFINING`; an option added
+later counts by default), not those that only say how it trains or how its numbers are computed: dropout,
+initialization, the sequence length, activation recompute, FP8, the MoE balancing losses, token dropping, grouped
+GEMM, the token dispatcher and the vocabulary's padding multiple (padded rows are masked out). Options
 compare by the value they resolve to: an unset ``--ffn-hidden-size`` is 4 x hidden, grouped-query attention with as
 many groups as heads is plain attention, ``--rotary-base`` counts only with rotary positions and
-``--max-position-embeddings`` only with a learned position table. A model option added later counts by default.
+``--max-position-embeddings`` only with a learned position table.
 The tokenizer compares by :meth:`Tokenizer.fingerprint` (type, vocabulary, EOD and the bytes of its files), which
 the manifest records (a checkpoint from before that has its tokenizer rebuilt from the stored file); when the
 checkpoint has no tokenizer (mock data, imported weights) or the run has none, there is nothing to compare.
@@ -26,20 +27,15 @@ from megalite.checkpoint.contents import Checkpoint, open_load_checkpoint
 from megalite.checkpoint.errors import CheckpointError
 from megalite.config import MegaliteConfig, ModelConfig
 from megalite.config.flags import FLAG
+from megalite.config.schema import MODEL_DEFINING
 from megalite.data.errors import DataError
 from megalite.checkpoint.tokenizer import saved_tokenizer
 from megalite.data.tokenizer import Tokenizer, tokenizer_options_for
 
-# Model options that change how a model trains, not the function its weights compute.
-TRAINING_ONLY = frozenset({"hidden_dropout", "attention_dropout", "init_method_std", "seq_length",
-                           "recompute_granularity", "recompute_method", "recompute_num_layers",
-                           "make_vocab_size_divisible_by", "fp8_format", "fp8_recipe", "fp8_margin",
-                           "fp8_amax_history_len", "fp8_amax_compute_algo"})
-
 
 def model_identity(model: ModelConfig) -> dict[str, object]:
     """Option name -> the value it resolves to, for every option that decides what the model computes."""
-    identity = {f.name: getattr(model, f.name) for f in dataclasses.fields(ModelConfig) if f.name not in TRAINING_ONLY}
+    identity = {name: getattr(model, name) for name in MODEL_DEFINING}
     identity.update(ffn_hidden_size=model.ffn_size, num_query_groups=model.query_groups)
     del identity["group_query_attention"]   # folded into num_query_groups
     if model.position_embedding_type == "rope":
@@ -108,7 +104,7 @@ def use_checkpoint_args(cfg: MegaliteConfig) -> tuple[MegaliteConfig, list[str]]
     if checkpoint is None:
         return cfg, [f"{FLAG.use_checkpoint_args}: no checkpoint yet, the model options of the command line"]
     saved = checkpoint.manifest.megalite_config().model
-    taken = {f.name: getattr(saved, f.name) for f in dataclasses.fields(ModelConfig) if f.name not in TRAINING_ONLY}
+    taken = {name: getattr(saved, name) for name in MODEL_DEFINING}
     changed = [f"{getattr(FLAG, name)} {value}" for name, value in taken.items() if getattr(cfg.model, name) != value]
     data = cfg.data
     if checkpoint.manifest.tokenizer is not None and data.data_path is not None and not data.mock_data:

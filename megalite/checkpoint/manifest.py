@@ -27,6 +27,7 @@ import torch
 from megalite.checkpoint.digests import digest_bytes
 from megalite.checkpoint.errors import CheckpointError
 from megalite.config import MegaliteConfig, OptimizerConfig, from_dict
+from megalite.config.megatron import SAVED_BEFORE
 from megalite.tensor_parallel import Partition, shard
 
 MANIFEST_NAME = "manifest.json"
@@ -218,8 +219,10 @@ def _self_digest(data: dict, algorithm: str) -> str:
 
 
 def config_from_dict(data: dict[str, Any]) -> MegaliteConfig:
-    """The saved config; options this megalite does not know are left out with a warning."""
+    """The saved config; options this megalite does not know are left out with a warning (Megatron's flags that
+    were options before they were accepted without effect, quietly)."""
     cfg, unknown = from_dict(data)
+    unknown = [key for key in unknown if key not in SAVED_BEFORE]
     if unknown:
         warnings.warn(f"checkpoint config options unknown to this megalite are ignored: {', '.join(unknown)}",
                       stacklevel=2)

@@ -16,6 +16,7 @@ from megalite import parallel_state
 from megalite.checkpoint.errors import CheckpointError
 from megalite.checkpoint.manifest import Manifest
 from megalite.config import ModelConfig
+from megalite.config.schema import MODEL_DEFINING
 from megalite.model import GPTModel
 from megalite.tensor_parallel import Partition
 
@@ -59,29 +60,19 @@ def check_fits(manifest: Manifest, model: ModelConfig, where: Path) -> None:
     if problem is None:
         return
     saved_model = manifest.config.get("model", {})
-    differences = [f"{key} {saved_model[key]} (checkpoint) vs {value}"
-                   for key, value in dataclasses.asdict(model).items()
-                   if key in saved_model and saved_model[key] != value and key not in _HARMLESS]
+    differences = [f"{key} {saved_model[key]} (checkpoint) vs {getattr(model, key)}" for key in MODEL_DEFINING
+                   if key in saved_model and saved_model[key] != getattr(model, key)]
     hint = f"; model options differ: {', '.join(differences)}" if differences else ""
     raise CheckpointError(f"{where}: does not fit this model: {problem}{hint}")
 
 
-# Options that change no parameter: never the reason a checkpoint does not fit.
-_HARMLESS = {"hidden_dropout", "attention_dropout", "init_method_std", "layernorm_epsilon", "seq_length",
-             "recompute_granularity", "recompute_method", "recompute_num_layers", "moe_router_topk",
-             "moe_router_score_function", "moe_router_pre_softmax", "moe_router_topk_scaling_factor",
-             "moe_router_load_balancing_type", "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_router_bias_update_rate",
-             "moe_expert_capacity_factor", "moe_token_drop_policy", "moe_token_dispatcher_type", "moe_grouped_gemm"}
-
-
 def check_options_mapped(model: ModelConfig, mapped_fields: set[str], architecture: str, family: str) -> None:
-    """Raise CheckpointError naming the first model option a conversion to ``architecture`` does not account for
-    (not in ``mapped_fields``) that differs from its default: the converted model would compute something else."""
+    """Raise CheckpointError naming the first model-defining option a conversion to ``architecture`` does not map
+    (not in ``mapped_fields``) that differs from its default: the converted model would compute something else.
+    How the model was trained (dropout, FP8, recompute, ...) does not matter to the converted weights."""
     defaults = ModelConfig()
-    for field in dataclasses.fields(ModelConfig):
-        value = getattr(model, field.name)
-        if field.metadata.get("accepted_only"):   # a Megatron flag that changes nothing here (--attention-backend)
-            continue
-        if field.name not in mapped_fields and value != getattr(defaults, field.name):
-            raise CheckpointError(f"cannot export as {architecture}: model option {field.name}={value!r} has no "
-                                  f"{family} counterpart")
+    for name in MODEL_DEFINING:
+        value = getattr(model, name)
+        if name not in mapped_fields and value != getattr(defaults, name):
+            raise CheckpointError(f"cannot export as {architecture}: model option {name}={value!r} has no {family} "
+                                  f"counterpart")

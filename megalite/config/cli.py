@@ -23,7 +23,7 @@ import os
 import typing
 from typing import Optional
 
-from megalite.config import deepspeed
+from megalite.config import deepspeed, megatron
 from megalite.config.flags import CONVERTERS, FLAGS, compose, override
 from megalite.config.schema import ConfigError, MegaliteConfig, sections
 
@@ -64,6 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
             metavar = f.metavar or convert.__name__.upper()
             group.add_argument(f.flag, dest=f.key, type=convert, default=argparse.SUPPRESS,
                                metavar=f"{metavar} ..." if f.multi_word else metavar, help=help_text)
+    megatron.add_accepted(groups)   # Megatron's flags that change nothing here: parsed, stored nowhere
     return parser
 
 
@@ -88,19 +89,21 @@ def _join_multi_word_values(argv: list[str]) -> list[str]:
     return result
 
 
-def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
-    """(Hydra overrides, flag overrides) for argv; the latter already formatted as ``section.field=value``."""
+def split_argv(argv: list[str]) -> tuple[list[str], list[str], tuple[str, ...]]:
+    """(Hydra overrides, flag overrides, Megatron flags accepted without effect) for argv; the flag overrides
+    already formatted as ``section.field=value``."""
     namespace, rest = build_parser().parse_known_args(_join_multi_word_values(list(argv)))
     unknown = list(dict.fromkeys(arg.split("=")[0] for arg in rest if arg.startswith("-")))
     if unknown:
         raise ConfigError(_unknown_flags_message(unknown))
-    flag_overrides = [override(key, value) for key, value in vars(namespace).items()]
-    return rest, flag_overrides
+    values = vars(namespace)
+    accepted = megatron.given(values)
+    return rest, [override(key, value) for key, value in values.items()], accepted
 
 
 def _unknown_flags_message(unknown: list[str]) -> str:
     """Every unknown flag of the command line at once, each with the nearest known spelling (if one is near)."""
-    known = [f.flag for f in FLAGS]
+    known = [f.flag for f in FLAGS] + [a.flag for a in megatron.ACCEPTED]
 
     def described(flag: str) -> str:
         nearest = difflib.get_close_matches(flag, known, n=1, cutoff=0.85)
@@ -116,6 +119,7 @@ class CommandLine:
     config: MegaliteConfig
     deepspeed: Optional[deepspeed.Translation] = None
     user_keys: frozenset = frozenset()   # keys the command line itself sets (they win over the DeepSpeed file)
+    accepted: tuple[str, ...] = ()       # Megatron's flags it gave that change nothing here, as typed
 
     def deepspeed_settings(self) -> list[str]:
         """The DeepSpeed file's effective-settings table, for the start of a run (empty without a file)."""
@@ -128,18 +132,19 @@ def parse_command_line(argv: list[str], world_size: Optional[int] = None) -> Com
     ``world_size`` (default: $WORLD_SIZE, else 1) is needed only by a DeepSpeed file's batch arithmetic, whose
     data-parallel size is world size / (TP x PP). Does not run :func:`megalite.config.validate`.
     """
-    hydra_overrides, flag_overrides = split_argv(argv)
+    hydra_overrides, flag_overrides, accepted = split_argv(argv)
     user_overrides = hydra_overrides + flag_overrides   # flags last, so they win over a Hydra override of the same key
     cfg = compose(user_overrides)
+    megatron.check(cfg, accepted)
     path = cfg.training.deepspeed_config
     if path is None:
-        return CommandLine(cfg)
+        return CommandLine(cfg, accepted=accepted)
     # Composed once without the file to learn its path, TP/PP and the command line's own values; then again with the
     # file's settings placed before the user's overrides, so those (and the flags) win over the file, and the file
     # wins over the YAML groups.
     user_keys = _keys_set_by(user_overrides)
     translation = deepspeed.translate(path, _world_size(world_size), cfg, user_keys)
-    return CommandLine(compose(translation.overrides() + user_overrides), translation, user_keys)
+    return CommandLine(compose(translation.overrides() + user_overrides), translation, user_keys, accepted)
 
 
 def parse_args(argv: list[str], world_size: Optional[int] = None) -> MegaliteConfig:

@@ -35,7 +35,6 @@ class Flag:
     help: str
     multi_word: bool = False   # takes one or more words (Megatron's nargs="+"), joined by spaces into the string
     metavar: Optional[str] = None
-    accepted_only: bool = False   # a Megatron flag that changes nothing here (megalite.config.megatron lists them)
 
     @property
     def key(self) -> str:
@@ -70,7 +69,7 @@ def _build_flag_table() -> list[Flag]:
             if multi_word and ftype not in (str, Optional[str]):
                 raise RuntimeError(f"{key}: only string options may take several words")
             table.append(Flag(flag, section, field.name, ftype, field.default, field.metadata["help"], multi_word,
-                              field.metadata.get("metavar"), field.metadata.get("accepted_only", False)))
+                              field.metadata.get("metavar")))
     return table
 
 

@@ -24,25 +24,39 @@ TOKENIZER_TYPES = ("SentencePieceTokenizer", "HuggingFaceTokenizer", "GPT2BPETok
                    "GPTSentencePieceTokenizer", "Llama2Tokenizer", "TikTokenizer")
 
 
+# What a model option is to the trained weights (its ``role``; see ModelConfig).
+MODEL, NUMERICS_NEUTRAL, RUN = "model", "numerics-neutral", "run"
+
+
 def option(default, help: str, **kwargs):
-    """A dataclass field with its one-line description (shown by ``--help``)."""
+    """A dataclass field with its one-line description (shown by ``--help``); a model option may give its ``role``."""
+    if kwargs.get("role", MODEL) not in (MODEL, NUMERICS_NEUTRAL, RUN):
+        raise ValueError(f"unknown role {kwargs['role']!r}")
     return dataclasses.field(default=default, metadata={"help": help, **kwargs})
 
 
 @dataclass
 class ModelConfig:
+    """The model's options, each with a role (:data:`MODEL_DEFINING` names the first kind for every reader):
+    ``model`` (the default, so an option added later counts) decides the function the weights compute: a resume must
+    match it, --use-checkpoint-args takes it, a Hugging Face export maps it. ``numerics-neutral``: only how the same
+    numbers are computed (recompute replays dropout; FP8 parameter gathering moves the same FP8 values; grouped GEMM
+    and the token dispatcher sum the same products, at most in another order). ``run``: how the model trains, not what
+    its weights compute: dropout, initialization, sample length, the FP8 recipe (the bf16 weights' products rounded
+    while training), the vocabulary's padding (stored unpadded), the balancing losses, the expert bias's rate, and
+    token dropping (a training budget: Switch Transformer evaluates at other capacities; Hugging Face drops none)."""
     num_layers: int = option(4, "Number of transformer layers.")
     hidden_size: int = option(128, "Transformer hidden size.")
     ffn_hidden_size: Optional[int] = option(None, "MLP hidden size; default 4 x hidden size.")
     num_attention_heads: int = option(4, "Number of attention heads.")
-    seq_length: int = option(64, "Tokens per training sample.")
+    seq_length: int = option(64, "Tokens per training sample.", role=RUN)
     max_position_embeddings: Optional[int] = option(None, "Size of the position table; default seq length.")
     vocab_size: int = option(1000, "Vocabulary size (of the tokenizer, or of the mock data).")
     make_vocab_size_divisible_by: int = option(
-        128, "Pad the vocabulary to a multiple of this times the tensor-parallel size.")
-    init_method_std: float = option(0.02, "Std of the normal initialization of weights.")
-    hidden_dropout: float = option(0.1, "Dropout after attention/MLP outputs and on embeddings.")
-    attention_dropout: float = option(0.1, "Dropout on attention probabilities.")
+        128, "Pad the vocabulary to a multiple of this times the tensor-parallel size.", role=RUN)
+    init_method_std: float = option(0.02, "Std of the normal initialization of weights.", role=RUN)
+    hidden_dropout: float = option(0.1, "Dropout after attention/MLP outputs and on embeddings.", role=RUN)
+    attention_dropout: float = option(0.1, "Dropout on attention probabilities.", role=RUN)
     layernorm_epsilon: float = option(1e-5, "Epsilon of the LayerNorms.")
     apply_layernorm_1p: bool = option(
         False, "Zero-centred norm weights: LayerNorm and RMSNorm scale by (1 + weight), the weight starting at 0 "
@@ -92,33 +106,34 @@ class ModelConfig:
                "rotary embeddings), as Qwen3 and OLMo 2 do.")
     recompute_granularity: Optional[str] = option(
         None, "Activation recompute: full (keep each recomputed group's input only, rerun it in backward) or "
-              "selective (rerun only the attention core: softmax, dropout and the two attention products).")
+              "selective (rerun only the attention core: softmax, dropout and the two attention products).",
+        role=NUMERICS_NEUTRAL)
     recompute_method: Optional[str] = option(
         None, "With full recompute: uniform (every model chunk's layers in groups of --recompute-num-layers) or block "
-              "(only the first --recompute-num-layers layers of each model chunk, one by one).")
+              "(only the first --recompute-num-layers layers of each model chunk, one by one).", role=NUMERICS_NEUTRAL)
     recompute_num_layers: int = option(
-        1, "With full recompute: layers per recomputed group (uniform) or recomputed layers per chunk (block).")
+        1, "With full recompute: layers per recomputed group (uniform) or recomputed layers per chunk (block).",
+        role=NUMERICS_NEUTRAL)
     fp8_format: Optional[str] = option(
         None, "FP8 matrix products in the attention and MLP linears (torch._scaled_mm; bf16 master weights, norms, "
               "softmax, embeddings and output layer): e4m3 (every operand e4m3) or hybrid (e4m3 forward, e5m2 "
-              "gradients), Transformer Engine's names; needs --bf16.")
+              "gradients), Transformer Engine's names; needs --bf16.", role=RUN)
     fp8_recipe: str = option(
         "delayed", "With --fp8-format, how FP8 scales are chosen: tensorwise (the amax of each tensor now), delayed "
                    "(Transformer Engine's: from the amax history of earlier steps) or rowwise (per row of "
-                   "activations and gradients, per column of weights, along each product's inner dimension).")
-    fp8_margin: int = option(0, "With --fp8-format: scale FP8 values 2^margin below the format's largest value.")
+                   "activations and gradients, per column of weights, along each product's inner dimension).",
+        role=RUN)
+    fp8_margin: int = option(
+        0, "With --fp8-format: scale FP8 values 2^margin below the format's largest value.", role=RUN)
     fp8_amax_history_len: int = option(
-        1, "With --fp8-recipe delayed: steps of amax history kept per tensor.")
+        1, "With --fp8-recipe delayed: steps of amax history kept per tensor.", role=RUN)
     fp8_amax_compute_algo: str = option(
-        "most_recent", "With --fp8-recipe delayed: the amax a scale comes from, max (of the history) or most_recent.")
+        "most_recent", "With --fp8-recipe delayed: the amax a scale comes from, max (of the history) or most_recent.",
+        role=RUN)
     fp8_param_gather: bool = option(
         False, "With --fp8-format and the distributed optimizer or ZeRO-3: all-gather the FP8 linears' weight shards "
                "as FP8 (1 byte an element, half of bf16's traffic) and multiply by them as gathered (recipes "
-               "tensorwise and delayed); the same steps, bit for bit.")
-    attention_backend: str = option(
-        "auto", "Megatron's choice of attention implementation (flash, fused, unfused, local or auto): megalite picks "
-                "its attention core itself (scaled_dot_product_attention, flash or memory-efficient kernels on GPUs; "
-                "--use-fused-kernels on for the fused masked softmax).", accepted_only=True)
+               "tensorwise and delayed); the same steps, bit for bit.", role=NUMERICS_NEUTRAL)
     # Mixture of experts (megalite.model.moe). Every moe_* option needs --num-experts.
     num_experts: Optional[int] = option(
         None, "Mixture of experts: routed experts per MoE layer (each an MLP of --moe-ffn-hidden-size); default: "
@@ -143,29 +158,31 @@ class ModelConfig:
         None, "Multiply the routing weights by this factor (DeepSeek's routed scaling factor).")
     moe_router_load_balancing_type: str = option(
         "aux_loss", "Load balancing: aux_loss (Switch Transformer's loss over each micro-batch), seq_aux_loss "
-                    "(the same loss per sequence, averaged: DeepSeek-V2/V3) or none.")
-    moe_aux_loss_coeff: float = option(0.0, "Coefficient of the load-balancing loss (0: not computed).")
+                    "(the same loss per sequence, averaged: DeepSeek-V2/V3) or none.", role=RUN)
+    moe_aux_loss_coeff: float = option(0.0, "Coefficient of the load-balancing loss (0: not computed).", role=RUN)
     moe_z_loss_coeff: Optional[float] = option(
-        None, "Coefficient of the router z-loss, mean of logsumexp(logits)^2 (ST-MoE); default none.")
+        None, "Coefficient of the router z-loss, mean of logsumexp(logits)^2 (ST-MoE); default none.", role=RUN)
     moe_router_enable_expert_bias: bool = option(
         False, "Auxiliary-loss-free balancing (DeepSeek-V3): a per-expert bias added to the scores for choosing the "
                "top k only, moved by --moe-router-bias-update-rate after every step towards equal load (needs "
                "--moe-router-score-function sigmoid).")
     moe_router_bias_update_rate: float = option(
-        1e-3, "With --moe-router-enable-expert-bias: bias += rate x sign(mean load - expert's load) each step.")
+        1e-3, "With --moe-router-enable-expert-bias: bias += rate x sign(mean load - expert's load) each step.",
+        role=RUN)
     moe_expert_capacity_factor: Optional[float] = option(
         None, "Token dropping: each expert takes at most ceil(factor x tokens x k / experts) of a micro-batch's "
-              "tokens (on each rank), the rest of its tokens are dropped; default none, dropless.")
+              "tokens (on each rank), the rest of its tokens are dropped; default none, dropless.", role=RUN)
     moe_token_drop_policy: str = option(
         "probs", "With a capacity factor, which tokens an expert keeps: probs (its highest-weight ones) or position "
-                 "(the earliest in the micro-batch).")
+                 "(the earliest in the micro-batch).", role=RUN)
     moe_token_dispatcher_type: str = option(
         "alltoall", "How tokens reach experts on other expert-parallel ranks: alltoall (each rank sends every token "
                     "only where its experts are, uneven all-to-alls) or allgather (every rank gathers all tokens "
-                    "and keeps those of its experts; outputs are summed back by a reduce-scatter).")
+                    "and keeps those of its experts; outputs are summed back by a reduce-scatter).",
+        role=NUMERICS_NEUTRAL)
     moe_grouped_gemm: bool = option(
         False, "Run a rank's experts as one grouped matrix product (torch._grouped_mm where this torch and device "
-               "offer it for the dtype and shapes) instead of a loop over experts.")
+               "offer it for the dtype and shapes) instead of a loop over experts.", role=NUMERICS_NEUTRAL)
 
     @property
     def ffn_size(self) -> int:
@@ -227,6 +244,10 @@ class ModelConfig:
         """Vocabulary rounded up to a multiple of make_vocab_size_divisible_by x TP (Megatron's rule)."""
         multiple = self.make_vocab_size_divisible_by * tensor_parallel_size
         return int(math.ceil(self.vocab_size / multiple) * multiple)
+
+
+# The ModelConfig fields whose role is "model" (see ModelConfig): the options that decide what the weights compute.
+MODEL_DEFINING = tuple(f.name for f in dataclasses.fields(ModelConfig) if f.metadata.get("role", MODEL) == MODEL)
 
 
 def _layer_pattern(text: str) -> Optional[list]:
@@ -397,18 +418,9 @@ class DataConfig:
     tiktoken_special_tokens: Optional[str] = option(
         None, "With TikTokenizer: the special tokens' names in id order (must include <unk>, <s> and </s>).",
         nargs="+", metavar="TOKEN")
-    num_workers: Optional[int] = option(
-        None, "Megatron's data-loader worker processes: megalite reads samples in the training process (the "
-              "memory-mapped files need no workers).", accepted_only=True)
     no_data_prefetch: bool = option(
         False, "Read each global batch's samples on the training thread when the step starts, instead of during "
                "the step before in a background thread (into pinned memory on a GPU).")
-    no_mmap_bin_files: bool = option(
-        False, "Megatron's switch from memory-mapped to read() access of the .bin files: megalite always maps them.",
-        accepted_only=True)
-    no_create_attention_mask_in_dataloader: bool = option(
-        False, "Megatron's switch off of the data loader's attention masks: megalite never builds one (causal "
-               "attention needs none).", accepted_only=True)
     reset_position_ids: bool = option(
         False, "Packed documents: position ids restart at 0 after every end-of-document token.")
     reset_attention_mask: bool = option(
@@ -524,13 +536,6 @@ class TrainingConfig:
     empty_unused_memory_level: int = option(
         0, "On GPUs, hand cached unused memory back to the driver: 1 after each optimizer step, 2 also after each "
            "forward-backward (fewer fragmentation failures, some speed lost); 0 never.")
-    calculate_per_token_loss: bool = option(
-        False, "Megatron's loss normalized by the token count of the whole global batch instead of per micro-batch: "
-               "megalite always normalizes so (and its samples have no masked tokens, so Megatron's default gives the "
-               "same loss).", accepted_only=True)
-    use_mcore_models: bool = option(
-        False, "Megatron's switch from its legacy models to Megatron Core's: megalite has one model.",
-        accepted_only=True)
     plot: Optional[str] = option(
         None, "With --dry-run: also draw that estimate as stacked bars, one per pipeline stage, into this .png, .svg "
               "or .pdf file (needs matplotlib: pip install -e \".[plot]\").", metavar="FILE")
@@ -547,9 +552,6 @@ class LoggingConfig:
            "each pipeline step's times in FILE.steps.jsonl beside it (tools/plot_schedule.py draws them).")
     peak_tflops: Optional[float] = option(
         None, "The device's peak TFLOP/s for MFU; default: known for A100/H100/H200 (bf16 dense), else no MFU.")
-    log_throughput: bool = option(
-        False, "Megatron's switch for throughput in the log: megalite always logs tokens/s, TFLOP/s per device and MFU.",
-        accepted_only=True)
     profile: bool = option(
         False, "Record a torch.profiler trace of iterations --profile-step-start + 1 to --profile-step-end on the ranks "
                "of --profile-ranks (Chrome trace JSON: TensorBoard's profiler plugin and Perfetto open it); on GPUs "
@@ -560,9 +562,6 @@ class LoggingConfig:
                                 metavar="RANK")
     profile_dir: Optional[str] = option(
         None, "With --profile: directory of the traces; default --tensorboard-dir, else ./megalite-profile.")
-    use_pytorch_profiler: bool = option(
-        False, "Megatron's choice of torch.profiler over nsys for --profile: megalite always records with "
-               "torch.profiler (and marks the range for nsys on GPUs).", accepted_only=True)
     wandb_project: Optional[str] = option(
         None, "Also log every metric to this Weights & Biases project (rank 0; needs the wandb package: pip install "
               "'megalite[wandb]'; WANDB_MODE=offline keeps the run on disk).")
@@ -598,9 +597,6 @@ class CheckpointConfig:
     async_save: bool = option(
         False, "With --save: write checkpoints in the background while training goes on (torch.distributed."
                "checkpoint.async_save); each is renamed into place and pointed to once every rank has written it.")
-    ckpt_format: str = option(
-        "torch_dist", "Megatron's checkpoint format: megalite writes torch.distributed.checkpoint shards with a JSON "
-                      "manifest, which is torch_dist's kind; other formats are refused.", accepted_only=True)
 
 
 @dataclass
@@ -618,9 +614,6 @@ class KernelConfig:
     no_cross_entropy_loss_fusion: bool = option(
         False, "Compute the vocab-parallel cross entropy with torch ops, not the fused per-shard kernels (fused by "
                "default here, where Megatron's --cross-entropy-loss-fusion is opt-in).")
-    cross_entropy_loss_fusion: bool = option(
-        False, "Megatron's opt-in for the fused cross entropy: megalite fuses it by default (see "
-               "--no-cross-entropy-loss-fusion).", accepted_only=True)
 
 
 @dataclass

@@ -199,7 +199,6 @@ def _check_architecture(cfg: MegaliteConfig) -> None:
              f"rope rotates channel pairs: it needs an even number of rotated channels, got head dimension "
              f"{m.head_dim} x {FLAG.rotary_percent} {m.rotary_percent:g} = {m.rotary_dim}")
     _at_least(1, [("rotary_base", m.rotary_base)])
-    _one_of("attention_backend", m.attention_backend, ("auto", "flash", "fused", "unfused", "local"))
     if m.use_rope_scaling:
         _require(m.position_embedding_type == "rope",
                  f"{FLAG.use_rope_scaling} needs {FLAG.position_embedding_type} rope")
@@ -461,9 +460,6 @@ def _check_checkpoint(cfg: MegaliteConfig) -> None:
     _at_least(1, [("save_interval", c.save_interval)])
     _require(c.save_interval is None or c.save is not None, f"{FLAG.save_interval} needs {FLAG.save}")
     _require(not c.finetune or c.load is not None, f"{FLAG.finetune} needs {FLAG.load}")
-    _require(c.ckpt_format == "torch_dist",
-             f"{FLAG.ckpt_format} {c.ckpt_format} is not supported: megalite writes torch.distributed.checkpoint "
-             f"shards with a manifest (Megatron's torch_dist kind); use {FLAG.ckpt_format} torch_dist or leave it out")
     _require(not c.use_checkpoint_args or c.load is not None, f"{FLAG.use_checkpoint_args} needs {FLAG.load}")
     _require(not c.async_save or c.save is not None, f"{FLAG.async_save} needs {FLAG.save}")
 
@@ -472,8 +468,6 @@ def _check_kernels(cfg: MegaliteConfig) -> None:
     """The fused-kernel mode; ``on`` needs a GPU here (whether the extension builds is checked when the model is)."""
     mode = cfg.kernels.use_fused_kernels
     _one_of("use_fused_kernels", mode, ("auto", "on", "off"))
-    _require(not (cfg.kernels.cross_entropy_loss_fusion and cfg.kernels.no_cross_entropy_loss_fusion),
-             f"{FLAG.cross_entropy_loss_fusion} and {FLAG.no_cross_entropy_loss_fusion} exclude each other")
     if mode == "on":
         import torch   # noqa: PLC0415 - only here: checking the other options needs no torch
 

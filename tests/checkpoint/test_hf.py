@@ -16,13 +16,16 @@ import json
 import pytest
 import torch
 
-from megalite.checkpoint import CheckpointError
-from megalite.checkpoint.convert import import_hf
+from megalite.checkpoint import CheckpointError, open_checkpoint
+from megalite.checkpoint.convert import export_hf, import_hf
 from megalite.checkpoint.hf_gpt2 import check_exportable
+from megalite.checkpoint.load import load_weights
 from megalite.config import ModelConfig
+from megalite.model import GPTModel
 
-from ..helpers import tiny_config
-from .helpers import (VOCAB, assert_export_matches, assert_greedy_matches, assert_import_matches, perturb_and_save,
+from ..helpers import single_layout, tiny_config
+from .helpers import (RTOL, VOCAB, assert_export_matches, assert_greedy_matches, assert_import_matches,
+                      perturb_and_save, random_tokens, relative,
                       train_and_save)
 
 transformers = pytest.importorskip("transformers")
@@ -66,9 +69,30 @@ def test_other_activations_are_refused_by_name(tmp_path):
 
 def test_export_refuses_options_gpt2_cannot_express():
     check_exportable(ModelConfig(num_layers=3, untie_embeddings_and_output_weights=True, openai_gelu=True))
+    # How it trained or computed its numbers is no part of the exported model.
+    check_exportable(ModelConfig(seq_length=16, hidden_dropout=0.0, init_method_std=0.01, fp8_format="e4m3",
+                                 fp8_recipe="rowwise", fp8_param_gather=True, recompute_granularity="full",
+                                 make_vocab_size_divisible_by=64))
     names = {f.name for f in dataclasses.fields(ModelConfig)}
     for option, value in [("swiglu", True), ("normalization", "RMSNorm"), ("position_embedding_type", "rope"),
                           ("use_rope_scaling", True), ("add_qkv_bias", True)]:
         if option in names:   # model options another change brings
             with pytest.raises(CheckpointError, match=f"{option}={value!r} has no GPT-2 counterpart"):
                 check_exportable(ModelConfig(**{option: value}))
+
+
+def test_an_fp8_trained_checkpoint_exports(tmp_path):
+    """FP8 is how a model trains (its bf16 weights' products rounded to FP8), not what the weights compute: the export
+    holds the trained weights, and transformers gives the logits megalite computes from them without FP8."""
+    cfg = tiny_config(model={"fp8_format": "hybrid", "fp8_recipe": "tensorwise"}, data={"eval_interval": 0},
+                      training={"bf16": True, "micro_batch_size": 4, "global_batch_size": 4})
+    train_and_save(cfg, tmp_path / "ckpt", 2)
+    export_hf(tmp_path / "ckpt", tmp_path / "hf", dtype=torch.float32)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    with single_layout(), torch.no_grad():
+        gpt = GPTModel(dataclasses.replace(cfg.model, fp8_format=None)).eval()
+        load_weights(open_checkpoint(tmp_path / "ckpt"), list(gpt.canonical_named_parameters()))
+        tokens = random_tokens(1)
+        difference = relative(hf(tokens).logits, gpt.full_logits(tokens))
+    print(f"FP8-trained megalite -> HF GPT-2: max rel logit diff {difference:.1e}")
+    assert difference < RTOL

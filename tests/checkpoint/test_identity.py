@@ -1,7 +1,8 @@
-"""Same model or a clear refusal: resuming with any model option that changes what the model computes, or with another
-tokenizer, stops with one line listing each difference with both values; --use-checkpoint-args takes them from the
-checkpoint instead (the resumed losses are those of a resume with the right options); --finetune loads the weights
-into another model anyway; options that only shape training may differ."""
+"""Same model or a clear refusal: resuming with any model option that changes what the model computes (a mixture's
+router too), or with another tokenizer, stops with one line listing each difference with both values;
+--use-checkpoint-args takes them from the checkpoint instead (the resumed losses are those of a resume with the right
+options); --finetune loads the weights into another model anyway; options that only shape training or how the numbers
+are computed may differ (--fp8-param-gather, grouped GEMM, the balancing loss, Megatron's --attention-backend)."""
 
 from __future__ import annotations
 
@@ -14,15 +15,17 @@ from megalite.checkpoint import open_checkpoint
 from megalite.checkpoint.identity import model_identity
 from megalite.config import ModelConfig
 from megalite.data.tokenizer import SentencePieceTokenizer, train_sentencepiece
+from megalite.training import Trainer
 
 from ..data.helpers import VOCAB_SIZE, generated_documents
-from ..helpers import losses, read_metrics
-from .helpers import refused, write_manifest
+from ..helpers import losses, read_metrics, single_layout, tiny_config, with_checkpoint
+from .helpers import CPU, refused, train_and_save, write_manifest
 
 # A Llama-style tiny model: every architecture option away from its default.
 LLAMA = {"--num-layers": "2", "--hidden-size": "64", "--num-attention-heads": "4", "--seq-length": "32",
          "--vocab-size": "301", "--position-embedding-type": "rope", "--normalization": "RMSNorm", "--swiglu": None,
          "--group-query-attention": None, "--num-query-groups": "2", "--disable-bias-linear": None}
+MOE = {**LLAMA, "--num-experts": "4", "--moe-ffn-hidden-size": "32", "--moe-aux-loss-coeff": "1e-2"}
 RUN = ["data=mock", "--eval-interval", "0", "--train-iters", "3", "--lr", "1e-3"]
 
 
@@ -99,8 +102,42 @@ def test_finetune_loads_into_another_model_with_a_note(llama_checkpoint, capsys)
 def test_options_that_only_shape_training_may_differ(llama_checkpoint):
     assert pretrain_gpt.main([*_argv(_changed(**{"--seq-length": "16"})), "--hidden-dropout", "0.2",
                               "--attention-dropout", "0", "--init-method-std", "0.01", "--recompute-granularity",
-                              "selective", "--make-vocab-size-divisible-by", "64", "--load",
-                              str(llama_checkpoint)]) == 0
+                              "selective", "--make-vocab-size-divisible-by", "64", "--attention-backend", "flash",
+                              "--load", str(llama_checkpoint)]) == 0
+
+
+@pytest.fixture(scope="module")
+def moe_checkpoint(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("moe") / "ckpt"
+    assert pretrain_gpt.main([*_argv(MOE), "--exit-interval", "2", "--save", str(directory)]) == 0
+    return directory
+
+
+def test_how_a_mixture_trains_may_differ_its_routing_may_not(moe_checkpoint, capsys):
+    """Grouped GEMM (the same products), the balancing loss's coefficient and token dropping say how the experts
+    train; the number of experts a token goes to is the model."""
+    assert pretrain_gpt.main([*_argv({**MOE, "--moe-grouped-gemm": None, "--moe-aux-loss-coeff": "0.05",
+                                      "--moe-expert-capacity-factor": "1.5"}), "--load", str(moe_checkpoint)]) == 0
+    capsys.readouterr()
+    error = refused([*_argv({**MOE, "--moe-router-topk": "1"}), "--load", str(moe_checkpoint)], capsys)
+    assert error == (f"{moe_checkpoint}/iter_0000002: trained with another model: --moe-router-topk 2 (checkpoint) "
+                     f"vs 1 (--use-checkpoint-args takes the model from the checkpoint, --finetune loads its weights "
+                     f"into this one)")
+
+
+def test_fp8_param_gather_may_change_on_resume_bit_for_bit(tmp_path):
+    """--fp8-param-gather gathers the FP8 weights the linears multiply by anyway: a resume that turns it on
+    continues with the losses of one that leaves it off."""
+    cfg = tiny_config(model={"fp8_format": "hybrid", "fp8_recipe": "tensorwise"}, data={"eval_interval": 0},
+                      optimizer={"use_distributed_optimizer": True},
+                      training={"bf16": True, "train_iters": 4, "micro_batch_size": 4, "global_batch_size": 4})
+    train_and_save(cfg, tmp_path, 2)
+    runs = []
+    for gather in (False, True):
+        resumed = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, fp8_param_gather=gather))
+        with single_layout():
+            runs.append(losses(Trainer.on_registered_layout(with_checkpoint(resumed, load=str(tmp_path)), CPU).train()))
+    assert len(runs[0]) == 2 and runs[1] == runs[0]
 
 
 def test_identity_resolves_defaults():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import warnings
 
 import pytest
 
@@ -68,6 +69,16 @@ def test_config_from_dict_drops_unknown_options_and_defaults_missing_ones():
     with pytest.warns(UserWarning, match="model.from_the_future"):
         cfg = config_from_dict(data)
     assert cfg.training.seed == MegaliteConfig().training.seed and cfg.model.hidden_size == 64
+
+
+def test_megatron_flags_older_manifests_saved_as_options_read_back_quietly():
+    """Megatron's flags accepted without effect were options once: their keys in an older manifest are no news."""
+    data = to_dict(tiny_config())
+    data["model"]["attention_backend"], data["checkpoint"]["ckpt_format"] = "auto", "torch_dist"
+    data["training"]["use_mcore_models"], data["data"]["num_workers"] = True, 2
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert config_from_dict(data) == tiny_config()
 
 
 def test_keys_are_unique_per_piece_and_parse_back():

@@ -1,13 +1,13 @@
 """Megatron command lines: every unknown flag at once with its nearest spelling, the flags accepted without effect
-(and listed), values megalite cannot honour refused by name, --sequence-parallel at TP=1 turned off, and Megatron's
-rules for iteration- against sample-based options."""
+(listed, in --help too, and stored nowhere), values megalite cannot honour refused by name, --sequence-parallel at
+TP=1 turned off, and Megatron's rules for iteration- against sample-based options."""
 
 from __future__ import annotations
 
 import pytest
 
-from megalite.config import ConfigError, megatron, validate
-from megalite.config.cli import parse_args
+from megalite.config import ConfigError, megatron, to_dict, validate
+from megalite.config.cli import build_parser, parse_args, parse_command_line
 
 from ..helpers import tiny_config
 
@@ -24,21 +24,49 @@ def test_unknown_flags_are_listed_at_once_with_the_nearest_spelling():
 
 
 def test_accepted_flags_parse_and_are_listed_as_without_effect():
-    cfg = parse_args(["--use-mcore-models", "--attention-backend", "fused", "--cross-entropy-loss-fusion",
-                      "--manual-gc", "--empty-unused-memory-level", "1", "--log-throughput", "--ckpt-format",
-                      "torch_dist", "--no-mmap-bin-files", "--no-create-attention-mask-in-dataloader", "--num-workers",
-                      "1", "--calculate-per-token-loss", "--tiktoken-pattern", "v2", "--tokenizer-type",
-                      "NullTokenizer", "--position-embedding-type", "rope", "--no-position-embedding", "data=mock"])
+    command_line = parse_command_line([
+        "--use-mcore-models", "--attention-backend", "fused", "--cross-entropy-loss-fusion", "--manual-gc",
+        "--empty-unused-memory-level", "1", "--log-throughput", "--ckpt-format", "torch_dist", "--no-mmap-bin-files",
+        "--no-create-attention-mask-in-dataloader", "--num-workers", "1", "--calculate-per-token-loss",
+        "--use-pytorch-profiler", "--tiktoken-pattern", "v2", "--tokenizer-type", "NullTokenizer",
+        "--position-embedding-type", "rope", "--no-position-embedding", "data=mock"])
+    cfg = command_line.config
     validate(cfg, 1)
-    assert megatron.without_effect(cfg) == [
+    assert megatron.without_effect(cfg, command_line.accepted) == [
         "--attention-backend fused", "--num-workers 1", "--no-mmap-bin-files",
         "--no-create-attention-mask-in-dataloader", "--calculate-per-token-loss", "--use-mcore-models", "--log-throughput",
-        "--cross-entropy-loss-fusion", "--tiktoken-pattern v2 (the tokenizer is NullTokenizer)",
-        "--no-position-embedding (positions are rope)"]
-    # --manual-gc and --empty-unused-memory-level do something here; --ckpt-format torch_dist is the default.
-    line, = megatron.start_lines(cfg)
+        "--use-pytorch-profiler", "--ckpt-format torch_dist", "--cross-entropy-loss-fusion",
+        "--tiktoken-pattern v2 (the tokenizer is NullTokenizer)", "--no-position-embedding (positions are rope)"]
+    # --manual-gc and --empty-unused-memory-level do something here.
+    line, = megatron.start_lines(cfg, command_line.accepted)
     assert line.startswith("megalite: accepted without effect here") and "--manual-gc" not in line
     assert megatron.start_lines(tiny_config()) == []
+    # Stored nowhere: the config (and so a checkpoint's manifest) is the one without them.
+    saved = to_dict(cfg)
+    assert not any(key.split(".")[1] in saved[key.split(".")[0]] for key in megatron.SAVED_BEFORE)
+    assert cfg == parse_args(["--manual-gc", "--empty-unused-memory-level", "1", "--tiktoken-pattern", "v2",
+                              "--tokenizer-type", "NullTokenizer", "--position-embedding-type", "rope",
+                              "--no-position-embedding", "data=mock"])
+    help_text = build_parser().format_help()
+    for accepted in megatron.ACCEPTED:
+        assert accepted.flag in help_text
+    assert "--attention-backend auto|flash|fused|unfused|local" in help_text
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--ckpt-format", "torch"], "argument --ckpt-format: invalid choice: 'torch'"),
+    (["--attention-backend", "cudnn"], "argument --attention-backend: invalid choice: 'cudnn'"),
+    (["--num-workers", "two"], "argument --num-workers: invalid int value: 'two'"),
+    (["--num-workers"], "argument --num-workers: expected one argument"),
+    (["--cross-entropy-loss-fusion", "--no-cross-entropy-loss-fusion"],
+     "--cross-entropy-loss-fusion and --no-cross-entropy-loss-fusion exclude each other"),
+    (["--use-mcore-model"], "unknown flag --use-mcore-model (did you mean --use-mcore-models?)"),
+    (["model.attention_backend=auto"], "Key 'attention_backend' not in 'ModelConfig'"),   # no Hydra key
+])
+def test_accepted_flags_refuse_what_megalite_cannot_honour(argv, message):
+    with pytest.raises(ConfigError) as error:
+        parse_command_line(argv)
+    assert message in str(error.value)
 
 
 def test_no_position_embedding_with_learned_positions_is_no_positions():
@@ -47,10 +75,6 @@ def test_no_position_embedding_with_learned_positions_is_no_positions():
 
 
 @pytest.mark.parametrize("cfg, message", [
-    (tiny_config(checkpoint={"ckpt_format": "torch"}), "--ckpt-format torch is not supported"),
-    (tiny_config(model={"attention_backend": "cudnn"}), "--attention-backend must be auto, flash, fused"),
-    (tiny_config(kernels={"cross_entropy_loss_fusion": True, "no_cross_entropy_loss_fusion": True}),
-     "--cross-entropy-loss-fusion and --no-cross-entropy-loss-fusion exclude each other"),
     (tiny_config(optimizer={"grad_reduce_in_bf16": True}), "--grad-reduce-in-bf16 needs --bf16"),
     (tiny_config(optimizer={"decoupled_min_lr": 1e-4}), "--decoupled-min-lr needs --decoupled-lr"),
     (tiny_config(optimizer={"decoupled_lr": 1e-5}), "need 0 <= --decoupled-min-lr <= --decoupled-lr, got 1e-05 and "

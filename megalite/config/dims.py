@@ -40,11 +40,16 @@ class ParallelDims:
                            (FLAG.pipeline_model_parallel_size, self.pp)):
             if size < 1:   # before the command line is validated (the DeepSpeed translation asks first)
                 raise ConfigError(f"{flag} must be >= 1, got {size}")
-        if self.world % self.model_parallel:
+        if not self.whole_replicas:
             context = f"{FLAG.context_parallel_size} {self.cp} x " if self.cp > 1 else ""
             raise ConfigError(f"world size {self.world} is not divisible by {FLAG.tensor_model_parallel_size} "
                               f"{self.tp} x {context}{FLAG.pipeline_model_parallel_size} {self.pp} = "
                               f"{self.model_parallel}")
+
+    @property
+    def whole_replicas(self) -> bool:
+        """Whether the world is a whole number of TP x CP x PP model replicas."""
+        return self.world % self.model_parallel == 0
 
     @property
     def model_parallel(self) -> int:

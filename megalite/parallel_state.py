@@ -42,6 +42,8 @@ from typing import Iterator, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from megalite.config.dims import ParallelDims
+
 
 @dataclass(frozen=True)
 class GroupInfo:
@@ -140,20 +142,20 @@ def _groups_spanning(sizes: dict[str, int], dimensions: tuple[str, ...],
 def layout_groups(num_ranks: int, tp: int, pp: int, cp: int = 1, ep: int = 1,
                   etp: Optional[int] = None) -> dict[str, list[list[int]]]:
     """All groups of the layout as lists of layout-local ranks (pure function, tested on its own). ``ep`` must
-    divide DP x CP; ``etp`` (default TP) is TP or 1."""
-    if num_ranks % (tp * cp * pp):
-        raise ValueError(f"{num_ranks} ranks are not divisible by TP {tp} x CP {cp} x PP {pp}")
-    sizes = {"tp": tp, "cp": cp, "dp": num_ranks // (tp * cp * pp), "pp": pp}
-    replicas = sizes["cp"] * sizes["dp"]
-    if replicas % ep:
-        raise ValueError(f"EP {ep} does not divide DP x CP = {replicas}")
+    divide DP x CP; ``etp`` (default TP) is TP or 1. The sizes are :class:`ParallelDims`' (ConfigError, a
+    ValueError, if the ranks are not whole TP x CP x PP replicas)."""
+    dims = ParallelDims(num_ranks, tp, cp, pp, ep, etp)
+    dims.check()
+    if dims.dp_cp % ep:
+        raise ValueError(f"EP {ep} does not divide DP x CP = {dims.dp_cp}")
     if etp not in (None, tp, 1):
         raise ValueError(f"expert tensor-parallel size {etp} must be TP ({tp}) or 1")
+    sizes = {"tp": tp, "cp": cp, "dp": dims.dp, "pp": pp}
     groups = {kind: _groups_spanning(sizes, DIMENSIONS, spanned) for kind, spanned in GROUP_DIMENSIONS.items()}
-    expert_sizes = {"tp": tp, "ep": ep, "edp": replicas // ep, "pp": pp}
+    expert_sizes = {"tp": tp, "ep": ep, "edp": dims.expert_dp, "pp": pp}
     groups.update({kind: _groups_spanning(expert_sizes, EXPERT_DIMENSIONS, spanned)
                    for kind, spanned in EXPERT_GROUP_DIMENSIONS.items()})
-    groups["expert_tensor"] = groups["tensor"] if etp in (None, tp) else [[r] for r in range(num_ranks)]
+    groups["expert_tensor"] = groups["tensor"] if dims.expert_tp == tp else [[r] for r in range(num_ranks)]
     # The tied word embedding lives on the first and last stage of each pipeline.
     groups["embedding"] = [sorted({members[0], members[-1]}) for members in groups["pipeline"]]
     return groups

@@ -108,6 +108,10 @@ def test_expert_groups_tile_every_data_context_group():
 def test_bad_expert_layouts_are_refused():
     import pytest
 
+    # Ranks that are not whole TP x CP x PP replicas: ParallelDims' one line, as validation says it.
+    with pytest.raises(ValueError, match="^world size 6 is not divisible by --tensor-model-parallel-size 2 x "
+                                         "--context-parallel-size 2 x --pipeline-model-parallel-size 1 = 4$"):
+        layout_groups(6, tp=2, pp=1, cp=2)
     with pytest.raises(ValueError, match="EP 3 does not divide DP x CP = 4"):
         layout_groups(4, tp=1, pp=1, ep=3)
     with pytest.raises(ValueError, match="must be TP"):

@@ -130,7 +130,7 @@ def parse_command_line(argv: list[str], world_size: Optional[int] = None) -> Com
     """Resolve Megatron flags, Hydra overrides and a --deepspeed-config file; any error is a one-line ConfigError.
 
     ``world_size`` (default: $WORLD_SIZE, else 1) is needed only by a DeepSpeed file's batch arithmetic, whose
-    data-parallel size is world size / (TP x PP). Does not run :func:`megalite.config.validate`.
+    data-parallel size is world size / (TP x CP x PP). Does not run :func:`megalite.config.validate`.
     """
     hydra_overrides, flag_overrides, accepted = split_argv(argv)
     user_overrides = hydra_overrides + flag_overrides   # flags last, so they win over a Hydra override of the same key

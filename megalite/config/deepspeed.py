@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional
 
+from megalite.config.dims import ParallelDims
 from megalite.config.flags import BY_KEY, argv, get, override
 from megalite.config.schema import ConfigError, MegaliteConfig, OptimizerConfig
 
@@ -693,7 +694,9 @@ def _offload(r: _Reader, z: str) -> None:
 
 
 def _batch(r: _Reader) -> None:
-    """train_batch_size = train_micro_batch_size_per_gpu x gradient_accumulation_steps x data-parallel size.
+    """train_batch_size = train_micro_batch_size_per_gpu x gradient_accumulation_steps x data-parallel size, which is
+    world / (TP x CP x PP) (:class:`ParallelDims`): CP ranks split one replica's samples, as DeepSpeed's
+    sequence-parallel ranks do, which its data-parallel size leaves out too.
 
     DeepSpeed's resolution (runtime/config.py): any two of the three give the third (by integer division); the
     batch size alone means gradient accumulation 1 and micro-batch batch / DP; the micro-batch alone means
@@ -717,13 +720,12 @@ def _batch(r: _Reader) -> None:
     kept = {name: r.current_value(names[name]) for name in autos if names[name] and name not in user}
     if not file and not autos:
         return
-    p = r.current.parallel
-    tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
-    if r.world_size % (tp * pp):
-        raise ConfigError(f"--deepspeed-config {r.name}: its batch sizes need the data-parallel size, but world size "
-                          f"{r.world_size} is not divisible by tensor-model-parallel-size {tp} x "
-                          f"pipeline-model-parallel-size {pp}")
-    dp = r.world_size // (tp * pp)
+    try:
+        dims = ParallelDims.of(r.current.parallel, r.world_size)
+    except ConfigError as error:
+        raise ConfigError(f"--deepspeed-config {r.name}: its batch sizes need the data-parallel size, but {error}") \
+            from None
+    dp = dims.dp
     values = {**kept, **file, **user}
     source = {name: ("command line" if name in user else "auto" if name in kept else "file") for name in values}
     t, m, g = (values.get(name) for name in names)
@@ -751,7 +753,7 @@ def _batch(r: _Reader) -> None:
                   f"x data-parallel size {dp} = {m * g * dp}")
     if t != m * g * dp or m < 1 or g < 1:
         raise ConfigError(f"--deepspeed-config {r.name}: {' '.join(arithmetic.split())} (data-parallel size = world "
-                          f"size {r.world_size} / (TP {tp} x PP {pp}))")
+                          f"size {r.world_size} / (TP {dims.tp} x CP {dims.cp} x PP {dims.pp}))")
     # The file's own values are mapped even where the command line overrides them, so the table can say so.
     how = f"derived by DeepSpeed's rule at data-parallel size {dp}"
     accumulation = f"megalite accumulates global / (micro x data-parallel size) = {g} micro-batches"

@@ -34,12 +34,22 @@ class ParallelDims:
         return dims
 
     def check(self) -> None:
-        """ConfigError naming the sizes when the world is not a whole number of TP x CP x PP model replicas."""
-        if self.world % self.model_parallel:
+        """ConfigError naming the sizes when one is below 1 or the world is not a whole number of TP x CP x PP model
+        replicas."""
+        for flag, size in ((FLAG.tensor_model_parallel_size, self.tp), (FLAG.context_parallel_size, self.cp),
+                           (FLAG.pipeline_model_parallel_size, self.pp)):
+            if size < 1:   # before the command line is validated (the DeepSpeed translation asks first)
+                raise ConfigError(f"{flag} must be >= 1, got {size}")
+        if not self.whole_replicas:
             context = f"{FLAG.context_parallel_size} {self.cp} x " if self.cp > 1 else ""
             raise ConfigError(f"world size {self.world} is not divisible by {FLAG.tensor_model_parallel_size} "
                               f"{self.tp} x {context}{FLAG.pipeline_model_parallel_size} {self.pp} = "
                               f"{self.model_parallel}")
+
+    @property
+    def whole_replicas(self) -> bool:
+        """Whether the world is a whole number of TP x CP x PP model replicas."""
+        return self.world % self.model_parallel == 0
 
     @property
     def model_parallel(self) -> int:

@@ -7,6 +7,7 @@ import dataclasses
 from typing import Any, Iterable
 
 from megalite.config.batches import batch_schedule
+from megalite.config.dims import ParallelDims
 from megalite.config.flags import FLAG
 from megalite.config.schema import TOKENIZER_TYPES, ConfigError, MegaliteConfig, ModelConfig
 
@@ -50,13 +51,9 @@ def validate(cfg: MegaliteConfig, world_size: int) -> None:
     for name, value in [("exit_duration_in_mins", t.exit_duration_in_mins),
                         ("distributed_timeout_minutes", t.distributed_timeout_minutes)]:
         _require(value is None or value > 0, f"{getattr(FLAG, name)} must be > 0, got {value}")
-    tp, pp, cp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.context_parallel_size
-    context = f"{FLAG.context_parallel_size} {cp} x " if cp > 1 else ""
-    _require(world_size % (tp * cp * pp) == 0,
-             f"world size {world_size} is not divisible by {FLAG.tensor_model_parallel_size} {tp} x {context}"
-             f"{FLAG.pipeline_model_parallel_size} {pp} = {tp * cp * pp}")
-    dp = world_size // (tp * cp * pp)
-    _check_pipeline(cfg, dp)
+    dims = ParallelDims.of(p, world_size)
+    tp, dp = dims.tp, dims.dp
+    _check_pipeline(cfg, dims)
     _at_least(1, [("kv_channels", m.kv_channels)])
     _require(m.kv_channels is not None or m.hidden_size % m.num_attention_heads == 0,
              f"{FLAG.hidden_size} {m.hidden_size} is not divisible by {FLAG.num_attention_heads} "
@@ -65,18 +62,18 @@ def validate(cfg: MegaliteConfig, world_size: int) -> None:
         _require(value % tp == 0,
                  f"{getattr(FLAG, name)} {value} is not divisible by {FLAG.tensor_model_parallel_size} {tp}")
     _check_architecture(cfg)
-    _check_fp8(cfg, dp)
+    _check_fp8(cfg, dims)
     _check_context_parallel(cfg)
-    _check_experts(cfg, dp)
+    _check_experts(cfg, dims)
     _require(t.global_batch_size % (t.micro_batch_size * dp) == 0,
              f"{FLAG.global_batch_size} {t.global_batch_size} is not divisible by {FLAG.micro_batch_size} "
              f"{t.micro_batch_size} x data-parallel size {dp} = {t.micro_batch_size * dp}")
-    _check_batch_ramp(cfg, dp)
+    _check_batch_ramp(cfg, dims)
     _require(m.max_positions >= m.seq_length,
              f"{FLAG.max_position_embeddings} {m.max_positions} is smaller than {FLAG.seq_length} {m.seq_length}")
     for name, value in [("hidden_dropout", m.hidden_dropout), ("attention_dropout", m.attention_dropout)]:
         _require(0.0 <= value < 1.0, f"{getattr(FLAG, name)} must be in [0, 1), got {value}")
-    _check_optimizer(cfg, dp)
+    _check_optimizer(cfg, dims)
     _check_data(cfg)
     _check_logging(cfg, world_size)
     _check_checkpoint(cfg)
@@ -121,7 +118,7 @@ def _check_training_length(cfg: MegaliteConfig) -> None:
              f"give one of {FLAG.lr_warmup_fraction} and {FLAG.lr_warmup_samples}")
 
 
-def _check_batch_ramp(cfg: MegaliteConfig, dp: int) -> None:
+def _check_batch_ramp(cfg: MegaliteConfig, dims: ParallelDims) -> None:
     """Every global batch a ramp takes runs on this layout: whole micro-batches on every DP rank, and with the
     interleaved schedule a multiple of PP of them (Megatron finds out when the batch grows; this finds out now)."""
     t, p = cfg.training, cfg.parallel
@@ -132,6 +129,7 @@ def _check_batch_ramp(cfg: MegaliteConfig, dp: int) -> None:
     _require(schedule.largest == t.global_batch_size,
              f"the largest batch of {flag} is {schedule.largest}: {FLAG.global_batch_size} must be that "
              f"(got {t.global_batch_size})")
+    dp = dims.dp
     step = t.micro_batch_size * dp
     pp, chunks = p.pipeline_model_parallel_size, p.virtual_stages(cfg.model.num_layers)
     for size in schedule.sizes():
@@ -143,7 +141,7 @@ def _check_batch_ramp(cfg: MegaliteConfig, dp: int) -> None:
                  f"needs to be a multiple of {FLAG.pipeline_model_parallel_size} {pp}")
 
 
-def _check_pipeline(cfg: MegaliteConfig, dp: int) -> None:
+def _check_pipeline(cfg: MegaliteConfig, dims: ParallelDims) -> None:
     """Layers split evenly over PP x V chunks; the interleaved schedules need micro-batches in multiples of PP; the
     schedule's name, its PP > 1, its chunks (zbv: 2) and its engine (W steps: not FSDP2)."""
     p, m, t = cfg.parallel, cfg.model, cfg.training
@@ -173,9 +171,10 @@ def _check_pipeline(cfg: MegaliteConfig, dp: int) -> None:
     if p.pipeline_schedule == "zbv":
         _require(chunks == 2, f"{FLAG.pipeline_schedule} zbv places exactly 2 chunks on each pipeline rank, got "
                               f"{chunks} virtual stages")
+    dp = dims.dp
     micro_batch_product = t.micro_batch_size * dp
     if chunks > 1 and p.pipeline_schedule != "zbv" and t.global_batch_size % micro_batch_product == 0:
-        num_micro = t.global_batch_size // micro_batch_product
+        num_micro = dims.micro_batches(t.global_batch_size, t.micro_batch_size)
         _require(num_micro % pp == 0,
                  f"the interleaved schedule needs the number of micro-batches ({FLAG.global_batch_size} "
                  f"{t.global_batch_size} / ({FLAG.micro_batch_size} {t.micro_batch_size} x data-parallel size {dp}) = "
@@ -251,7 +250,7 @@ def _check_architecture(cfg: MegaliteConfig) -> None:
 FP8_MULTIPLE = 16
 
 
-def _check_fp8(cfg: MegaliteConfig, dp: int) -> None:
+def _check_fp8(cfg: MegaliteConfig, dims: ParallelDims) -> None:
     """The FP8 recipe's options, bf16 around it, and every dimension of the FP8 products a multiple of 16: each
     rank's slice of the attention and MLP weights, and its tokens per micro-batch (the weight gradient's inner
     dimension)."""
@@ -264,7 +263,7 @@ def _check_fp8(cfg: MegaliteConfig, dp: int) -> None:
     _require(not m.fp8_param_gather or m.fp8_format is not None, f"{FLAG.fp8_param_gather} needs {FLAG.fp8_format}")
     if m.fp8_format is None:
         return
-    _check_fp8_param_gather(cfg, dp)
+    _check_fp8_param_gather(cfg, dims)
     _require(t.bf16, f"{FLAG.fp8_format} needs {FLAG.bf16}: FP8 products take bf16 activations and master weights")
     tp, cp = p.tensor_model_parallel_size, p.context_parallel_size
     fc1 = 2 * m.ffn_size if m.swiglu else m.ffn_size
@@ -283,7 +282,7 @@ def _check_fp8(cfg: MegaliteConfig, dp: int) -> None:
                  f"{FP8_MULTIPLE}: {what} = {value} is not")
 
 
-def _check_fp8_param_gather(cfg: MegaliteConfig, dp: int) -> None:
+def _check_fp8_param_gather(cfg: MegaliteConfig, dims: ParallelDims) -> None:
     """--fp8-param-gather is the distributed optimizer's or ZeRO-3's parameter gather in FP8, one scale a weight."""
     m, o = cfg.model, cfg.optimizer
     if not m.fp8_param_gather:
@@ -294,7 +293,7 @@ def _check_fp8_param_gather(cfg: MegaliteConfig, dp: int) -> None:
     if o.zero_level == 3:
         _require(not o.offload_params, f"{FLAG.fp8_param_gather} does not take {FLAG.offload_params}")
         # FSDP2 moves an FP8 weight's shard to new storage when its rows do not split evenly.
-        tp, replicas = cfg.parallel.tensor_model_parallel_size, dp * cfg.parallel.context_parallel_size
+        tp, replicas = dims.tp, dims.dp_cp
         fc1 = 2 * m.ffn_size if m.swiglu else m.ffn_size
         for what, rows in [(f"the query/key/value projection's {m.query_size + 2 * m.query_groups * m.head_dim} "
                             f"rows / TP {tp}", (m.query_size + 2 * m.query_groups * m.head_dim) // tp),
@@ -338,7 +337,7 @@ def _check_context_parallel(cfg: MegaliteConfig) -> None:
              f"parallelism does not use: add {FLAG.no_masked_softmax_fusion}")
 
 
-def _check_experts(cfg: MegaliteConfig, dp: int) -> None:
+def _check_experts(cfg: MegaliteConfig, dims: ParallelDims) -> None:
     """Mixture of experts: the router's choices, the experts' split over EP (carved from DP x CP) and over TP, and
     capacity (token dropping) only where the dispatcher honours it."""
     m, p = cfg.model, cfg.parallel
@@ -376,7 +375,7 @@ def _check_experts(cfg: MegaliteConfig, dp: int) -> None:
              f"{FLAG.moe_shared_expert_gate} needs {FLAG.moe_shared_expert_intermediate_size}")
     _require(m.moe_expert_capacity_factor is None or m.moe_token_dispatcher_type == "alltoall",
              f"{FLAG.moe_expert_capacity_factor} (token dropping) needs {FLAG.moe_token_dispatcher_type} alltoall")
-    replicas = dp * p.context_parallel_size
+    replicas = dims.dp_cp
     _require(experts % ep == 0, f"{FLAG.num_experts} {experts} is not divisible by "
                                 f"{FLAG.expert_model_parallel_size} {ep}")
     _require(replicas % ep == 0,
@@ -384,7 +383,7 @@ def _check_experts(cfg: MegaliteConfig, dp: int) -> None:
              f"{replicas} (expert-parallel ranks are carved from them)")
     _require(etp in (None, tp, 1), f"{FLAG.expert_tensor_parallel_size} {etp} must be "
                                    f"{FLAG.tensor_model_parallel_size} {tp} or 1")
-    experts_tp = tp if etp is None else etp
+    experts_tp = dims.expert_tp
     _require(m.expert_ffn_size % experts_tp == 0,
              f"the experts' hidden size {m.expert_ffn_size} is not divisible by the expert tensor-parallel size "
              f"{experts_tp}")
@@ -392,12 +391,12 @@ def _check_experts(cfg: MegaliteConfig, dp: int) -> None:
     _require(shared is None or shared % tp == 0,
              f"{FLAG.moe_shared_expert_intermediate_size} {shared} is not divisible by "
              f"{FLAG.tensor_model_parallel_size} {tp}")
-    _require(cfg.optimizer.zero_stage != 3 or replicas // ep > 1,
+    _require(cfg.optimizer.zero_stage != 3 or dims.expert_dp > 1,
              f"{FLAG.zero_stage} 3 shards expert parameters over the ranks holding the same experts, and "
              f"{FLAG.expert_model_parallel_size} {ep} leaves none (data-parallel x context-parallel size {replicas})")
 
 
-def _check_optimizer(cfg: MegaliteConfig, dp: int) -> None:
+def _check_optimizer(cfg: MegaliteConfig, dims: ParallelDims) -> None:
     o, t = cfg.optimizer, cfg.training
     _one_of("lr_decay_style", o.lr_decay_style, ("cosine", "linear", "constant"))
     _require(o.lr >= 0 and o.min_lr >= 0 and o.min_lr <= o.lr,
@@ -421,7 +420,7 @@ def _check_optimizer(cfg: MegaliteConfig, dp: int) -> None:
     _require(not o.overlap_param_gather or o.use_distributed_optimizer,
              f"{FLAG.overlap_param_gather} needs {FLAG.use_distributed_optimizer}")
     if o.zero_stage == 3:
-        _check_fully_sharded(cfg, dp)
+        _check_fully_sharded(cfg, dims)
     _require(not o.offload_params or o.zero_stage == 3, f"{FLAG.offload_params} needs {FLAG.zero_stage} 3")
     _require(not o.offload_params or o.optimizer_cpu_offload,
              f"{FLAG.offload_params} needs {FLAG.optimizer_cpu_offload}: offloaded parameter shards are stepped on "
@@ -438,7 +437,7 @@ def _check_optimizer(cfg: MegaliteConfig, dp: int) -> None:
              f"{o.initial_loss_scale}")
 
 
-def _check_fully_sharded(cfg: MegaliteConfig, dp: int) -> None:
+def _check_fully_sharded(cfg: MegaliteConfig, dims: ParallelDims) -> None:
     """ZeRO-3 runs on FSDP2, which owns gradient reduction and parameter gathering: the options of our own
     data-parallel engine do not apply, and there must be data-parallel ranks to shard over."""
     o = cfg.optimizer
@@ -448,10 +447,9 @@ def _check_fully_sharded(cfg: MegaliteConfig, dp: int) -> None:
                         ("overlap_param_gather", o.overlap_param_gather)]:
         _require(not value, f"{getattr(FLAG, name)} is for stages 1-2: with {FLAG.zero_stage} 3, FSDP2 overlaps its "
                             f"own reductions and gathers")
-    replicas = dp * cfg.parallel.context_parallel_size   # the parameters are sharded over DP x CP
-    _require(replicas > 1, f"{FLAG.zero_stage} 3 shards over data-parallel ranks and this layout has none "
-                           f"(data-parallel size 1); for CPU offload on one data-parallel rank use "
-                           f"{FLAG.optimizer_cpu_offload}")
+    _require(dims.dp_cp > 1,   # the parameters are sharded over DP x CP
+             f"{FLAG.zero_stage} 3 shards over data-parallel ranks and this layout has none "
+             f"(data-parallel size 1); for CPU offload on one data-parallel rank use {FLAG.optimizer_cpu_offload}")
 
 
 def _check_checkpoint(cfg: MegaliteConfig) -> None:

@@ -134,7 +134,7 @@ def _sharding_options(layout: Layout, memory, experts: Optional[int] = None) -> 
     if layout.zero < 3 and layout.pp == 1 and layout.replicas > 1:   # the planner models ZeRO-3 at PP 1 only
         drop = f" without {FLAG.use_distributed_optimizer}" if layout.zero in (1, 2) else ""
         offer(f"{FLAG.zero_stage} 3{drop}", " of states and gathered layers: parameters sharded too", zero=3)
-    if experts and layout.dp % (2 * layout.ep) == 0 and experts % (2 * layout.ep) == 0:
+    if experts and layout.replicas % (2 * layout.ep) == 0 and experts % (2 * layout.ep) == 0:   # EP from DP x CP
         offer(f"{FLAG.expert_model_parallel_size} {2 * layout.ep}", f" of states: {experts // (2 * layout.ep)} "
               f"experts per rank", ep=2 * layout.ep)
     if not layout.optimizer_cpu_offload:

@@ -8,10 +8,12 @@ megalite.config.flags).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Optional
 
 from megalite.config import MegaliteConfig, ModelConfig, OptimizerConfig, flags
+from megalite.config.dims import ParallelDims
 from megalite.pipeline.schedules import placement_of
 
 
@@ -34,15 +36,20 @@ class Layout:
     ep: int = 1                          # expert-parallel size (carved from DP x CP): E / EP experts per rank
     experts_split: bool = True           # routed experts split over TP (--expert-tensor-parallel-size TP), or whole
 
+    @functools.cached_property
+    def dims(self) -> ParallelDims:
+        """The layout's sizes, and those derived from them, as the run computes them."""
+        return ParallelDims(self.world_size, self.tp, self.cp, self.pp, self.ep, None if self.experts_split else 1)
+
     @property
     def expert_tp(self) -> int:
         """The routed experts' tensor-parallel size."""
-        return self.tp if self.experts_split else 1
+        return self.dims.expert_tp
 
     @property
     def expert_dp(self) -> int:
         """The ranks holding the same experts, over which their gradients are reduced and their states sharded."""
-        return self.replicas // self.ep
+        return self.dims.expert_dp
 
     @property
     def world_size(self) -> int:
@@ -51,7 +58,7 @@ class Layout:
     @property
     def replicas(self) -> int:
         """DP x CP: the ranks holding the same model shard, over which gradients are reduced and ZeRO shards."""
-        return self.dp * self.cp
+        return self.dims.dp_cp
 
     @property
     def optimizer_name(self) -> str:
@@ -65,7 +72,7 @@ class Layout:
         return placement_of(self.pipeline_schedule)
 
     def num_micro_batches(self, global_batch_size: int) -> int:
-        return global_batch_size // (self.micro_batch_size * self.dp)
+        return self.dims.micro_batches(global_batch_size, self.micro_batch_size)
 
     def describe(self) -> str:
         context = f"CP={self.cp} ({self.cp_comm_type}) x " if self.cp > 1 else ""
@@ -116,7 +123,7 @@ class Layout:
         """The layout a validated config describes at this world size."""
         p, o = cfg.parallel, cfg.optimizer
         tp, pp, cp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.context_parallel_size
-        return cls(tp=tp, pp=pp, dp=world_size // (tp * cp * pp),
+        return cls(tp=tp, pp=pp, dp=ParallelDims.of(p, world_size).dp,
                    virtual_stages=p.virtual_stages(cfg.model.num_layers),
                    micro_batch_size=cfg.training.micro_batch_size, zero=o.zero_level,
                    pipeline_schedule=p.pipeline_schedule,

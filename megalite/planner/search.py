@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from megalite.config import ConfigError, MegaliteConfig, ModelConfig, TrainingConfig, validate
+from megalite.config.dims import ParallelDims
 from megalite.planner.hardware import Hardware, gib
 from megalite.planner.layout import Layout
 from megalite.planner.memory import Numerics, StageMemory, bytes_per_parameter, memory_per_stage, model_state_bytes
@@ -134,19 +135,19 @@ def _powers_of_two(limit: int) -> list[int]:
     return [1 << k for k in range(limit.bit_length()) if 1 << k <= limit]
 
 
-def _variants(tp: int, pp: int, v: int, dp: int, global_batch_size: int, cp: int = 1,
-              num_experts: Optional[int] = None):
+def _variants(dims: ParallelDims, v: int, global_batch_size: int, num_experts: Optional[int] = None):
     """Every micro-batch size, optimizer sharding, recompute option, pipeline schedule (zbv: its v-shape at V = 2)
     and (for a mixture of experts) expert-parallel size of one (TP, CP, PP, V) shape."""
+    tp, cp, pp, dp = dims.tp, dims.cp, dims.pp, dims.dp
     per_replica = global_batch_size // dp
     schedules = ("1f1b", "zero-bubble") + (("zbv",) if v == 2 else ()) if pp > 1 else ("1f1b",)
-    replicas = dp * cp
+    replicas = dims.dp_cp
     expert_parallel = ([ep for ep in _powers_of_two(replicas) if replicas % ep == 0 and num_experts % ep == 0]
                        if num_experts else [1])
     for mbs in MICRO_BATCH_SIZES:
         if per_replica % mbs or (v > 1 and (per_replica // mbs) % pp):
             continue
-        for zero in ((0, 1, 2) + ((3,) if pp == 1 else ()) if dp * cp > 1 else (0,)):
+        for zero in ((0, 1, 2) + ((3,) if pp == 1 else ()) if replicas > 1 else (0,)):
             for recompute in RECOMPUTE:
                 for comm_type in (CP_COMM_TYPES if cp > 1 else ("p2p",)):
                     for schedule in schedules:
@@ -169,9 +170,11 @@ def search(model: ModelConfig, hardware: Hardware, global_batch_size: int, *, mo
                                                 f"all-reduces, 4 per layer and micro-batch, would cross the network"))
             continue
         max_cp = MAX_CONTEXT_PARALLEL if model.seq_length >= MIN_CONTEXT_PARALLEL_SEQUENCE else 1
-        for cp, pp in ((c, d) for c in _powers_of_two(min(n // tp, max_cp))
-                       for d in range(1, layers + 1) if layers % d == 0 and n % (tp * c * d) == 0):
-            dp = n // (tp * cp * pp)
+        for dims in (ParallelDims(n, tp, c, d) for c in _powers_of_two(min(n // tp, max_cp))
+                     for d in range(1, layers + 1) if layers % d == 0):
+            if not dims.whole_replicas:
+                continue
+            cp, pp, dp = dims.cp, dims.pp, dims.dp
             if global_batch_size % dp:
                 if cp == 1:   # a context-parallel shape is only reported when it is the one that runs
                     rejected.append(Rejection(tp, pp, 1, f"global batch {global_batch_size} does not split over "
@@ -182,7 +185,7 @@ def search(model: ModelConfig, hardware: Hardware, global_batch_size: int, *, mo
                 run = MegaliteConfig(model=model, training=TrainingConfig(global_batch_size=global_batch_size,
                                                                           bf16=dtype_bytes == 2))
                 key = (tp, cp, pp, v)
-                for layout in _variants(tp, pp, v, dp, global_batch_size, cp, model.num_experts):
+                for layout in _variants(dims, v, global_batch_size, model.num_experts):
                     try:
                         validate(layout.apply(run), n)
                     except ConfigError as e:
@@ -267,10 +270,10 @@ def _why_context_parallel(plan: Plan) -> str:
     w, hw = plan.winner, plan.hardware
     lay, peak, t = w.layout, w.peak, w.time
     # The same GPUs as data parallelism instead (the micro-batch shrinks if the batch splits no further).
-    mbs = max(1, min(lay.micro_batch_size, plan.global_batch_size // (lay.dp * lay.cp)))
-    without = estimate(plan.model, dataclasses.replace(lay, cp=1, dp=lay.dp * lay.cp, micro_batch_size=mbs), hw,
+    mbs = max(1, min(lay.micro_batch_size, plan.global_batch_size // lay.replicas))
+    without = estimate(plan.model, dataclasses.replace(lay, cp=1, dp=lay.replicas, micro_batch_size=mbs), hw,
                        plan.global_batch_size, plan.dtype_bytes) \
-        if plan.global_batch_size % (lay.dp * lay.cp * mbs) == 0 else None
+        if plan.global_batch_size % (lay.replicas * mbs) == 0 else None
     if without is None:
         instead = "the batch does not split over that many data-parallel ranks"
     else:

@@ -24,8 +24,8 @@ def ranks_to_simulate(spec: str, world_size: int) -> list[int]:
 def _group_sizes(layout: Layout, world_size: int) -> dict[str, int]:
     """Each group kind's size and (``KIND_span``) the consecutive ranks its ring spans, as the planner prices it."""
     tp, cp, dp, ep = layout.tp, layout.cp, layout.dp, layout.ep
-    return {"tensor": tp, "pipeline": layout.pp, "context": cp, "data": dp, "data_context": dp * cp, "expert": ep,
-            "expert_data": dp * cp // ep, "model": tp * layout.pp, "embedding": 2, "world": world_size,
+    return {"tensor": tp, "pipeline": layout.pp, "context": cp, "data": dp, "data_context": layout.replicas,
+            "expert": ep, "expert_data": layout.expert_dp, "model": tp * layout.pp, "embedding": 2, "world": world_size,
             "context_span": tp * cp, "data_span": tp * dp, "data_context_span": tp * dp * cp,
             "expert_span": tp * ep, "expert_data_span": tp * dp * cp, "model_span": world_size}
 

@@ -18,6 +18,7 @@ import pytest
 from megalite.config import flags
 from megalite.config.cli import parse_args, parse_command_line
 from megalite.config import ConfigError, MegaliteConfig, validate
+from megalite.config.dims import ParallelDims
 from megalite.config.deepspeed import IGNORED, MAPPED, REFUSED, RefusedKeys, translate
 from megalite.optimizer.lr_schedule import learning_rate
 
@@ -396,6 +397,46 @@ def test_batch_sizes_on_the_command_line_win_and_enter_the_arithmetic(ds):
     t = ds({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2}, "--global-batch-size", "64",
            world_size=4).config.training
     assert (t.global_batch_size, t.micro_batch_size) == (64, 2)
+
+
+def test_context_parallel_ranks_share_samples_so_they_are_not_data_parallel_ranks(ds):
+    # 8 ranks at CP 2: data-parallel size 8 / (TP 1 x CP 2 x PP 1) = 4, the replicas DeepSpeed's data-parallel world
+    # counts (the CP ranks of one replica read the same samples). World / (TP x PP) = 8 gave a global batch of 16,
+    # which the run then accumulated as 2 micro-batches where the table said 1.
+    file = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1}
+    cp = ("--context-parallel-size", "2", "--attention-dropout", "0")   # p2p attention takes no dropout
+    command_line = ds(file, *cp, world_size=8)
+    cfg = command_line.config
+    assert (cfg.training.global_batch_size, cfg.training.micro_batch_size) == (8, 2)
+    validate(cfg, 8)
+    dims = ParallelDims.of(cfg.parallel, 8)
+    assert (dims.dp, dims.micro_batches(8, 2)) == (4, 1)
+    table = rows(command_line)
+    assert table["train_batch_size"] == (MAPPED, "--global-batch-size 8 (derived by DeepSpeed's rule at "
+                                                 "data-parallel size 4)")
+    assert table["gradient_accumulation_steps"][1].endswith("= 1 micro-batches")
+    # The command line's global batch: the file's accumulation gives way to 16 / (2 x DP 4) = 2, as the run does.
+    command_line = ds(file, *cp, "--global-batch-size", "16", world_size=8)
+    assert command_line.config.training.global_batch_size == 16
+    assert ParallelDims.of(command_line.config.parallel, 8).micro_batches(16, 2) == 2
+    accumulation = rows(command_line)["gradient_accumulation_steps"][1]
+    assert "gives way to the command line batch sizes" in accumulation and accumulation.endswith("= 2 micro-batches")
+    # A micro-batch on the command line: 2 x 1 x 4 disagrees with the file's 16, so the file's accumulation gives way.
+    command_line = ds({"train_batch_size": 16, "gradient_accumulation_steps": 1}, *cp, "--micro-batch-size", "2",
+                      world_size=8)
+    assert (command_line.config.training.global_batch_size, command_line.config.training.micro_batch_size) == (16, 2)
+    assert rows(command_line)["gradient_accumulation_steps"][1].endswith("= 2 micro-batches")
+    # The arithmetic's message and a world that is not whole replicas name CP with TP and PP.
+    message = error_of(ds, {"train_batch_size": 16, "train_micro_batch_size_per_gpu": 2,
+                            "gradient_accumulation_steps": 1}, *cp, world_size=8)
+    assert message.endswith("x data-parallel size 4 = 8 (data-parallel size = world size 8 / (TP 1 x CP 2 x PP 1))")
+    message = error_of(ds, file, "--context-parallel-size", "4", world_size=6)
+    assert message == (f"--deepspeed-config {message.split()[1]} its batch sizes need the data-parallel size, but "
+                       f"world size 6 is not divisible by --tensor-model-parallel-size 1 x --context-parallel-size 4 "
+                       f"x --pipeline-model-parallel-size 1 = 4")
+    # The translation asks for DP before validation: a size below 1 is its one line too, not a ZeroDivisionError.
+    assert error_of(ds, file, "--tensor-model-parallel-size", "0").endswith("--tensor-model-parallel-size must be >= "
+                                                                            "1, got 0")
 
 
 def test_world_size_defaults_to_the_environment(tmp_path, monkeypatch):

@@ -133,11 +133,15 @@ def test_dry_run_shows_active_parameters_expert_memory_and_dispatch(monkeypatch,
     assert "token dispatch (alltoall):" in out and "TFLOP per step of the active parameters" in out
 
 
-def test_out_of_memory_doctor_offers_more_expert_parallelism():
-    cfg = parse_args(MOE_ARGV + ["--micro-batch-size", "1"])
-    layout = Layout.from_config(cfg, 4)
+@pytest.mark.parametrize("argv, world_size", [
+    ([], 4),
+    (["--context-parallel-size", "2", "--attention-dropout", "0"], 2),   # DP 1: EP is carved from DP x CP = 2
+])
+def test_out_of_memory_doctor_offers_more_expert_parallelism(argv, world_size):
+    cfg = parse_args(MOE_ARGV + ["--micro-batch-size", "1"] + argv)
+    layout = Layout.from_config(cfg, world_size)
     memory = stage_memory(cfg.model, layout, 0, 8, dtype_bytes=4, numerics=Numerics.cpu())
     error = torch.OutOfMemoryError(f"CUDA out of memory. GPU 0 has a total capacity of "
                                    f"{memory.states * 0.8 / 2**20:.2f} MiB of which 1.00 MiB is free.")
-    message = diagnose_out_of_memory(cfg, error, world_size=4, cuda=False, suggest=False)
+    message = diagnose_out_of_memory(cfg, error, world_size=world_size, cuda=False, suggest=False)
     assert "--expert-model-parallel-size 2" in message and "2 experts per rank" in message

@@ -14,6 +14,7 @@ import pytest
 from megalite.config import flags
 from megalite.config.cli import parse_args
 from megalite.config import validate
+from megalite.config.dims import ParallelDims
 from megalite.pipeline import schedule_bubble
 from megalite.planner import Hardware, Layout, command_line, load_model_config, search, step_time, to_json
 from megalite.planner.memory import fully_sharded_units, padded_elements
@@ -84,9 +85,9 @@ def test_zero3_wins_when_the_model_must_be_sharded_and_tensor_parallelism_is_slo
 
 
 def test_zero3_is_a_candidate_only_without_pipelining():
-    assert {lay.zero for lay in _variants(2, 1, 1, 4, 64)} == {0, 1, 2, 3}
-    assert {lay.zero for lay in _variants(2, 2, 1, 4, 64)} == {0, 1, 2}
-    assert {lay.zero for lay in _variants(8, 1, 1, 1, 64)} == {0}     # nothing to shard over
+    assert {lay.zero for lay in _variants(ParallelDims(8, tp=2), 1, 64)} == {0, 1, 2, 3}           # DP 4
+    assert {lay.zero for lay in _variants(ParallelDims(16, tp=2, pp=2), 1, 64)} == {0, 1, 2}      # DP 4
+    assert {lay.zero for lay in _variants(ParallelDims(8, tp=8), 1, 64)} == {0}     # nothing to shard over
 
 
 @pytest.mark.parametrize("layout", [

@@ -108,7 +108,7 @@ class FullyShardedDataParallel(DataParallelEngine):
                      if compute_dtype != torch.float32 else MixedPrecisionPolicy())
         # Pinned host memory only helps (and only exists) with a GPU to copy to.
         offload = CPUOffloadPolicy(pin_memory=device.type == "cuda") if offload_params else OffloadPolicy()
-        self.fp8_scales = Fp8ShardScales(compute_dtype) if fp8_param_gather else None
+        self.fp8_scales = Fp8ShardScales(compute_dtype, data_group) if fp8_param_gather else None
         fp8_linears = wrap_fp8_weights(modules, self.fp8_scales) if fp8_param_gather else []
         for m in modules:   # an FP8 copy of each whole weight kept for the step would undo the sharding
             for sub in m.modules():

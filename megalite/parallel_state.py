@@ -409,8 +409,7 @@ def any_rank(flag: bool, device: torch.device) -> bool:
     replica), then over DP x CP (the replicas), which together connect every rank of the layout."""
     value = torch.tensor([int(flag)], dtype=torch.int32, device=device)   # a count-like flag: 0 unless raised
     for info in (get_model_parallel_group(), get_data_parallel_group(with_context_parallel=True)):
-        if info.size > 1:
-            dist.all_reduce(value, op=dist.ReduceOp.MAX, group=info.group)
+        info.max(value)
     return bool(value.item())
 
 

@@ -24,11 +24,10 @@ the first layer's parameters arrive first and each wait is on the oldest gather 
 order backward finished the buckets (as each finishes with ``overlap_grad_reduce``, else at the end in that order).
 
 Tied word embeddings split across pipeline stages are "deferred": their bucket waits until the end, where their
-gradient is first summed with the other stage's copy over the embedding group (or with the copy on the same rank,
-when one rank holds both the first and the last stage), then reduced over DP like the rest.
-Parameters flagged ``sequence_parallel`` (replicated over TP, applied to a sequence shard) get a last reduction,
-over TP, once the DP reductions are done. Under the distributed optimizer the FP8 linears' weights have buckets of
-their own, which ``fp8_param_gather`` gathers as FP8 bytes (megalite.distributed.fp8_param_gather).
+gradient is first summed with the other copy's (megalite.distributed.finalize, which also sums the
+sequence-parallel parameters' gradients over TP once the DP reductions are done), then reduced over DP like the
+rest. Under the distributed optimizer the FP8 linears' weights have buckets of their own, which
+``fp8_param_gather`` gathers as FP8 bytes (megalite.distributed.fp8_param_gather).
 """
 
 from __future__ import annotations
@@ -42,6 +41,7 @@ import torch.distributed as dist
 
 from megalite.distributed.buckets import Bucket, plan_buckets
 from megalite.distributed.engine import DataParallelEngine, Piece
+from megalite.distributed.finalize import finalize_model_grads
 from megalite.distributed.fp8_param_gather import Fp8ParamGather, fp8_linears
 from megalite.parallel_state import GroupInfo
 from megalite.tensor_parallel.fp8_linear import weights_updated
@@ -52,16 +52,6 @@ def default_bucket_size(dp: int) -> int:
     """Elements per bucket unless --ddp-bucket-size says otherwise (Megatron's rule): 40M, or 1M per DP rank when
     that is more, so each rank's shard of a bucket stays at least 1M elements. The planner sizes buckets with it."""
     return max(40_000_000, 1_000_000 * dp)
-
-
-def all_reduce_packed(tensors: list[torch.Tensor], group: GroupInfo, device: torch.device | None = None) -> None:
-    """Sum the 1-D ``tensors`` over ``group`` in place, with one all-reduce of them packed together; on ``device``
-    (the compute device) when they are elsewhere (CPU-offloaded shards: an NCCL group carries CUDA tensors only)."""
-    if not tensors or group.size == 1:
-        return
-    packed = torch.cat(tensors) if device is None else torch.cat(tensors).to(device)
-    dist.all_reduce(packed, group=group.group)
-    torch._foreach_copy_(tensors, list(packed.split([t.numel() for t in tensors])))
 
 
 # torch 2.13 renamed the flat-tensor collectives (the old names warn); older torch (2.11 on the GPU machines) has
@@ -108,7 +98,6 @@ class DataParallel(DataParallelEngine):
         if len(dtypes) != 1:
             raise ValueError(f"all parameters must share one dtype, got {sorted(map(str, dtypes))}")
         self.param_dtype = dtypes.pop()
-        self.sequence_parallel_params = [p for p in self.params if getattr(p, "sequence_parallel", False)]
         self.device = device = self.params[0].device
         size = bucket_size or default_bucket_size(self.dp)
         # The FP8 linears' weights get buckets of their own under the distributed optimizer, with or without
@@ -306,10 +295,22 @@ class DataParallel(DataParallelEngine):
             self._pending_reductions.append((work, lambda: target.copy_(shard_sum) if self.dp > 1 else None))
 
     def finish_grad_sync(self) -> None:
-        """Sum tied-embedding gradients across stages, reduce every bucket not yet reduced, wait for all, then sum
-        the sequence-parallel parameters' gradients over TP."""
-        self._sum_tied_gradients()
-        finished = set(self._backward_order)   # the order backward finished them, then those it never finished
+        finalize_model_grads(self)   # the tied copies summed, reduce_data_parallel, the sequence-parallel sums
+
+    def tied_gradients(self) -> list[torch.Tensor]:
+        """The tied copies' whole gradients, their deferred bucket not yet reduced: in the buffer (zeroed where a
+        copy got none this step), or under ZeRO-2 in ``.grad`` (zeros where none came)."""
+        self._zero_fresh(self.tied_params)
+        if self.zero2:
+            for p in self.tied_params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+        return [(p.grad if self.zero2 else p.main_grad).view(-1) for p in self.tied_params]
+
+    def reduce_data_parallel(self) -> None:
+        """Reduce every bucket not yet reduced, in the order backward finished them, then those it never finished
+        (the deferred ones); wait for all."""
+        finished = set(self._backward_order)
         for bucket in [self.buckets[i] for i in self._backward_order] + [b for b in self.buckets
                                                                          if b.index not in finished]:
             if self.zero2:
@@ -322,40 +323,6 @@ class DataParallel(DataParallelEngine):
                 work.wait()
             complete()
         self._pending_reductions.clear()
-        self._sum_sequence_parallel_gradients()
-
-    def _sum_sequence_parallel_gradients(self) -> None:
-        """A parameter replicated over TP but applied to this rank's sequence shard (sequence parallelism: norms,
-        row-parallel biases, positions) got only its shard's part of the gradient: sum the parts over TP.
-
-        Sums commute, so this runs after the DP reduction (Megatron's order too), where every mode has its reduced
-        gradient in one place: whole in the gradient buffer, or this rank's DP shard of it with the distributed
-        optimizer (ZeRO-2 included, whose per-micro-batch gradients no longer exist). The TP ranks of one DP rank
-        have identical bucket layouts, so they hold the same pieces and one all-reduce of the pieces packed
-        together sums them."""
-        if self.tensor_group is not None and self.sequence_parallel_params:
-            wanted = {id(p) for p in self.sequence_parallel_params}
-            all_reduce_packed([piece.grad for piece in self.pieces() if id(piece.param) in wanted], self.tensor_group)
-
-    def _sum_tied_gradients(self) -> None:
-        """Sum the tied word embedding's gradient over its copies: over the embedding group, or here where both
-        copies are on this rank (the v-shape placement puts the first and the last stage on one rank)."""
-        group = self.embedding_group
-        across = group is not None and group.size > 1
-        if not across and len(self.tied_params) < 2:
-            return
-        self._zero_fresh(self.tied_params)
-        grads = []
-        for p in self.tied_params:
-            if self.zero2 and p.grad is None:
-                p.grad = torch.zeros_like(p)
-            grads.append(p.grad if self.zero2 else p.main_grad)
-        if len(grads) > 1:
-            total = torch.stack(grads).sum(dim=0)
-            for grad in grads:
-                grad.copy_(total)
-        for grad in grads if across else []:
-            dist.all_reduce(grad, group=group.group)
 
     def _zero_fresh(self, params) -> None:
         """Zero the summed gradient of parameters that got none this step (it still holds the last step's)."""

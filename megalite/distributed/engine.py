@@ -45,7 +45,8 @@ class DataParallelEngine(Protocol):
         """A global batch of ``num_micro_batches`` backward passes begins."""
 
     def finish_grad_sync(self) -> None:
-        """After the last backward: every piece's gradient is summed over DP (and over tied and sequence shards)."""
+        """After the last backward: every piece's gradient is summed over DP, and the model-parallel sums are done
+        (the tied embedding's copies, the sequence-parallel parts: megalite.distributed.finalize)."""
 
     def zero_grad(self) -> None:
         """Start the next step's gradients."""

@@ -28,6 +28,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from megalite import parallel_state
+from megalite.parallel_state import GroupInfo
 from megalite.tensor_parallel.fp8 import E4M3, amax, quantize
 from megalite.tensor_parallel.fp8_linear import GatheredFp8Weight, gathered_weight_scales
 
@@ -43,8 +44,8 @@ class Fp8ShardScales:
     """The scales of one engine's FP8 weights for the current weights: computed together when a gather first asks
     after an update (:meth:`invalidate`), in one all-reduce over DP and one over TP (tensorwise)."""
 
-    def __init__(self, compute_dtype: torch.dtype):
-        self.compute_dtype = compute_dtype
+    def __init__(self, compute_dtype: torch.dtype, data_group: GroupInfo):
+        self.compute_dtype, self.data_group = compute_dtype, data_group   # the ranks holding the other shards
         self.weights: list[tuple[torch.nn.Module, torch.nn.Parameter]] = []   # (linear, its sharded DTensor weight)
         self.scales: Optional[dict[int, torch.Tensor]] = None                 # id(linear) -> scale
 
@@ -64,7 +65,7 @@ class Fp8ShardScales:
             if local.numel():
                 amaxes[i] = amax(plain(local).to(self.compute_dtype))
         linears = [linear for linear, _ in self.weights]
-        groups = (self.weights[0][1].device_mesh.get_group(), parallel_state.get_tensor_model_parallel_group().group)
+        groups = (self.data_group, parallel_state.get_tensor_model_parallel_group())
         scales = gathered_weight_scales(linears, amaxes, groups)
         self.scales = {id(linear): scale for linear, scale in zip(linears, scales)}
 

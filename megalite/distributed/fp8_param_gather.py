@@ -74,7 +74,7 @@ class Fp8ParamGather:
             piece = engine.local_slice(linear.weight)
             if piece is not None:
                 amaxes[i] = amax(engine.param_buffer[piece[0]:piece[1]])
-        groups = (engine.group.group, parallel_state.get_tensor_model_parallel_group().group)
+        groups = (engine.group, parallel_state.get_tensor_model_parallel_group())
         scales = gathered_weight_scales(self.linears, amaxes, groups)
         for linear, value, scale in zip(self.linears, self.values, scales):
             self.scales[id(linear.weight)] = scale

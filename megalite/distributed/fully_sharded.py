@@ -11,16 +11,15 @@ ZeRO-1/2 (Rajbhandari et al. 2020).
 Composition with tensor parallelism needs nothing special: FSDP2 sees this rank's TP slice of each weight as an
 ordinary tensor and shards it again, by rows (dim 0), over DP. The TP collectives inside the layers run on the
 gathered slices as usual. Nor does pipelining: each model chunk is sharded on its own, and the pipeline engine's
-per-micro-batch forwards and backwards trigger FSDP2's gathers and reductions through its hooks. Three things FSDP2
-does not know, and this engine adds:
+per-micro-batch forwards and backwards trigger FSDP2's gathers and reductions through its hooks. What FSDP2 does
+not know, this engine adds:
 
 - Sums, not means: the loss is already normalized by the global token count (see megalite.training.trainer), so the
   reduction's divide factor is set to 1.
-- Sequence-parallel parameters (replicated over TP, applied to a sequence shard) get only their shard's part of the
-  gradient; after the reduce-scatter over DP the TP ranks hold the same row shard of them, and one all-reduce over
-  TP sums the parts (as in :class:`~megalite.distributed.data_parallel.DataParallel`).
-- The tied word embedding's copies on the first and last pipeline stages: their gradient shards (cut alike, the
-  tensors having the same shape) are summed over the embedding group.
+- The model-parallel sums (megalite.distributed.finalize, shared with the bucketed engine): the sequence-parallel
+  parameters' gradients over TP, whose ranks hold the same row shards of them after the reduce-scatter over DP, and
+  the tied word embedding's copies on the first and last pipeline stages, whose gradient shards the two stages cut
+  alike (the tensors having the same shape).
 - Routed experts (expert parallelism): each MoE layer's experts are a unit of their own, sharded over the
   expert-data-parallel group (DP x CP / EP, the ranks holding the same experts) instead of DP x CP.
 
@@ -49,9 +48,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from megalite.distributed.data_parallel import all_reduce_packed
 from megalite.distributed.engine import DataParallelEngine, Piece
 from megalite.distributed.expert_parallel import is_expert
+from megalite.distributed.finalize import finalize_model_grads
 from megalite.distributed.fp8_fully_sharded import Fp8ShardScales, plain, wrap_fp8_weights
 from megalite.parallel_state import GroupInfo
 
@@ -109,7 +108,7 @@ class FullyShardedDataParallel(DataParallelEngine):
                      if compute_dtype != torch.float32 else MixedPrecisionPolicy())
         # Pinned host memory only helps (and only exists) with a GPU to copy to.
         offload = CPUOffloadPolicy(pin_memory=device.type == "cuda") if offload_params else OffloadPolicy()
-        self.fp8_scales = Fp8ShardScales(compute_dtype) if fp8_param_gather else None
+        self.fp8_scales = Fp8ShardScales(compute_dtype, data_group) if fp8_param_gather else None
         fp8_linears = wrap_fp8_weights(modules, self.fp8_scales) if fp8_param_gather else []
         for m in modules:   # an FP8 copy of each whole weight kept for the step would undo the sharding
             for sub in m.modules():
@@ -140,7 +139,6 @@ class FullyShardedDataParallel(DataParallelEngine):
         tied = {id(p) for p in tied_params}
         self.tied_params = [getattr(owner, name) for (_, name), (owner, param) in places.items() if id(param) in tied]
         self.params = [p for m in modules for p in m.parameters() if p.requires_grad]
-        self.sequence_parallel_params = [p for p in self.params if getattr(p, "sequence_parallel", False)]
         # Persistent sharded gradients: FSDP2 adds each micro-batch's reduced shard into an existing ``.grad``, so the
         # optimizer's pieces can hold on to these tensors from step to step.
         for p in self.params:
@@ -177,14 +175,14 @@ class FullyShardedDataParallel(DataParallelEngine):
         """Nothing to count: FSDP2 reduce-scatters each micro-batch's gradients during its backward."""
 
     def finish_grad_sync(self) -> None:
-        """FSDP2's reductions have completed when backward returns; what is left are the sums FSDP2 does not know
-        of: the tied word embedding's two copies (first and last pipeline stage), and the sequence-parallel
-        parameters' parts over TP. Both run on the shards, which the ranks of those groups cut alike."""
-        if self.embedding_group is not None:   # on the compute device: offloaded shards are on the CPU
-            all_reduce_packed([p.grad.to_local().view(-1) for p in self.tied_params], self.embedding_group, self.device)
-        if self.tensor_group is not None:
-            all_reduce_packed([p.grad.to_local().view(-1) for p in self.sequence_parallel_params], self.tensor_group,
-                              self.device)
+        finalize_model_grads(self)   # the tied copies summed, reduce_data_parallel, the sequence-parallel sums
+
+    def tied_gradients(self) -> list[torch.Tensor]:
+        """The tied copies' gradient shards (already reduced over DP)."""
+        return [p.grad.to_local().view(-1) for p in self.tied_params]
+
+    def reduce_data_parallel(self) -> None:
+        """Nothing left: FSDP2's reduce-scatters completed within each micro-batch's backward."""
 
     def zero_grad(self) -> None:
         for p in self.params:

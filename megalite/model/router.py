@@ -34,7 +34,6 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -56,12 +55,6 @@ class _AttachLoss(torch.autograd.Function):
     def backward(ctx, grad):
         (loss,) = ctx.saved_tensors
         return grad, torch.full_like(loss, ctx.scale), None
-
-
-def _sum_over(value: torch.Tensor, info) -> torch.Tensor:
-    if info.size > 1:
-        dist.all_reduce(value, group=info.group)
-    return value
 
 
 def capacity(num_tokens: int, topk: int, num_experts: int, factor: float) -> int:
@@ -190,12 +183,12 @@ class TopKRouter(nn.Module):
         chosen = torch.zeros_like(scores).scatter(1, torch.topk(scores, k, dim=-1)[1], 1.0)
         context = parallel_state.get_context_parallel_group()
         if cfg.moe_router_load_balancing_type == "aux_loss":
-            counts = _sum_over(chosen.sum(dim=0), context)
+            counts = context.sum(chosen.sum(dim=0))
             tokens = scores.shape[0] * context.size
             loss = (scores.sum(dim=0) * counts).sum() * (experts * cfg.moe_aux_loss_coeff / (k * tokens * tokens))
         else:   # per sequence: [sequences, tokens of each, experts]
             shape = (num_sequences, -1, experts)
-            counts = _sum_over(chosen.view(shape).sum(dim=1), context)
+            counts = context.sum(chosen.view(shape).sum(dim=1))
             length = scores.view(shape).shape[1] * context.size
             load = counts / (length * k / experts)
             loss = (load * scores.view(shape).sum(dim=1) / length).sum(dim=-1).mean() * cfg.moe_aux_loss_coeff

@@ -11,7 +11,6 @@ equal gradients and are not summed. One all-reduce per group gives the squared n
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from megalite import parallel_state
 
@@ -31,11 +30,6 @@ def _sum_of_squares(grads: list[torch.Tensor], device: torch.device) -> torch.Te
             else torch.zeros((), dtype=torch.float32, device=device))
 
 
-def _all_reduce(value: torch.Tensor, info) -> None:
-    if info.size > 1:
-        dist.all_reduce(value, group=info.group)
-
-
 def global_grad_norm(pieces: list[tuple[torch.nn.Parameter, torch.Tensor]], sharded_over_data: bool) -> float:
     """L2 norm of the whole model's gradient from this rank's (parameter, gradient piece) pairs.
 
@@ -49,11 +43,11 @@ def global_grad_norm(pieces: list[tuple[torch.nn.Parameter, torch.Tensor]], shar
     expert_squares = _sum_of_squares([g for p, g in counted if getattr(p, "is_expert", False)], device)
     if sharded_over_data:
         squares += expert_squares
-        _all_reduce(squares, parallel_state.get_data_parallel_group(with_context_parallel=True))
+        parallel_state.get_data_parallel_group(with_context_parallel=True).sum(squares)
     else:
-        _all_reduce(expert_squares, parallel_state.get_expert_model_parallel_group())
+        parallel_state.get_expert_model_parallel_group().sum(expert_squares)
         squares += expert_squares
-    _all_reduce(squares, parallel_state.get_model_parallel_group())
+    parallel_state.get_model_parallel_group().sum(squares)
     return float(squares.sqrt())
 
 

@@ -15,7 +15,6 @@ dtype) instead of keeping an fp32 softmax: with bf16 logits, half that memory.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from megalite import parallel_state
@@ -23,34 +22,27 @@ from megalite.kernels import DEFAULT_POLICY, KernelPolicy
 from megalite.kernels.policy import CROSS_ENTROPY
 
 
-def _all_reduce(x: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
-    info = parallel_state.get_tensor_model_parallel_group()
-    if info.size > 1:
-        dist.all_reduce(x, op=op, group=info.group)
-    return x
-
-
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits: torch.Tensor, target: torch.Tensor, vocab_size: int):
-        rank = parallel_state.get_tensor_model_parallel_rank()
+        tensor = parallel_state.get_tensor_model_parallel_group()
         per_rank = logits.shape[-1]
-        start = rank * per_rank
+        start = tensor.rank * per_rank
         ctx.input_dtype = logits.dtype
         logits = logits.float()
         columns = torch.arange(start, start + per_rank, device=logits.device)
         logits = logits.masked_fill(columns >= vocab_size, float("-inf"))
 
-        logits_max = _all_reduce(logits.max(dim=-1).values, dist.ReduceOp.MAX)
+        logits_max = tensor.max(logits.max(dim=-1).values)
         logits = logits - logits_max.unsqueeze(-1)
 
         outside = (target < start) | (target >= start + per_rank)
         local_target = (target - start).masked_fill(outside, 0)
         target_logit = logits.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
-        target_logit = _all_reduce(target_logit)
+        target_logit = tensor.sum(target_logit)
 
         exp_logits = logits.exp()
-        sum_exp = _all_reduce(exp_logits.sum(dim=-1))
+        sum_exp = tensor.sum(exp_logits.sum(dim=-1))
         loss = sum_exp.log() - target_logit
 
         softmax = exp_logits.div_(sum_exp.unsqueeze(-1))
@@ -72,14 +64,15 @@ class _FusedVocabParallelCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits: torch.Tensor, target: torch.Tensor, vocab_size: int, ops):
+        tensor = parallel_state.get_tensor_model_parallel_group()
         per_rank = logits.shape[-1]
-        start = parallel_state.get_tensor_model_parallel_rank() * per_rank
+        start = tensor.rank * per_rank
         valid_cols = max(0, min(per_rank, vocab_size - start))   # the rest of this slice is padding
         local_target = (target - start).long()                    # outside [0, per_rank): another rank's token
         local_max, local_sum, target_logit = ops.cross_entropy_stats(logits, local_target, valid_cols)
-        logits_max = _all_reduce(local_max.clone(), dist.ReduceOp.MAX)
+        logits_max = tensor.max(local_max.clone())
         # exp(-inf) = 0 rescales the empty sum of an all-padding slice; the global max is finite (vocab_size >= 1).
-        sums = _all_reduce(torch.stack([local_sum * torch.exp(local_max - logits_max), target_logit]))
+        sums = tensor.sum(torch.stack([local_sum * torch.exp(local_max - logits_max), target_logit]))
         sum_exp, target_logit = sums[0], sums[1]
         ctx.save_for_backward(logits, local_target, logits_max, sum_exp)
         ctx.valid_cols, ctx.ops = valid_cols, ops

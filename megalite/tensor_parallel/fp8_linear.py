@@ -40,7 +40,6 @@ from dataclasses import dataclass
 from typing import Iterable, Optional
 
 import torch
-import torch.distributed as dist
 
 from megalite import parallel_state
 from megalite.parallel_state import GroupInfo
@@ -120,11 +119,7 @@ def gathered_fp8_weight(weight: torch.Tensor) -> Optional[GatheredFp8Weight]:
 
 def _max_over(value: torch.Tensor, reduce: bool) -> torch.Tensor:
     """``value`` maxed over the TP group when ``reduce`` (the amax spans a dimension TP splits)."""
-    info = parallel_state.get_tensor_model_parallel_group()
-    if reduce and info.size > 1:
-        value = value.contiguous().clone()
-        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=info.group)
-    return value
+    return parallel_state.get_tensor_model_parallel_group().max(value.contiguous()) if reduce else value
 
 
 def _gather_fp8(q: torch.Tensor) -> torch.Tensor:
@@ -336,7 +331,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, recipe: Fp8Recipe, history
 
 @torch.no_grad()
 def gathered_weight_scales(linears: list[torch.nn.Module], amaxes: torch.Tensor,
-                           groups: Iterable[Optional[dist.ProcessGroup]]) -> list[torch.Tensor]:
+                           groups: Iterable[GroupInfo]) -> list[torch.Tensor]:
     """The scale of each FP8 linear's weight for a parameter gather that quantizes it piece by piece
     (--fp8-param-gather), ``amaxes`` [len(linears)] holding the amax of this rank's piece of each: the whole
     weight's, as the forward would compute it. From the history (delayed, after its first step: no collective),
@@ -345,9 +340,8 @@ def gathered_weight_scales(linears: list[torch.nn.Module], amaxes: torch.Tensor,
     it over the ranks like every other)."""
     from_history = [linear.fp8_history is not None and linear.fp8_history.steps > 0 for linear in linears]
     if not all(from_history):   # the same on every rank: the histories are
-        for group in groups:
-            if group is not None and dist.get_world_size(group) > 1:
-                dist.all_reduce(amaxes, op=dist.ReduceOp.MAX, group=group)
+        for info in groups:
+            info.max(amaxes)
     scales = []
     for linear, historic, value in zip(linears, from_history, amaxes):
         history = linear.fp8_history
@@ -376,7 +370,6 @@ def update_delayed_scales(found: list[tuple[str, Fp8History]], groups: Iterable[
         return
     running = torch.stack([history.running for _, history in found])
     for info in groups:
-        if info is not None and info.size > 1:
-            dist.all_reduce(running, op=dist.ReduceOp.MAX, group=info.group)
+        info.max(running)
     for (_, history), amaxes in zip(found, running):
         history.push(amaxes)

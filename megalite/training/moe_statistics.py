@@ -19,16 +19,10 @@ pipeline stages pool their layers so that every rank can report all of them:
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from megalite import parallel_state
 from megalite.config import ModelConfig
 from megalite.model.moe import moe_layers
-
-
-def _all_reduce(value: torch.Tensor, info) -> None:
-    if info.size > 1:
-        dist.all_reduce(value, group=info.group)
 
 
 class MoEStatistics:
@@ -55,10 +49,10 @@ class MoEStatistics:
         rows = [self.layer_numbers.index(layer.layer_number) for layer in self.layers]
         for row, layer in zip(rows, self.layers):
             table[row] = layer.router.statistics(device)
-        _all_reduce(table, parallel_state.get_data_parallel_group(with_context_parallel=True))
+        parallel_state.get_data_parallel_group(with_context_parallel=True).sum(table)
         for row, layer in zip(rows, self.layers):
             layer.router.update_expert_bias(table[row, :experts])
-        _all_reduce(table, parallel_state.get_pipeline_model_parallel_group())   # each stage filled its own rows
+        parallel_state.get_pipeline_model_parallel_group().sum(table)   # each stage filled its own rows
         tokens = table[:, :experts]
         metrics = {"moe_layers": self.layer_numbers, "moe_load_max": tokens.max(dim=1).values.tolist(),
                    "moe_load_mean": tokens.mean(dim=1).tolist()}

@@ -17,7 +17,6 @@ from collections import defaultdict
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 
 from megalite import parallel_state
 from megalite.model.flops import peak_bf16_tflops
@@ -65,9 +64,8 @@ class Timers:
         low, high = values.clone(), values.clone()
         for info in (parallel_state.get_model_parallel_group(),
                      parallel_state.get_data_parallel_group(with_context_parallel=True)):
-            if info.size > 1:
-                dist.all_reduce(low, op=dist.ReduceOp.MIN, group=info.group)
-                dist.all_reduce(high, op=dist.ReduceOp.MAX, group=info.group)
+            info.min(low)
+            info.max(high)
         self.totals.clear()
         report = {}
         for name, lo, hi in zip(names, low.tolist(), high.tolist()):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from megalite.distributed.fp8_fully_sharded import Fp8GatheredWeight, Fp8ShardedWeight, Fp8ShardScales, plain
+from megalite.parallel_state import GroupInfo
 from megalite.tensor_parallel.fp8 import E4M3, quantize, scale_from_amax
 
 
@@ -18,7 +19,7 @@ class _Linear(torch.nn.Module):   # what the scales need of an FP8 linear
 
 
 def _sharded(values: torch.Tensor) -> tuple[Fp8ShardedWeight, Fp8ShardScales, _Linear]:
-    scales, linear = Fp8ShardScales(torch.bfloat16), _Linear()
+    scales, linear = Fp8ShardScales(torch.bfloat16, GroupInfo(None, (0,))), _Linear()
     return Fp8ShardedWeight(values, linear, scales), scales, linear
 
 

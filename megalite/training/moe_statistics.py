@@ -19,46 +19,39 @@ pipeline stages pool their layers so that every rank can report all of them:
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from megalite import parallel_state
 from megalite.config import ModelConfig
 from megalite.model.moe import moe_layers
+from megalite.training.hooks import StepHook
 
 
-def _all_reduce(value: torch.Tensor, info) -> None:
-    if info.size > 1:
-        dist.all_reduce(value, group=info.group)
-
-
-class MoEStatistics:
-    def __init__(self, chunks, cfg: ModelConfig, micro_batch_size: int):
-        self.cfg = cfg
+class MoEStatistics(StepHook):
+    def __init__(self, chunks, cfg: ModelConfig, micro_batch_size: int, device: torch.device):
+        self.cfg, self.device = cfg, device
         self.layers = moe_layers(chunks)
         self.layer_numbers = [i for i, moe in enumerate(cfg.moe_layers()) if moe]
         self.micro_batch_size = micro_batch_size
 
-    def start(self, loss_scale: float, global_batch_size: int) -> None:
-        """Before a training step's forward and backward passes over a global batch of ``global_batch_size``
-        samples (it may ramp up)."""
+    def before_forward_backward(self, loss_scale: float, global_batch_size: int) -> None:
         for layer in self.layers:
             router = layer.router
             router.loss_weight, router.loss_scale = self.micro_batch_size / global_batch_size, loss_scale
             router.reset_statistics()
 
-    def finish(self, device: torch.device) -> dict:
-        """After the step's backward: global statistics (collective), expert-bias updates, the metrics."""
+    def after_grad_sync(self) -> dict:
+        """Global statistics (collective), expert-bias updates, the metrics."""
         if not self.layer_numbers:
             return {}
         experts = self.cfg.num_experts
-        table = torch.zeros(len(self.layer_numbers), experts + 3, device=device)
+        table = torch.zeros(len(self.layer_numbers), experts + 3, device=self.device)
         rows = [self.layer_numbers.index(layer.layer_number) for layer in self.layers]
         for row, layer in zip(rows, self.layers):
-            table[row] = layer.router.statistics(device)
-        _all_reduce(table, parallel_state.get_data_parallel_group(with_context_parallel=True))
+            table[row] = layer.router.statistics(self.device)
+        parallel_state.get_data_parallel_group(with_context_parallel=True).sum(table)
         for row, layer in zip(rows, self.layers):
             layer.router.update_expert_bias(table[row, :experts])
-        _all_reduce(table, parallel_state.get_pipeline_model_parallel_group())   # each stage filled its own rows
+        parallel_state.get_pipeline_model_parallel_group().sum(table)   # each stage filled its own rows
         tokens = table[:, :experts]
         metrics = {"moe_layers": self.layer_numbers, "moe_load_max": tokens.max(dim=1).values.tolist(),
                    "moe_load_mean": tokens.mean(dim=1).tolist()}

@@ -66,14 +66,15 @@ def test_the_build_command_on_a_machine_without_cuda_says_so_and_succeeds(capsys
 def test_on_that_cannot_build_is_one_line_from_the_entry_point(monkeypatch, capsys):
     """As on a GPU machine without nvcc (the trainer's prepare runs as on a GPU: this machine's device is the CPU)."""
     import pretrain_gpt
-    from megalite.training import trainer
+    from megalite import run
+    from megalite.training import parallelize
 
-    def validate_as_on_a_gpu(cfg, world_size, validate=pretrain_gpt.validate):
+    def validate_as_on_a_gpu(cfg, world_size, validate=run.validate):
         with pytest.MonkeyPatch.context() as patch:   # --use-fused-kernels on passes validation
             patch.setattr(torch.cuda, "is_available", lambda: True)
             validate(cfg, world_size)
-    monkeypatch.setattr(pretrain_gpt, "validate", validate_as_on_a_gpu)
-    monkeypatch.setattr(trainer, "prepare", resolve)
+    monkeypatch.setattr(run, "validate", validate_as_on_a_gpu)
+    monkeypatch.setattr(parallelize, "prepare", resolve)
     monkeypatch.setattr(policy, "load_extension", lambda *a, **k: (_ for _ in ()).throw(
         ExtensionUnavailable("cannot build extension 'megalite_fused': no CUDA toolkit found")))
     assert pretrain_gpt.main(["model=gpt_tiny", "--mock-data", "--train-iters", "1", "--use-fused-kernels", "on",

@@ -118,10 +118,8 @@ class Trainer:
         self.state = TrainState()
         # Micro-batches per step at the largest (evaluation's) global batch; a ramp-up runs fewer while it grows.
         self.num_micro_batches = self.micro_batches_in(t.global_batch_size)
-        p = self.pipeline   # --timing-log-level 2: the logged iterations' step times, for timelines
-        self.step_times = (StepTimeRecorder(lg.metrics_file, lg.log_interval, self.train_iters,
-                                            p.schedules(self.num_micro_batches), p.virtual_stages, device,
-                                            p.schedule_name)
+        # --timing-log-level 2: the logged iterations' step times, for timelines.
+        self.step_times = (StepTimeRecorder(lg, self.train_iters, self.pipeline, self.num_micro_batches, device)
                            if StepTimeRecorder.wanted(lg.timing_log_level, lg.metrics_file) else None)
         self.logger = MetricsLogger(lg, not dist.is_initialized() or dist.get_rank() == 0, self.train_iters, cfg)
         # The iteration the latest saved (or loaded) checkpoint holds, so the end of training does not save it again.

@@ -56,7 +56,7 @@ def registered(state: parallel_state.ParallelState):
 
 def activation_bytes(trainer: Trainer) -> int:
     """Bytes autograd keeps for one micro-batch's forward on this rank (distinct storages, parameters excluded)."""
-    batch = trainer._micro_batches(trainer.data.train, 0)[0]   # noqa: SLF001 - the step's own data
+    batch = trainer.micro_batches(trainer.samples(trainer.data.train, 0, 1))[0]   # the step's own data
     parameters = {p.untyped_storage().data_ptr() for p in trainer.model.parameters()}
     storages: dict[int, int] = {}
 

@@ -55,11 +55,6 @@ class ScheduleStats:
         """Idle time over the schedule's wall time."""
         return 1.0 - self.busy_s / self.total_s if self.total_s else 0.0
 
-    @property
-    def bubble_fraction(self) -> float:
-        """Idle time over compute time on this rank alone."""
-        return (self.total_s - self.busy_s) / self.busy_s if self.busy_s else 0.0
-
 
 class StepClock:
     """Busy time of the steps and wall time of the schedule: host clock on the CPU, CUDA events on a GPU when

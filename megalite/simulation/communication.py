@@ -127,9 +127,12 @@ class CommunicationContractError(RuntimeError):
 
 
 def caller() -> str:
-    """Where megalite (or a test) made the call: the innermost frame outside torch and this module."""
+    """Where megalite (or a test) made the call: the innermost frame outside torch, this module and the group
+    helpers (GroupInfo.sum and its kin in megalite/parallel_state.py)."""
+    from megalite import parallel_state
     for frame in reversed(traceback.extract_stack()[:-2]):
-        if f"{os.sep}torch{os.sep}" not in frame.filename and frame.filename != __file__:
+        if (f"{os.sep}torch{os.sep}" not in frame.filename
+                and frame.filename not in (__file__, parallel_state.__file__)):
             return f"{os.path.relpath(frame.filename)}:{frame.lineno} ({frame.name})"
     return "?"
 

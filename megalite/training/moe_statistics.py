@@ -23,32 +23,31 @@ import torch
 from megalite import parallel_state
 from megalite.config import ModelConfig
 from megalite.model.moe import moe_layers
+from megalite.training.hooks import StepHook
 
 
-class MoEStatistics:
-    def __init__(self, chunks, cfg: ModelConfig, micro_batch_size: int):
-        self.cfg = cfg
+class MoEStatistics(StepHook):
+    def __init__(self, chunks, cfg: ModelConfig, micro_batch_size: int, device: torch.device):
+        self.cfg, self.device = cfg, device
         self.layers = moe_layers(chunks)
         self.layer_numbers = [i for i, moe in enumerate(cfg.moe_layers()) if moe]
         self.micro_batch_size = micro_batch_size
 
-    def start(self, loss_scale: float, global_batch_size: int) -> None:
-        """Before a training step's forward and backward passes over a global batch of ``global_batch_size``
-        samples (it may ramp up)."""
+    def before_forward_backward(self, loss_scale: float, global_batch_size: int) -> None:
         for layer in self.layers:
             router = layer.router
             router.loss_weight, router.loss_scale = self.micro_batch_size / global_batch_size, loss_scale
             router.reset_statistics()
 
-    def finish(self, device: torch.device) -> dict:
-        """After the step's backward: global statistics (collective), expert-bias updates, the metrics."""
+    def after_grad_sync(self) -> dict:
+        """Global statistics (collective), expert-bias updates, the metrics."""
         if not self.layer_numbers:
             return {}
         experts = self.cfg.num_experts
-        table = torch.zeros(len(self.layer_numbers), experts + 3, device=device)
+        table = torch.zeros(len(self.layer_numbers), experts + 3, device=self.device)
         rows = [self.layer_numbers.index(layer.layer_number) for layer in self.layers]
         for row, layer in zip(rows, self.layers):
-            table[row] = layer.router.statistics(device)
+            table[row] = layer.router.statistics(self.device)
         parallel_state.get_data_parallel_group(with_context_parallel=True).sum(table)
         for row, layer in zip(rows, self.layers):
             layer.router.update_expert_bias(table[row, :experts])

@@ -20,6 +20,8 @@ import torch
 import torch.distributed as dist
 
 from megalite import parallel_state
+from megalite.config import LoggingConfig
+from megalite.pipeline import Pipeline
 from megalite.pipeline.schedules import Step
 
 COLUMNS = ("kind", "chunk", "micro_batch", "start_ms", "end_ms")
@@ -49,12 +51,12 @@ def on_one_clock(schedules: Sequence[Sequence[Step]],
 class StepTimeRecorder:
     """Records the logged iterations' step times of every rank of this rank's pipeline; rank 0 writes them."""
 
-    def __init__(self, metrics_file: str, log_interval: int, train_iters: int, schedules: Sequence[Sequence[Step]],
-                 virtual_stages: int, device: torch.device, schedule_name: str = "1f1b"):
-        self.path = steps_file(metrics_file)
-        self.log_interval, self.train_iters = log_interval, train_iters
-        self.schedules, self.virtual_stages, self.device = schedules, virtual_stages, device
-        self.schedule_name = schedule_name
+    def __init__(self, logging: LoggingConfig, train_iters: int, pipeline: Pipeline, num_micro_batches: int,
+                 device: torch.device):
+        """For steps of ``num_micro_batches`` (the largest batch's: other steps are not recorded)."""
+        self.path, self.log_interval = steps_file(logging.metrics_file), logging.log_interval
+        self.train_iters, self.schedules, self.device = train_iters, pipeline.schedules(num_micro_batches), device
+        self.virtual_stages, self.schedule_name = pipeline.virtual_stages, pipeline.schedule_name
         self.writes = not dist.is_initialized() or dist.get_rank() == 0
 
     @staticmethod

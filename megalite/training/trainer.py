@@ -12,12 +12,9 @@ rank's micro-batches (megalite.model.context_parallel); their loss sums over DP 
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import math
 import time
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -27,48 +24,24 @@ from megalite.config import MegaliteConfig
 from megalite.config.batches import batch_schedule, describe as describe_batches, train_iterations
 from megalite.data import build_datasets, micro_batch_indices
 from megalite.data.packing import packed_documents
-from megalite.distributed import DataParallel, DataParallelEngine, EngineUnion, FullyShardedDataParallel, is_expert
-from megalite.kernels import KernelPolicy, prepare
-from megalite.model import GPTModel
+from megalite.distributed import is_expert
 from megalite.model.context_parallel import SequenceShard, shard_sequence
 from megalite.model.flops import model_flops_per_iteration
 from megalite.run import Run
 from megalite.optimizer import LRSchedule, MegaliteOptimizer
 from megalite.optimizer.clip_grads import counts_toward_norm
-from megalite.pipeline import (PipelineLinks, StepClock, build_schedule, chunks_of_rank, placement_of, plan_transfers,
-                               run_schedule, splits_backward)
-from megalite.pipeline.partition import stage_rank
-from megalite.tensor_parallel import (Fp8Recipe, TensorParallelRNG, WeightGradStore, attach_weight_grad_store,
-                                      update_delayed_scales)
+from megalite.tensor_parallel import Fp8Recipe
 from megalite.tensor_parallel.fp8 import has_fp8_tensor_cores
+from megalite.training.hooks import DelayedFp8Scales, StepHook
 from megalite.training.housekeeping import MemoryHousekeeping
 from megalite.training.metrics import MetricsLogger
 from megalite.training.moe_statistics import MoEStatistics
+from megalite.training.parallelize import parallelize
 from megalite.training.profiling import StepProfiler
 from megalite.training.step_times import StepTimeRecorder
 from megalite.training.stopping import StopRequests, check_finite, check_loss_scale
 from megalite.training.prefetch import BatchPrefetcher
 from megalite.training.timers import Timers, peak_memory_gib, peak_tflops
-
-
-def _sum_over_data_parallel(value: torch.Tensor) -> torch.Tensor:
-    """Sum over DP x CP: every rank holding a share of the global batch's tokens."""
-    info = parallel_state.get_data_parallel_group(with_context_parallel=True)
-    if info.size > 1:
-        dist.all_reduce(value, group=info.group)
-    return value
-
-
-def _start_sum_over_data_parallel(value: torch.Tensor) -> Callable[[], torch.Tensor]:
-    """The same sum, launched now: returns a function that waits for it (once) and gives ``value``."""
-    info = parallel_state.get_data_parallel_group(with_context_parallel=True)
-    work = [dist.all_reduce(value, group=info.group, async_op=True)] if info.size > 1 else []
-
-    def result() -> torch.Tensor:
-        while work:
-            work.pop().wait()
-        return value
-    return result
 
 
 def _gather_over_pipeline(value: torch.Tensor) -> list[torch.Tensor]:
@@ -87,13 +60,9 @@ def parameter_counts(params, device: torch.device) -> tuple[torch.Tensor, torch.
     dense, routed = (torch.tensor([float(sum(p.numel() for p in params if counts_toward_norm(p)
                                              and is_expert(p) == expert))], device=device)
                      for expert in (False, True))
-    model_group, expert_group = (parallel_state.get_model_parallel_group(),
-                                 parallel_state.get_expert_model_parallel_group())
-    for value, groups in ((dense, [model_group]), (routed, [model_group, expert_group])):
-        for info in groups:
-            if info.size > 1:
-                dist.all_reduce(value, group=info.group)
-    return dense, routed
+    parallel_state.get_model_parallel_group().sum(dense)
+    parallel_state.get_model_parallel_group().sum(routed)
+    return dense, parallel_state.get_expert_model_parallel_group().sum(routed)
 
 
 @dataclass
@@ -127,118 +96,42 @@ class TrainState:
 
 
 class Trainer:
-    """Builds this rank's model chunks, optimizer and data for the registered layout, then runs iterations."""
+    """Runs iterations of this rank's part of a run (megalite.training.parallelize: its chunks, data-parallel engine
+    and pipeline) with its optimizer, data and step hooks, on the registered layout."""
 
     def __init__(self, run: Run, device: torch.device):
-        cfg = run.cfg
-        t, d = cfg.training, cfg.data
+        cfg, t, d, lg = run.cfg, run.cfg.training, run.cfg.data, run.cfg.logging
+        self.cfg, self.dims, self.device = cfg, run.dims, device
         # The global batch of each iteration (constant, or ramping up with the consumed samples) and the run's length.
         self.batches = batch_schedule(t, cfg.model.seq_length)
         self.train_iters = train_iterations(t, self.batches)
         valid_samples = d.eval_iters * t.global_batch_size if d.eval_interval > 0 else 0
         self.data = build_datasets(cfg, (self.batches.consumed_after(self.train_iters), valid_samples, 0),
                                    run.tokenizer)
-        self.cfg, self.device = cfg, device
-        seed, m = cfg.training.seed, cfg.model
-        self.pp = parallel_state.get_pipeline_model_parallel_world_size()
-        self.pp_rank = parallel_state.get_pipeline_model_parallel_rank()
-        self.virtual_stages = cfg.parallel.virtual_stages(m.num_layers)
-        self.schedule_name = cfg.parallel.pipeline_schedule if self.pp > 1 else "1f1b"
-        self.placement = placement_of(self.schedule_name)
-        # The rank holding the last stage (and the loss): the last one, or the first with the v-shape placement.
-        self.loss_rank = stage_rank(self.pp * self.virtual_stages - 1, self.pp, self.placement)
-        self.rng = rng = TensorParallelRNG(seed, parallel_state.get_tensor_model_parallel_rank(), self.pp_rank,
-                                           device, parallel_state.get_context_parallel_rank())
-        # Fused CUDA kernels or torch ops, per op: built, self-checked and agreed over every rank now, before any step.
-        kernels = prepare(KernelPolicy.from_config(cfg.kernels), device, 60 * cfg.training.distributed_timeout_minutes)
-        # Simulated GPUs (megalite.simulation) build the chunks on their meta device directly: no host memory.
-        with torch.device(device) if device.type == "meta" else contextlib.nullcontext():
-            self.model = torch.nn.ModuleList(
-                GPTModel(m, rng, pre_process=c.is_first, post_process=c.is_last, layer_offset=c.first_layer,
-                         num_layers=c.num_layers, sequence_parallel=cfg.parallel.sequence_parallel,
-                         kernels=kernels)
-                for c in chunks_of_rank(m.num_layers, self.pp, self.virtual_stages, self.pp_rank, self.placement)
-            ).to(device)
-        for chunk in self.model:
-            chunk.initialize(seed)   # in fp32, then cast: the same initial weights for every dtype and layout
-        self.dtype = (torch.bfloat16 if cfg.training.bf16 else torch.float16 if cfg.training.fp16
-                      else torch.float32)
-        o = cfg.optimizer
-        # Context-parallel ranks hold the same weights: gradients are summed over DP x CP, and the distributed
-        # optimizer and ZeRO-3 shard over it. With the first and last stage on one rank (v-shape) both embedding
-        # copies are here: summed locally.
-        shared = dict(data_group=parallel_state.get_data_parallel_group(with_context_parallel=True),
-                      tensor_group=parallel_state.get_tensor_model_parallel_group(),
-                      embedding_group=parallel_state.get_embedding_group() if self.loss_rank != 0 else None,
-                      tied_params=[w for chunk in self.model for w in chunk.tied_embedding_weights()])
-        # Routed experts' gradients are summed over the ranks holding the same experts (megalite.distributed.
-        # expert_parallel): their own engine, or their own FSDP2 units.
-        expert_data = (parallel_state.get_expert_data_parallel_group()
-                       if any(is_expert(p) for p in self.model.parameters()) else None)
-        self.engine: DataParallelEngine
-        grad_dtype = torch.bfloat16 if o.grad_reduce_in_bf16 else torch.float32
-        if o.zero_level == 3:   # FSDP2 keeps fp32 shards as main parameters and casts the gathered copies itself
-            self.engine = FullyShardedDataParallel(list(self.model), **shared, compute_dtype=self.dtype,
-                                                   offload_params=o.offload_params,
-                                                   prefetch_bucket_size=o.zero3_prefetch_bucket_size,
-                                                   grad_dtype=grad_dtype, expert_group=expert_data,
-                                                   fp8_param_gather=m.fp8_param_gather)
-        else:
-            self.model.to(self.dtype)
-            engine = functools.partial(DataParallel, list(self.model), bucket_size=o.ddp_bucket_size,
-                                       zero=o.zero_level, grad_dtype=grad_dtype,
-                                       overlap_grad_reduce=o.overlap_grad_reduce,
-                                       overlap_param_gather=o.overlap_param_gather,
-                                       gradient_accumulation_fusion=not o.no_gradient_accumulation_fusion,
-                                       fp8_param_gather=m.fp8_param_gather)
-            if expert_data is None:
-                self.engine = engine(**shared)
-            else:
-                self.engine = EngineUnion([
-                    engine(**shared, select=lambda p: not is_expert(p)),
-                    engine(data_group=expert_data, tensor_group=shared["tensor_group"], select=is_expert)])
-        self.tied_embedding_weights = [w for chunk in self.model for w in chunk.tied_embedding_weights()]
+        self.model, self.engine, self.pipeline, self.rng, self.dtype = parallelize(run, device)
         # The FP8 linears' amax histories (delayed recipe), by canonical name (checkpoints keep them).
         self.fp8_histories = [found for chunk in self.model for found in chunk.canonical_fp8_histories()]
-        self.fp8_groups = (parallel_state.get_tensor_model_parallel_group(),
-                           parallel_state.get_data_parallel_group(with_context_parallel=True))
-        self.optimizer = MegaliteOptimizer(self.engine, o, cfg.training)
-        self.lr_schedule = LRSchedule.from_config(o, cfg.training, m.seq_length)
+        self.hooks: list[StepHook] = [MoEStatistics(self.model, cfg.model, t.micro_batch_size, device),
+                                      DelayedFp8Scales(self.fp8_histories)]
+        self.optimizer = MegaliteOptimizer(self.engine, cfg.optimizer, t)
+        self.lr_schedule = LRSchedule.from_config(cfg.optimizer, t, cfg.model.seq_length)
         self.state = TrainState()
         # Micro-batches per step at the largest (evaluation's) global batch; a ramp-up runs fewer while it grows.
-        self.num_micro_batches = self.micro_batches_in(cfg.training.global_batch_size)
-        self._plans: dict[int, tuple] = {}
-        self.cp = parallel_state.get_context_parallel_world_size()
-        # Zero-bubble schedules: each B leaves the linear layers' weight gradients to its W step.
-        largest = self.schedules(self.num_micro_batches)   # every rank's, at the largest batch
-        self.weight_grads = WeightGradStore() if splits_backward(largest[self.pp_rank]) else None
-        attach_weight_grad_store(self.model, self.weight_grads)
-        self.clock = StepClock(device, measure_gpu=cfg.logging.timing_log_level > 0)
-        lg = cfg.logging   # --timing-log-level 2: the logged iterations' step times, for timelines
-        self.step_times = (StepTimeRecorder(
-            lg.metrics_file, lg.log_interval, self.train_iters, largest,
-            self.virtual_stages, device, self.schedule_name)
-            if StepTimeRecorder.wanted(lg.timing_log_level, lg.metrics_file) else None)
-        self.links = (PipelineLinks(parallel_state.get_pipeline_model_parallel_group(),
-                                    (cfg.training.micro_batch_size,   # this rank's tokens: its CP and SP shard
-                                     m.seq_length // self.cp // (parallel_state.get_tensor_model_parallel_world_size()
-                                                                 if cfg.parallel.sequence_parallel else 1),
-                                     m.hidden_size),
-                                    self.dtype,
-                                    device) if self.pp > 1 else None)
-        is_logging_rank = not dist.is_initialized() or dist.get_rank() == 0
-        self.logger = MetricsLogger(cfg.logging, is_logging_rank, self.train_iters, cfg)
+        self.num_micro_batches = self.micro_batches_in(t.global_batch_size)
+        # --timing-log-level 2: the logged iterations' step times, for timelines.
+        self.step_times = (StepTimeRecorder(lg, self.train_iters, self.pipeline, self.num_micro_batches, device)
+                           if StepTimeRecorder.wanted(lg.timing_log_level, lg.metrics_file) else None)
+        self.logger = MetricsLogger(lg, not dist.is_initialized() or dist.get_rank() == 0, self.train_iters, cfg)
         # The iteration the latest saved (or loaded) checkpoint holds, so the end of training does not save it again.
         self._checkpointed_iteration = self.load_checkpoint() if cfg.checkpoint.load else None
         self._pending_save: checkpoint.PendingSave | None = None   # an --async-save still being written
-        self.stop_requests = StopRequests(cfg.training, device)
-        self.timers = Timers(cfg.logging.timing_log_level, device)
-        self.prefetcher = BatchPrefetcher(lambda consumed, n: self._samples(self.data.train, consumed, n),
-                                          enabled=not cfg.data.no_data_prefetch)
-        self.memory = MemoryHousekeeping(cfg.training, device)
-        self.peak_tflops = peak_tflops(device, cfg.logging.peak_tflops)
-        self.flops_per_sample = model_flops_per_iteration(m, 1)
-        self.moe = MoEStatistics(self.model, m, cfg.training.micro_batch_size)
+        self.stop_requests = StopRequests(t, device)
+        self.timers = Timers(lg.timing_log_level, device)
+        self.prefetcher = BatchPrefetcher(lambda consumed, n: self.samples(self.data.train, consumed, n),
+                                          enabled=not d.no_data_prefetch)
+        self.memory = MemoryHousekeeping(t, device)
+        self.peak_tflops = peak_tflops(device, lg.peak_tflops)
+        self.flops_per_sample = model_flops_per_iteration(cfg.model, 1)
 
     @classmethod
     def on_registered_layout(cls, cfg: MegaliteConfig, device: torch.device) -> "Trainer":
@@ -249,17 +142,14 @@ class Trainer:
     def describe(self) -> str:
         """One line for the start of a run: layout, schedule, model size, data."""
         dense, routed = parameter_counts(self.engine.params, self.device)
-        tp = parallel_state.get_tensor_model_parallel_world_size()
-        dp = parallel_state.get_data_parallel_world_size()
-        ep = parallel_state.get_expert_model_parallel_world_size()
-        m = self.cfg.model
+        m, p, dims = self.cfg.model, self.pipeline, self.dims
         total, experts = float(dense + routed), float(routed)
-        moe = (f" ({total - experts * (1 - m.moe_router_topk / m.num_experts):,.0f} active per token, EP={ep})"
+        moe = (f" ({total - experts * (1 - m.moe_router_topk / m.num_experts):,.0f} active per token, EP={dims.ep})"
                if m.num_experts else "")
-        schedule = {"1f1b": "1F1B", "zero-bubble": "ZB-H1", "zbv": "ZB-V"}[self.schedule_name]
-        if self.pp == 1:
+        schedule = {"1f1b": "1F1B", "zero-bubble": "ZB-H1", "zbv": "ZB-V"}[p.schedule_name]
+        if p.pp == 1:
             schedule = "no pipelining"
-        elif self.virtual_stages > 1 and self.schedule_name != "zbv":
+        elif p.virtual_stages > 1 and p.schedule_name != "zbv":
             schedule = f"interleaved {schedule}"
         data = "mock data" if self.data.tokenizer is None else f"vocabulary {self.data.vocab_size}"
         o = self.cfg.optimizer
@@ -268,8 +158,8 @@ class Trainer:
                    ", optimizer on the CPU" if o.optimizer_cpu_offload else "")
         micro = (f"{self.micro_batches_in(self.batches.smallest)}-{self.num_micro_batches}" if self.batches.ramps
                  else f"{self.num_micro_batches}")
-        context = f"CP={self.cp} ({self.cfg.parallel.cp_comm_type}) x " if self.cp > 1 else ""
-        return (f"megalite: TP={tp} x {context}PP={self.pp} x DP={dp} (V={self.virtual_stages}, {schedule}, "
+        context = f"CP={dims.cp} ({self.cfg.parallel.cp_comm_type}) x " if dims.cp > 1 else ""
+        return (f"megalite: TP={dims.tp} x {context}PP={p.pp} x DP={dims.dp} (V={p.virtual_stages}, {schedule}, "
                 f"{micro} micro-batches per step, {describe_batches(self.batches)}); {sharding}{offload}; "
                 f"{total / 1e6:.2f}M parameters{moe}; {str(self.dtype).removeprefix('torch.')}{self._fp8_words()}; "
                 f"{data}")
@@ -295,25 +185,9 @@ class Trainer:
 
     def micro_batches_in(self, global_batch_size: int) -> int:
         """Micro-batches each DP rank runs for one global batch of ``global_batch_size`` samples."""
-        return global_batch_size // (self.cfg.training.micro_batch_size * parallel_state.get_data_parallel_world_size())
+        return self.dims.micro_batches(global_batch_size, self.cfg.training.micro_batch_size)
 
-    def schedules(self, num_micro_batches: int) -> list[list]:
-        """Every pipeline rank's schedule for a step of ``num_micro_batches``."""
-        return [build_schedule(self.pp, r, num_micro_batches, self.virtual_stages, self.schedule_name)
-                for r in range(self.pp)]
-
-    def plans(self, num_micro_batches: int) -> tuple:
-        """This rank's (training, evaluation) transfer plans for a step of ``num_micro_batches`` (one per size a
-        ramp-up reaches)."""
-        if num_micro_batches not in self._plans:
-            schedules = self.schedules(num_micro_batches)
-            forward_only = [[s for s in steps if s.kind == "F"] for steps in schedules]
-            self._plans[num_micro_batches] = tuple(
-                plan_transfers(steps, self.pp, self.virtual_stages, self.placement)[self.pp_rank]
-                for steps in (schedules, forward_only))
-        return self._plans[num_micro_batches]
-
-    def _samples(self, dataset, consumed_samples: int, num_micro_batches: int) -> list[torch.Tensor]:
+    def samples(self, dataset, consumed_samples: int, num_micro_batches: int) -> list[torch.Tensor]:
         """This DP rank's samples of the global batch, one [micro-batch, seq + 1] tensor per micro-batch, on the host
         (in pinned memory on a GPU, for an asynchronous copy); run by the prefetch thread for training batches."""
         t = self.cfg.training
@@ -323,7 +197,7 @@ class Trainer:
         stacked = [torch.stack([dataset[i] for i in batch]) for batch in indices]
         return [s.pin_memory() for s in stacked] if self.device.type == "cuda" else stacked
 
-    def _micro_batches(self, samples: list[torch.Tensor]) -> list[MicroBatch]:
+    def micro_batches(self, samples: list[torch.Tensor]) -> list[MicroBatch]:
         """This rank's micro-batches of the global batch: its DP rank's samples, its CP rank's tokens of them."""
         d = self.cfg.data
         packing = d.reset_position_ids or d.reset_attention_mask or d.eod_mask_loss
@@ -331,24 +205,26 @@ class Trainer:
         cuda = self.device.type == "cuda"
         return [MicroBatch.of(s.to(self.device, non_blocking=cuda), self.cfg, eod) for s in samples]
 
-    def _run_global_batch(self, dataset, consumed_samples: int, forward_only: bool,
-                          global_batch_size: int | None = None, record_steps: bool = False,
-                          samples: list[torch.Tensor] | None = None):
-        """Forward (and backward) one global batch (of ``global_batch_size`` samples, default the largest) through
-        the pipeline schedule (``record_steps``: with its steps' times, clocks aligned over the pipeline); its
-        ``samples`` (from :meth:`_samples`) are read here unless given.
+    def _run_global_batch(self, samples: list[torch.Tensor], global_batch_size: int, forward_only: bool,
+                          record_steps: bool = False):
+        """Forward (and backward) one global batch of ``global_batch_size`` samples (``samples``, from
+        :meth:`samples`) through the pipeline schedule (``record_steps``: with its steps' times, clocks aligned over
+        the pipeline).
 
         Returns (loss summed over this rank's tokens, token count of the whole global batch, schedule stats)."""
-        global_batch_size = global_batch_size or self.cfg.training.global_batch_size
-        num_micro_batches = self.micro_batches_in(global_batch_size)
-        if samples is None:
-            samples = self._samples(dataset, consumed_samples, num_micro_batches)
-        micro_batches = self._micro_batches(samples)
+        micro_batches = self.micro_batches(samples)
         if self.cfg.data.eod_mask_loss:   # the tokens that count, over every rank's share of the global batch
             # Waited for only where the first loss is scaled by it: overlapped parameter gathers still in flight on
             # this group come before it, and the first forward need not wait for them all.
-            counting = _start_sum_over_data_parallel(torch.stack([b.loss_mask.sum() for b in micro_batches]).sum())
-            global_tokens_now = lambda: counting().clamp(min=1.0)   # noqa: E731
+            counted = torch.stack([b.loss_mask.sum() for b in micro_batches]).sum()
+            work = parallel_state.get_data_parallel_group(with_context_parallel=True).start_sum(counted)
+
+            def global_tokens_now() -> torch.Tensor:
+                nonlocal work
+                if work is not None:   # waited for once
+                    work.wait()
+                    work = None
+                return counted.clamp(min=1.0)
         else:   # every token counts (our samples have no padding): the count needs no all-reduce
             tokens = torch.tensor(float(global_batch_size * self.cfg.model.seq_length), device=self.device)
             global_tokens_now = lambda: tokens   # noqa: E731
@@ -366,13 +242,37 @@ class Trainer:
             loss_sums.append(loss_sum.detach())
             return loss_sum * (loss_scale / global_tokens_now())
 
-        train_plan, eval_plan = self.plans(num_micro_batches)
         if record_steps:
             self.step_times.align()
-        stats = run_schedule(eval_plan if forward_only else train_plan, forward_step, self.links,
-                             forward_only=forward_only, weight_grads=self.weight_grads, clock=self.clock)
+        stats = self.pipeline.run(len(micro_batches), forward_step, forward_only)
         loss_sum = torch.stack(loss_sums).sum() if loss_sums else torch.zeros((), device=self.device)
         return loss_sum, global_tokens_now(), stats
+
+    def forward_backward(self, dataset, consumed_samples: int, global_batch_size: int | None = None,
+                         samples: list[torch.Tensor] | None = None):
+        """One global batch's forward and backward passes (``global_batch_size`` samples, default the largest, read
+        from ``dataset`` unless given as ``samples``), its gradients summed over DP: the first part of a training
+        step. Returns (loss summed over this rank's tokens, token count of the whole global batch, schedule stats)."""
+        batch = global_batch_size or self.cfg.training.global_batch_size
+        num_micro_batches = self.micro_batches_in(batch)
+        if samples is None:
+            samples = self.samples(dataset, consumed_samples, num_micro_batches)
+        self.engine.start_iteration(num_micro_batches)
+        for hook in self.hooks:
+            hook.before_forward_backward(self.optimizer.loss_scale, batch)
+        # Step times are recorded at the largest batch only: the recorder's schedules are those of that batch.
+        record_steps = (self.step_times is not None and batch == self.cfg.training.global_batch_size
+                        and self.step_times.records(self.state.iteration + 1))
+        with self.timers("forward-backward"):
+            loss_sum, global_tokens, stats = self._run_global_batch(samples, batch, False, record_steps)
+        self.memory.after_forward_backward()
+        if record_steps:
+            self.step_times.write(self.state.iteration + 1, stats.step_times, stats.wall_start)
+        if stats.busy_s is not None:
+            self.timers.add("pipeline-wait", stats.total_s - stats.busy_s)
+        with self.timers("grads-reduce"):
+            self.engine.finish_grad_sync()
+        return loss_sum, global_tokens, stats
 
     def train_step(self) -> dict:
         """One optimizer step over one global batch; returns the iteration's metrics."""
@@ -384,28 +284,16 @@ class Trainer:
         if self.state.iteration + 1 < self.train_iters:
             following = self.batches.at(consumed + batch)
             self.prefetcher.ahead(consumed + batch, self.micro_batches_in(following))
-        self.engine.start_iteration(self.micro_batches_in(batch))
-        self.moe.start(self.optimizer.loss_scale, batch)
-        # Step times are recorded at the largest batch only: the recorder's schedules are those of that batch.
-        record_steps = (self.step_times is not None and batch == self.cfg.training.global_batch_size
-                        and self.step_times.records(self.state.iteration + 1))
-        with self.timers("forward-backward"):
-            loss_sum, global_tokens, stats = self._run_global_batch(self.data.train, consumed, forward_only=False,
-                                                                    global_batch_size=batch,
-                                                                    record_steps=record_steps, samples=samples)
-        self.memory.after_forward_backward()
-        if record_steps:
-            self.step_times.write(self.state.iteration + 1, stats.step_times, stats.wall_start)
-        if stats.busy_s is not None:
-            self.timers.add("pipeline-wait", stats.total_s - stats.busy_s)
-        with self.timers("grads-reduce"):
-            self.engine.finish_grad_sync()
-        moe_metrics = self.moe.finish(self.device)   # global loads and losses; expert biases updated
+        loss_sum, global_tokens, stats = self.forward_backward(self.data.train, consumed, batch, samples)
+        hook_metrics = {}
+        for hook in self.hooks:   # MoE: global loads and losses, expert biases updated
+            hook_metrics.update(hook.after_grad_sync())
         # Only the last stage has the loss: sum it over DP before the optimizer step launches the parameter
         # gathers (overlapped ones would otherwise queue this all-reduce, on the same group, behind every one of
         # them, and the next forward behind it).
         local_bad = not bool(torch.isfinite(loss_sum))
-        loss = _sum_over_data_parallel(loss_sum.clone()) / global_tokens
+        data_context = parallel_state.get_data_parallel_group(with_context_parallel=True)
+        loss = data_context.sum(loss_sum.clone()) / global_tokens
 
         iteration = self.state.iteration + 1
         o, consumed = self.cfg.optimizer, self.state.consumed_samples + batch
@@ -413,9 +301,8 @@ class Trainer:
         decoupled_lr = (None if o.decoupled_lr is None else
                         self.lr_schedule.at(consumed, o.decoupled_lr, o.min_lr if o.decoupled_min_lr is None
                                             else o.decoupled_min_lr))
-        # FP8 delayed scaling: this step's amaxes, maxed over the ranks holding each layer, give the next scales
-        # (before the optimizer step, whose FP8 parameter gather quantizes the weights with them).
-        update_delayed_scales(self.fp8_histories, self.fp8_groups)
+        for hook in self.hooks:   # FP8: the next delayed scales
+            hook.before_optimizer_step()
         with self.timers("optimizer"):   # unscale, clip, AdamW, and the parameter gather unless overlapped
             step = self.optimizer.step(lr, decoupled_lr)
         self.memory.after_step()
@@ -431,15 +318,15 @@ class Trainer:
         per_stage = _gather_over_pipeline(torch.cat([loss.double().reshape(1), schedule_stats]))
         self.state.iteration = iteration
         self.state.consumed_samples = consumed
-        record = {"iteration": iteration, "loss": float(per_stage[self.loss_rank][0]), "grad_norm": step["grad_norm"],
-                  "lr": lr, "consumed_samples": self.state.consumed_samples}
+        record = {"iteration": iteration, "loss": float(per_stage[self.pipeline.loss_rank][0]),
+                  "grad_norm": step["grad_norm"], "lr": lr, "consumed_samples": self.state.consumed_samples}
         if decoupled_lr is not None:
             record["decoupled_lr"] = decoupled_lr
         if self.batches.ramps:
             record["global_batch_size"] = batch
         if self.cfg.data.eod_mask_loss:   # the tokens the loss averaged over (fewer than global batch x seq)
             record["loss_tokens"] = int(global_tokens)
-        record.update(moe_metrics)
+        record.update(hook_metrics)
         if step["skipped"]:
             record["skipped"] = True
         if "loss_scale" in step:
@@ -449,7 +336,7 @@ class Trainer:
             check_finite(iteration, record["loss"], step["grad_norm"], local_bad, self.device)
         elif t.fp16 and not t.no_check_for_nan_in_loss_and_grad:   # ... until they overflow at the lowest scale
             check_loss_scale(iteration, self.optimizer.scaler)
-        if self.pp > 1:
+        if self.pipeline.pp > 1:
             if measured:   # idle / compute time up to the end of the slowest stage (the optimizer waits for it)
                 span = max(float(stage[2]) for stage in per_stage)
                 bubble = [(span - float(stage[1])) / float(stage[1]) for stage in per_stage]
@@ -465,14 +352,15 @@ class Trainer:
         self.engine.finish_param_sync()
         self.model.eval()
         total, tokens = torch.zeros((), device=self.device), torch.zeros((), device=self.device)
+        batch = self.cfg.training.global_batch_size
         for k in range(self.cfg.data.eval_iters):
-            loss_sum, global_tokens, _ = self._run_global_batch(
-                self.data.valid, k * self.cfg.training.global_batch_size, forward_only=True)
+            samples = self.samples(self.data.valid, k * batch, self.num_micro_batches)
+            loss_sum, global_tokens, _ = self._run_global_batch(samples, batch, forward_only=True)
             total += loss_sum
             tokens += global_tokens
         self.model.train()
-        total = _sum_over_data_parallel(total)
-        return float(_gather_over_pipeline(total / tokens)[self.loss_rank])
+        total = parallel_state.get_data_parallel_group(with_context_parallel=True).sum(total)
+        return float(_gather_over_pipeline(total / tokens)[self.pipeline.loss_rank])
 
     def save_checkpoint(self, directory: str):
         """Save model, optimizer, data position and RNG states into ``directory`` (collective; megalite.checkpoint).

@@ -67,14 +67,14 @@ def test_on_that_cannot_build_is_one_line_from_the_entry_point(monkeypatch, caps
     """As on a GPU machine without nvcc (the trainer's prepare runs as on a GPU: this machine's device is the CPU)."""
     import pretrain_gpt
     from megalite import run
-    from megalite.training import trainer
+    from megalite.training import parallelize
 
     def validate_as_on_a_gpu(cfg, world_size, validate=run.validate):
         with pytest.MonkeyPatch.context() as patch:   # --use-fused-kernels on passes validation
             patch.setattr(torch.cuda, "is_available", lambda: True)
             validate(cfg, world_size)
     monkeypatch.setattr(run, "validate", validate_as_on_a_gpu)
-    monkeypatch.setattr(trainer, "prepare", resolve)
+    monkeypatch.setattr(parallelize, "prepare", resolve)
     monkeypatch.setattr(policy, "load_extension", lambda *a, **k: (_ for _ in ()).throw(
         ExtensionUnavailable("cannot build extension 'megalite_fused': no CUDA toolkit found")))
     assert pretrain_gpt.main(["model=gpt_tiny", "--mock-data", "--train-iters", "1", "--use-fused-kernels", "on",

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from megalite import parallel_state
 from megalite.distributed import data_parallel
 from megalite.training import Trainer
+from megalite.training.hooks import StepHook
 
 from ..data.helpers import write_progressions
 from ..helpers import tiny_config
@@ -71,15 +72,15 @@ def test_fp16_overflow_on_one_rank_skips_the_step_everywhere():
                       training={"fp16": True, "micro_batch_size": 1, "train_iters": 8})
     with layout(1, 1):
         trainer = Trainer.on_registered_layout(cfg, CPU)
-        finish = trainer.engine.finish_grad_sync
         inject_at = {2, 5, 6}   # iterations whose gradients get an inf on DP rank 1's own shard only
 
-        def finish_with_overflow():
-            finish()
-            if trainer.state.iteration + 1 in inject_at and parallel_state.get_data_parallel_rank() == 1:
-                trainer.optimizer.pieces[0].grad[0] = float("inf")
+        class OverflowAfterSync(StepHook):
+            def after_grad_sync(self):
+                if trainer.state.iteration + 1 in inject_at and parallel_state.get_data_parallel_rank() == 1:
+                    trainer.optimizer.pieces[0].grad[0] = float("inf")
+                return {}
 
-        trainer.engine.finish_grad_sync = finish_with_overflow
+        trainer.hooks.insert(0, OverflowAfterSync())
         records, weights = [], []
         for _ in range(cfg.training.train_iters):
             before = trainer.engine.param_buffer.clone()

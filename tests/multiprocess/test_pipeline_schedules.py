@@ -23,11 +23,11 @@ import torch.distributed as dist
 from megalite import parallel_state
 from megalite.model.transformer import TransformerLayer, run_layers
 from megalite.pipeline import SCHEDULES, engine, schedule_bubble
+from megalite.pipeline import pipeline as pipeline_module
 from megalite.planner import Layout, Numerics, activation_bytes
 from megalite.planner.memory import weight_gradient_bytes
 from megalite.tensor_parallel import TensorParallelRNG, WeightGradStore, attach_weight_grad_store
 from megalite.training import Trainer
-from megalite.training import trainer as trainer_module
 from megalite.training.trainer import _gather_over_pipeline
 
 from ..activation_memory import HeldActivations
@@ -110,7 +110,7 @@ def test_zbv_checkpoint_reshards_to_other_schedules(directory):
                               optimizer=dataclasses.replace(cfg.optimizer, adam_eps=1e-5))
     with layout(1, 2):
         trainer = Trainer.on_registered_layout(with_checkpoint(cfg, save=directory, save_interval=2), CPU)
-        assert [chunk.layer_offset for chunk in trainer.model] == [[0, 3], [1, 2]][trainer.pp_rank]
+        assert [chunk.layer_offset for chunk in trainer.model] == [[0, 3], [1, 2]][trainer.pipeline.rank]
         start_up = "TP=1 x PP=2 x DP=2 (V=2, ZB-V, 4 micro-batches per step, global batch 8)"
         assert start_up in trainer.describe()
         uninterrupted = losses(trainer.train())
@@ -160,7 +160,7 @@ def _pace(trainer: Trainer, seconds_per_layer: float) -> None:
 
         def paced(module, inputs, output, seconds=seconds, weight=weight):
             time.sleep(seconds)
-            return _Paced.apply(output, weight, seconds, trainer.weight_grads)
+            return _Paced.apply(output, weight, seconds, trainer.pipeline.weight_grads)
 
         chunk.register_forward_hook(paced)
 
@@ -216,10 +216,10 @@ def test_activation_bytes_per_stage_against_1f1b_and_the_planner():
                 continue
             trainer = Trainer.on_registered_layout(cfg, CPU)
             held = HeldActivations(exclude=list(trainer.model.parameters()))
-            store = trainer.weight_grads
+            store = trainer.pipeline.weight_grads
             probe = functools.partial(engine.run_schedule, after_step=lambda step: held.sample(
                 store.held_tensors() if store is not None else ()))
-            with held.tracking(), mock.patch.object(trainer_module, "run_schedule", probe):
+            with held.tracking(), mock.patch.object(pipeline_module, "run_schedule", probe):
                 records = trainer.train()
             measured[schedule] = [int(p) for p in _gather_over_pipeline(torch.tensor(float(held.peak)))]
         planned[schedule] = [activation_bytes(cfg.model, Layout.from_config(cfg, 2), r, 8, Numerics.cpu(),

@@ -9,6 +9,7 @@ import torch
 
 from megalite.optimizer.optimizer import fused_adamw
 from megalite.training import Trainer
+from megalite.training.hooks import StepHook
 from megalite.training.stopping import TrainingError
 
 from ..helpers import single_layout, tiny_config
@@ -24,13 +25,12 @@ def test_a_nan_gradient_is_reported_skips_the_step_and_stops_training_naming_the
         step = optimizer.step(1e-3)
         assert step["skipped"] and math.isnan(step["grad_norm"])
 
-        finish = trainer.engine.finish_grad_sync
+        class NanAfterSync(StepHook):
+            def after_grad_sync(self):
+                optimizer.pieces[0].grad[0] = float("nan")
+                return {}
 
-        def finish_with_nan():
-            finish()
-            optimizer.pieces[0].grad[0] = float("nan")
-
-        trainer.engine.finish_grad_sync = finish_with_nan
+        trainer.hooks.insert(0, NanAfterSync())
         with pytest.raises(TrainingError, match=r"iteration 1: gradient norm is nan .*rank\(s\) \[0\]"):
             trainer.train_step()
 

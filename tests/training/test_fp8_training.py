@@ -66,9 +66,7 @@ def _linear_gradients(recipe: str | None) -> dict[str, torch.Tensor]:
     """The main gradients of the attention and MLP linears after one global batch, fp32 activations."""
     with single_layout():
         trainer = Trainer.on_registered_layout(_config(recipe, bf16=False, train_iters=1), CPU)
-        trainer.engine.start_iteration(trainer.num_micro_batches)
-        trainer._run_global_batch(trainer.data.train, 0, forward_only=False)
-        trainer.engine.finish_grad_sync()
+        trainer.forward_backward(trainer.data.train, 0)
         return {name: param.main_grad.clone() for name, param in trainer.canonical_named_parameters()
                 if ".linear_" in name}
 

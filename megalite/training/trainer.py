@@ -192,8 +192,7 @@ class Trainer:
         (in pinned memory on a GPU, for an asynchronous copy); run by the prefetch thread for training batches."""
         t = self.cfg.training
         indices = micro_batch_indices(consumed_samples, t.micro_batch_size, num_micro_batches,
-                                      parallel_state.get_data_parallel_rank(),
-                                      parallel_state.get_data_parallel_world_size())
+                                      parallel_state.get_data_parallel_rank(), self.dims.dp)
         stacked = [torch.stack([dataset[i] for i in batch]) for batch in indices]
         return [s.pin_memory() for s in stacked] if self.device.type == "cuda" else stacked
 

@@ -240,7 +240,8 @@ def megatron_layout(args: argparse.Namespace):
                 pipeline_model_parallel_size=args.pipeline_model_parallel_size,
                 virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
                 expert_model_parallel_size=args.expert_model_parallel_size,
-                distributed_timeout_minutes=GROUP_TIMEOUT_MINUTES)
+                distributed_timeout_minutes=GROUP_TIMEOUT_MINUTES,
+                create_gloo_process_groups=False)   # the world is gloo already: its groups would be duplicates
             try:
                 # Megatron's _set_random_seed: one seed per pipeline stage, the same on every TP and DP rank; weights
                 # come from this CPU generator (use_cpu_initialization), whole, then sliced per TP/EP rank.

@@ -12,6 +12,10 @@
   iterations 5 and 6 equal to the uninterrupted run's within 1e-5 relative (dropout off: RNG states only come back at
   the identical layout). A Llama-style model (grouped-query QKV: fused blocks of unequal sizes) reshards TP=2 x PP=2
   -> PP=4 in the 4-rank launch.
+- Megatron-LM reference (4 ranks, with megatron-core installed): Megatron's own models at TP=2 x PP=2 (EP=2 x PP=2
+  for the MoE styles) save in both of Megatron's formats; loading them back at that layout gives the saving models'
+  logits bit for bit, and loading the torch_dist checkpoint at TP=1 x PP=1 (Megatron reshards) gives them within
+  fp32 reordering (tests/checkpoint/megatron_reference.py).
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from megalite.checkpoint.directory import POINTER_NAME
 from megalite.config import ModelConfig, ParallelConfig
 from megalite.training import Trainer
 
-from ..helpers import losses, max_relative_difference, tiny_config, with_checkpoint
+from ..helpers import assert_close_to_scale, losses, max_relative_difference, tiny_config, with_checkpoint
 from .groups import layout, requires_world
 from .equivalence import CPU
 
@@ -196,3 +200,25 @@ def test_async_save_waits_for_every_rank_and_a_damaged_item_stops_every_rank(dir
     messages = [None] * dist.get_world_size()
     dist.all_gather_object(messages, str(error.value))
     assert messages == damaged * dist.get_world_size(), messages
+
+
+@pytest.mark.parametrize("style, tp, pp, ep", [("gpt3", 2, 2, 1), ("llama", 2, 2, 1), ("qwen", 2, 2, 1),
+                                               ("mixtral", 1, 2, 2), ("qwen_moe", 1, 2, 2)])
+def test_megatron_reference_saves_loads_and_reshards(directory, style, tp, pp, ep):
+    pytest.importorskip("megatron.core")
+    from ..checkpoint.megatron_reference import (build_models, loaded_megatron, megatron_args, megatron_layout,
+                                                 megatron_logits, save_megatron)
+
+    tokens = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(0))
+    args = megatron_args(style, tp=tp, pp=pp, ep=ep)
+    with megatron_layout(args):
+        models = build_models(args)
+        expected = megatron_logits(args, models, tokens)
+        for fmt in ("torch_dist", "torch"):
+            save_megatron(megatron_args(style, tp=tp, pp=pp, ep=ep, ckpt_format=fmt), models, f"{directory}/{fmt}")
+    for fmt in ("torch_dist", "torch"):
+        with loaded_megatron(f"{directory}/{fmt}") as (loaded_args, loaded):
+            assert (loaded_args.tensor_model_parallel_size, loaded_args.pipeline_model_parallel_size) == (tp, pp)
+            torch.testing.assert_close(megatron_logits(loaded_args, loaded, tokens), expected, rtol=0, atol=0)
+    with loaded_megatron(f"{directory}/torch_dist", tp=1, pp=1, ep=1) as (loaded_args, loaded):
+        assert_close_to_scale(megatron_logits(loaded_args, loaded, tokens), expected)

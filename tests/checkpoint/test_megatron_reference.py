@@ -56,3 +56,16 @@ def test_a_missing_tensor_fails_the_load(tmp_path):
     with pytest.raises(RuntimeError, match="final_layernorm"):
         with loaded_megatron(tmp_path):
             pass
+
+
+def test_the_layout_leaves_nothing_behind():
+    """megalite's tests share the process: the CUDA stand-ins, Megatron's groups and the 1-rank world are undone."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as mpu
+
+    before = (torch.cuda.current_device, torch.cuda.synchronize, torch.Tensor.cuda, torch.get_rng_state())
+    with megatron_layout(megatron_args("llama")):
+        assert torch.cuda.current_device() == "cpu" and mpu.model_parallel_is_initialized()
+    assert (torch.cuda.current_device, torch.cuda.synchronize, torch.Tensor.cuda) == before[:3]
+    assert torch.equal(torch.get_rng_state(), before[3])
+    assert not mpu.model_parallel_is_initialized() and not dist.is_initialized()

@@ -33,6 +33,7 @@ from megalite.checkpoint.pretrained import single_process_layout
 from megalite.checkpoint.reshard import merge, split
 from megalite.checkpoint.save import save_checkpoint
 from megalite.checkpoint.tokenizer import hf_tokenizer, saved_tokenizer
+from megalite.data.tokenizer import Tokenizer
 from megalite.config import MegaliteConfig, ModelConfig
 from megalite.model import GPTModel
 from megalite.progress import track
@@ -170,20 +171,34 @@ def import_hf(source: str | os.PathLike, save: str | os.PathLike, progress: bool
         # The model pads its embedding past the tokenizer: keep the rows the tokenizer can produce.
         canonical = {name: t[:tokenizer.vocab_size] if name in _VOCABULARY_ROWS else t for name, t in canonical.items()}
         model = dataclasses.replace(model, vocab_size=tokenizer.vocab_size)
-    cfg = MegaliteConfig(model=model)
+    return save_canonical(save, model, canonical, tokenizer, progress)
+
+
+def save_canonical(save: str | os.PathLike, model: ModelConfig, canonical: dict[str, torch.Tensor],
+                   tokenizer: Optional[Tokenizer], progress: bool) -> Path:
+    """A single-process checkpoint at iteration 0 (weights only, fp32) of ``model`` holding the ``canonical``
+    tensors (unpadded; every parameter of the model present) and ``tokenizer``; returns it."""
     with single_process_layout():
         with torch.device("meta"):
             gpt = GPTModel(model)
         parameters = []
         named = list(gpt.canonical_named_parameters())
         for name, param in track(named, "converting the tensors", "tensors", enabled=progress):
-            # Real tensors cut from the HF ones (vocabulary padded as a 1-rank layout pads it) carrying the meta
+            # Real tensors cut from the given ones (vocabulary padded as a 1-rank layout pads it) carrying the meta
             # parameter's sharding description, which is all the saver reads.
             tensor = torch.nn.Parameter(split(canonical[name].float(), param.partition, 0, 1), requires_grad=False)
             tensor.full_shape, tensor.partition = param.full_shape, param.partition
             parameters.append((name, tensor))
-        return save_checkpoint(save, cfg=cfg, iteration=0, consumed_samples=0, parameters=parameters,
-                               tokenizer=tokenizer)
+        return save_checkpoint(save, cfg=MegaliteConfig(model=model), iteration=0, consumed_samples=0,
+                               parameters=parameters, tokenizer=tokenizer)
+
+
+def canonical_shapes(model: ModelConfig) -> dict[str, torch.Size]:
+    """The name and full (unpadded) shape of every canonical tensor of ``model``."""
+    with single_process_layout():
+        with torch.device("meta"):
+            gpt = GPTModel(model)
+        return {name: torch.Size(param.full_shape) for name, param in gpt.canonical_named_parameters()}
 
 
 def inspect(load: str | os.PathLike) -> str:

@@ -96,7 +96,7 @@ def _transformer_config_defaults() -> dict:
     return defaults
 
 
-def megatron_args(style: str, *, tp: int = 1, pp: int = 1, vpp: int | None = None, ep: int = 1,
+def megatron_args(style: str | None, *, tp: int = 1, pp: int = 1, vpp: int | None = None, ep: int = 1,
                   ckpt_format: str = "torch_dist", seed: int = 1234, **overrides) -> argparse.Namespace:
     """The args Namespace Megatron-LM's parse_args (after validate_args and the tokenizer's vocabulary padding)
     would give for a tiny model of ``style`` at this layout; ``overrides`` replace any attribute last."""
@@ -147,7 +147,8 @@ def megatron_args(style: str, *, tp: int = 1, pp: int = 1, vpp: int | None = Non
         seed=seed, data_parallel_random_init=False, iteration=0, consumed_train_samples=0, consumed_valid_samples=0,
         skipped_train_samples=0, num_floating_point_operations_so_far=0,
     )
-    args.update(_style_options(style))
+    if style is not None:   # None: the command line's defaults (a run that takes the model from --load)
+        args.update(_style_options(style))
     args.update(overrides)
     multiple = args["make_vocab_size_divisible_by"] * tp
     args.setdefault("padded_vocab_size", None)
@@ -403,10 +404,64 @@ def checkpoint_args(load_dir) -> argparse.Namespace:
     return torch.load(_rank0_legacy_file(directory), map_location="cpu", weights_only=False)["args"]
 
 
-def _load_args(load_dir, tp, pp, vpp, ep, ckpt_format) -> argparse.Namespace:
-    """The checkpoint's args with the layout replaced where given (use_mp_args_from_checkpoint_args, or the command
-    line's sizes); the padded vocabulary stays the checkpoint's, as Megatron-LM keeps it."""
-    args = argparse.Namespace(**vars(checkpoint_args(load_dir)))
+# What load_args_from_checkpoint takes from the checkpoint's args (name, force), at core_v0.16.1: a forced one
+# replaces the command line's value, the others fill it only where the command line left None.
+USE_CHECKPOINT_ARGS = (
+    ("num_layers", False), ("hidden_size", False), ("ffn_hidden_size", False), ("seq_length", False),
+    ("num_attention_heads", False), ("num_query_groups", True), ("group_query_attention", True),
+    ("kv_channels", False), ("max_position_embeddings", False), ("position_embedding_type", True),
+    ("add_position_embedding", True), ("use_rotary_position_embeddings", True), ("rotary_base", True),
+    ("rotary_percent", True), ("rotary_interleaved", True), ("add_bias_linear", True), ("add_qkv_bias", True),
+    ("squared_relu", True), ("swiglu", True), ("untie_embeddings_and_output_weights", True),
+    ("apply_layernorm_1p", True), ("normalization", True), ("apply_query_key_layer_scaling", True),
+    ("attention_dropout", True), ("hidden_dropout", True), ("num_experts", True), ("moe_layer_freq", True),
+    ("moe_ffn_hidden_size", True), ("moe_router_topk", True), ("moe_token_dispatcher_type", False),
+    ("moe_router_pre_softmax", True), ("moe_grouped_gemm", True), ("moe_shared_expert_intermediate_size", True),
+    ("moe_router_score_function", True), ("moe_router_enable_expert_bias", True),
+    ("moe_router_topk_scaling_factor", True), ("tokenizer_model", True), ("tokenizer_type", True),
+    ("padded_vocab_size", False), ("ckpt_format", False))
+# Megatron flags whose attribute is not the flag's name (a switch's value: the attribute's value when given).
+_FLAG_ATTRIBUTES = {"--norm-epsilon": "layernorm_epsilon", "--apply-layernorm-1p": "layernorm_zero_centered_gamma",
+                    "--disable-bias-linear": ("add_bias_linear", False),
+                    "--no-position-embedding": ("add_position_embedding", False)}
+
+
+def flag_attributes(flags) -> dict:
+    """Megatron command-line words (``["--qk-layernorm", "--norm-epsilon 1e-06"]``) as args attributes."""
+    result = {}
+    for words in flags:
+        flag, *value = words.split()
+        target = _FLAG_ATTRIBUTES.get(flag, flag[2:].replace("-", "_"))
+        if isinstance(target, tuple):
+            result[target[0]] = target[1]
+        elif not value:
+            result[target] = True
+        else:
+            text = value[0]
+            result[target] = int(text) if text.lstrip("-").isdigit() else float(text) if any(
+                c.isdigit() for c in text) else text
+    return result
+
+
+def _load_args(load_dir, tp, pp, vpp, ep, ckpt_format, flags=()) -> argparse.Namespace:
+    """What Megatron-LM's ``--load DIR --use-checkpoint-args`` run has for args: its command line's (the defaults,
+    then ``flags``), with what load_args_from_checkpoint takes from the checkpoint (USE_CHECKPOINT_ARGS), then the
+    layout replaced where given (the command line's sizes; else the checkpoint's, as use_mp_args_from_checkpoint_args
+    takes them)."""
+    stored = checkpoint_args(load_dir)
+    args = megatron_args(None, tp=stored.tensor_model_parallel_size, pp=stored.pipeline_model_parallel_size,
+                         vpp=getattr(stored, "virtual_pipeline_model_parallel_size", None),
+                         ep=getattr(stored, "expert_model_parallel_size", 1))
+    args.padded_vocab_size = None   # computed from the tokenizer after parsing, unless the checkpoint gives it
+    for key, value in flag_attributes(flags).items():
+        setattr(args, key, value)
+    for name, force in USE_CHECKPOINT_ARGS:
+        value = getattr(stored, name, None)
+        if value is not None and (force or getattr(args, name, None) is None):
+            setattr(args, name, value)
+    if args.num_experts is None:
+        args.moe_ffn_hidden_size = None
+    args.iteration = stored.iteration
     for name, value in dict(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                             virtual_pipeline_model_parallel_size=vpp, expert_model_parallel_size=ep).items():
         if value is not None:
@@ -424,11 +479,11 @@ def _load_args(load_dir, tp, pp, vpp, ep, ckpt_format) -> argparse.Namespace:
     return args
 
 
-def load_megatron(load_dir, *, tp=None, pp=None, vpp=None, ep=None, ckpt_format=None):
+def load_megatron(load_dir, *, tp=None, pp=None, vpp=None, ep=None, ckpt_format=None, flags=()):
     """``--load DIR --use-checkpoint-args``: (args, models), the checkpoint's args with the layout replaced where
     given and this rank's models built from them (unperturbed) and loaded strictly. Called inside
     ``megatron_layout`` of that layout (ValueError otherwise); see ``loaded_megatron`` for both at once."""
-    args = _load_args(load_dir, tp, pp, vpp, ep, ckpt_format)
+    args = _load_args(load_dir, tp, pp, vpp, ep, ckpt_format, flags)
     _check_layout_matches(args)
     models = build_models(args, perturb=False)
     args.iteration = _load_weights(args, models, Path(load_dir))
@@ -436,10 +491,11 @@ def load_megatron(load_dir, *, tp=None, pp=None, vpp=None, ep=None, ckpt_format=
 
 
 @contextlib.contextmanager
-def loaded_megatron(load_dir, *, tp=None, pp=None, vpp=None, ep=None, ckpt_format=None):
-    """``load_megatron`` inside a ``megatron_layout`` of the layout it loads at; yields (args, models)."""
-    with megatron_layout(_load_args(load_dir, tp, pp, vpp, ep, ckpt_format)):
-        yield load_megatron(load_dir, tp=tp, pp=pp, vpp=vpp, ep=ep, ckpt_format=ckpt_format)
+def loaded_megatron(load_dir, *, tp=None, pp=None, vpp=None, ep=None, ckpt_format=None, flags=()):
+    """``load_megatron`` inside a ``megatron_layout`` of the layout it loads at; yields (args, models). ``flags``:
+    the Megatron command line's model flags beside --use-checkpoint-args (e.g. what an export says it needs)."""
+    with megatron_layout(_load_args(load_dir, tp, pp, vpp, ep, ckpt_format, flags)):
+        yield load_megatron(load_dir, tp=tp, pp=pp, vpp=vpp, ep=ep, ckpt_format=ckpt_format, flags=flags)
 
 
 def _check_layout_matches(args) -> None:

@@ -1,8 +1,11 @@
-"""Convert megalite checkpoints to and from Hugging Face GPT-2, Llama, Mistral and Qwen2, and inspect them.
+"""Convert megalite checkpoints to and from Hugging Face models and Megatron-LM checkpoints, and inspect them.
 
     python tools/convert_checkpoint.py export-hf --load CKPT_DIR --output HF_DIR     # config.json + model.safetensors
     python tools/convert_checkpoint.py import-hf --input HF_DIR --save CKPT_DIR      # then pretrain_gpt.py --load
-    python tools/convert_checkpoint.py inspect --load CKPT_DIR
+    python tools/convert_checkpoint.py import-megatron --input SAVE_DIR --save CKPT_DIR   # torch_dist or legacy
+    python tools/convert_checkpoint.py export-megatron --load CKPT_DIR --output SAVE_DIR [--ckpt-format torch]
+        [--tensor-model-parallel-size N --pipeline-model-parallel-size M]    # Megatron-LM --load SAVE_DIR
+    python tools/convert_checkpoint.py inspect --load CKPT_DIR     # a megalite or a Megatron-LM checkpoint
     python tools/convert_checkpoint.py verify --load CKPT_DIR      # every stored byte against the save's digests
 
 CKPT_DIR is a checkpoint directory or a --save directory (its latest checkpoint), saved at any layout. The exported
@@ -16,7 +19,9 @@ CKPT_DIR`` takes it at any layout, given the model options of its config (``insp
 its tokenizer when given --data-path without tokenizer options. Needs ``safetensors``, ``tokenizers`` for a
 tokenizer, and ``transformers`` to export a Llama-family model. verify checks that a checkpoint is complete and that
 the manifest, DCP's index, every tensor and the tokenizer's files match the digests recorded at save (no model is
-built); it exits 2 naming the first file and item that differ.
+built); it exits 2 naming the first file and item that differ. import-megatron and export-megatron: see
+megalite/checkpoint/megatron_lm (and the README's "Coming from Megatron-LM"): the export prints the Megatron
+command-line words its --use-checkpoint-args does not take from a checkpoint.
 """
 
 from __future__ import annotations
@@ -33,6 +38,8 @@ import torch  # noqa: E402
 from megalite.checkpoint import verify_checkpoint  # noqa: E402
 from megalite.checkpoint.convert import HF_ARCHITECTURES, export_hf, import_hf, inspect  # noqa: E402
 from megalite.checkpoint.contents import open_checkpoint  # noqa: E402
+from megalite.checkpoint.megatron_lm import (export_megatron, import_megatron, inspect_megatron,  # noqa: E402
+                                             is_megatron_checkpoint)
 from megalite.config import ConfigError  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -56,8 +63,29 @@ def parse(argv: list[str]) -> argparse.Namespace:
                           help="config.json + model.safetensors, and tokenizer.json (or vocab.json + merges.txt).")
     imported.add_argument("--save", required=True, metavar="CKPT_DIR", help="Save directory of the checkpoint.")
     imported.add_argument("--quiet", action="store_true", help="No progress bar.")
-    inspect = commands.add_parser("inspect", help="Print iteration, layout, config and tensor shapes.")
-    inspect.add_argument("--load", required=True, metavar="CKPT_DIR", help="The megalite checkpoint.")
+    megatron_in = commands.add_parser("import-megatron", help="Read a Megatron-LM checkpoint (torch_dist or legacy "
+                                                              "torch format, any layout) into a checkpoint.")
+    megatron_in.add_argument("--input", required=True, metavar="SAVE_DIR",
+                             help="Megatron's --save directory (its latest checkpoint) or one iter_* directory.")
+    megatron_in.add_argument("--iteration", type=int, help="The iteration to read from SAVE_DIR (default: latest).")
+    megatron_in.add_argument("--save", required=True, metavar="CKPT_DIR", help="Save directory of the checkpoint.")
+    megatron_in.add_argument("--quiet", action="store_true", help="No progress bar.")
+    megatron_out = commands.add_parser("export-megatron", help="Write a Megatron-LM --save directory that Megatron "
+                                                               "loads with --use-checkpoint-args.")
+    megatron_out.add_argument("--load", required=True, metavar="CKPT_DIR", help="The megalite checkpoint.")
+    megatron_out.add_argument("--output", required=True, metavar="SAVE_DIR", help="Directory to write.")
+    megatron_out.add_argument("--ckpt-format", choices=("torch_dist", "torch"), default="torch_dist",
+                              help="Megatron's format: torch_dist (its default; loads at any layout) or the legacy "
+                                   "torch format (loads at the layout written).")
+    megatron_out.add_argument("--tensor-model-parallel-size", type=int, default=1, metavar="N")
+    megatron_out.add_argument("--pipeline-model-parallel-size", type=int, default=1, metavar="M")
+    megatron_out.add_argument("--num-virtual-stages-per-pipeline-rank", type=int, metavar="V")
+    megatron_out.add_argument("--expert-model-parallel-size", type=int, default=1, metavar="E")
+    megatron_out.add_argument("--dtype", choices=sorted(DTYPES), help="Weights' dtype (default: the checkpoint's).")
+    megatron_out.add_argument("--quiet", action="store_true", help="No progress bar.")
+    inspect = commands.add_parser("inspect", help="Print iteration, layout, config and tensor shapes (of a Megatron-LM "
+                                                  "checkpoint: its format, stored args and whole tensors).")
+    inspect.add_argument("--load", required=True, metavar="CKPT_DIR", help="The megalite or Megatron-LM checkpoint.")
     verify = commands.add_parser("verify", help="Check that every stored byte matches the digests of the save.")
     verify.add_argument("--load", required=True, metavar="CKPT_DIR", help="The megalite checkpoint.")
     verify.add_argument("--quiet", action="store_true", help="No progress bar.")
@@ -79,8 +107,25 @@ def main(argv: list[str]) -> int:
             tokenizer = open_checkpoint(path).manifest.tokenizer
             print(f"wrote {path} (" + (f"tokenizer {tokenizer['type']}, {tokenizer['vocab_size']} ids" if tokenizer
                                        else "no tokenizer") + ")")
+        elif args.command == "import-megatron":
+            imported = import_megatron(args.input, args.save, args.iteration, progress=not args.quiet)
+            tokenizer = imported.tokenizer
+            print(f"wrote {imported.path} from {imported.source} ({imported.format} format, Megatron iteration "
+                  f"{imported.iteration}; " + (f"tokenizer {type(tokenizer).__name__}, {tokenizer.vocab_size} ids"
+                                               if tokenizer else "no tokenizer") + ")")
+            for note in imported.notes:
+                print(f"note: {note}")
+        elif args.command == "export-megatron":
+            directory, flags = export_megatron(
+                args.load, args.output, args.ckpt_format, args.tensor_model_parallel_size,
+                args.pipeline_model_parallel_size, args.num_virtual_stages_per_pipeline_rank,
+                args.expert_model_parallel_size, DTYPES.get(args.dtype), progress=not args.quiet)
+            print(f"wrote {directory} ({args.ckpt_format} format); Megatron-LM loads it with: --load {args.output} "
+                  f"--use-checkpoint-args --no-load-optim --no-load-rng" + "".join(f" {f}" for f in flags))
         elif args.command == "verify":
             print(verify_checkpoint(args.load, progress=not args.quiet))
+        elif is_megatron_checkpoint(args.load):
+            print(inspect_megatron(args.load))
         else:
             print(inspect(args.load))
     except ConfigError as error:

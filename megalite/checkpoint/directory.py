@@ -13,6 +13,7 @@ a crash at any moment, kill -9 included, leaves the pointer naming the previous 
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -35,11 +36,39 @@ def temporary_dir(final: Path) -> Path:
     return final.with_name(final.name + TEMPORARY_SUFFIX)
 
 
+# What marks an iteration directory of Megatron-LM (same pointer file, other contents): its torch_dist format's
+# common state and format file, or its legacy format's per-rank directories.
+MEGATRON_COMMON, MEGATRON_FORMAT_FILE = "common.pt", "metadata.json"
+MEGATRON_RANK_DIR = re.compile(r"mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?")
+
+
+def megatron_format(directory: Path) -> Optional[str]:
+    """"torch_dist" (or the other backend its format file names) or "torch" (legacy) for an iteration directory of
+    Megatron-LM; None for anything else (megalite's own have a manifest)."""
+    if (directory / MANIFEST_NAME).exists() or not directory.is_dir():
+        return None
+    if (directory / MEGATRON_COMMON).is_file() and (directory / MEGATRON_FORMAT_FILE).is_file():
+        try:
+            return json.loads((directory / MEGATRON_FORMAT_FILE).read_text()).get("sharded_backend") or "unknown"
+        except (OSError, ValueError):
+            return "unknown"
+    return "torch" if any(MEGATRON_RANK_DIR.fullmatch(p.name) for p in directory.iterdir()) else None
+
+
+def _refuse_megatron(load: str | os.PathLike, directory: Path) -> None:
+    kind = megatron_format(directory)
+    if kind is not None:
+        raise CheckpointError(f"--load {load}: a Megatron-LM checkpoint ({kind} format); import it first: python "
+                              f"tools/convert_checkpoint.py import-megatron --input {load} --save DIR, then --load DIR")
+
+
 def find_checkpoint(load: str | os.PathLike, allow_none: bool = False) -> Optional[Path]:
     """The checkpoint directory ``--load`` means: the one the pointer file names, or ``load`` itself if it is a
     checkpoint directory. Returns None when there is no checkpoint at all and ``allow_none`` (a run whose --load is
-    its own --save, started for the first time); raises a one-line CheckpointError otherwise."""
+    its own --save, started for the first time); raises a one-line CheckpointError otherwise (naming the command
+    that imports a Megatron-LM checkpoint when it is one)."""
     root = Path(load)
+    _refuse_megatron(load, root)
     if (root / MANIFEST_NAME).exists() or (root / ".metadata").exists():
         return root   # a checkpoint directory itself (completeness is checked by the caller)
     pointer = root / POINTER_NAME
@@ -47,10 +76,12 @@ def find_checkpoint(load: str | os.PathLike, allow_none: bool = False) -> Option
         try:
             iteration = int(pointer.read_text().strip())
         except (OSError, ValueError):
+            _refuse_megatron(load, root / "release")   # Megatron's pointer may say "release"
             raise CheckpointError(f"{pointer}: unreadable (expected an iteration number)") from None
         directory = iteration_dir(root, iteration)
         if not directory.is_dir():
             raise CheckpointError(f"{directory}: missing (named by {pointer})")
+        _refuse_megatron(load, directory)
         return directory
     if allow_none and not _complete_iterations(root):
         return None

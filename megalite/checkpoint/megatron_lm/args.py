@@ -35,8 +35,8 @@ NEGATED = {"disable_bias_linear": "add_bias_linear", "no_position_embedding": "a
 # Model options megalite has and Megatron does not (Megatron fixes them at these values in its rope scaling).
 MEGALITE_ONLY = ("rope_scaling_low_freq_factor", "rope_scaling_high_freq_factor",
                  "rope_scaling_original_max_position_embeddings")
-# Options read besides the model-defining ones: the sample length a resumed run keeps.
-CARRIED = ("seq_length",)
+# Options read besides the model-defining ones: the sample length and vocabulary padding a resumed run keeps.
+CARRIED = ("seq_length", "make_vocab_size_divisible_by")
 
 # Megatron attribute -> (the values megalite computes the same, the flag that sets it): anything else is refused.
 UNSUPPORTED = {

@@ -31,15 +31,14 @@ from typing import Any, Iterable, Optional
 
 import torch
 
+from megalite.checkpoint.directory import (MEGATRON_COMMON as COMMON, MEGATRON_FORMAT_FILE as DIST_METADATA,
+                                           MEGATRON_RANK_DIR as _RANK_DIRECTORY, POINTER_NAME, megatron_format)
 from megalite.checkpoint.errors import CheckpointError
 from megalite.checkpoint.megatron_lm.tensors import EXPERT, LAYER, join, local_name, split_dim, cut
 
-TRACKER = "latest_checkpointed_iteration.txt"
-COMMON = "common.pt"
-DIST_METADATA = "metadata.json"
+TRACKER = POINTER_NAME   # Megatron's name, which megalite's own directories use too
 LEGACY_FILE = "model_optim_rng.pt"
 CHECKPOINT_VERSION = 3.0
-_RANK_DIRECTORY = re.compile(r"mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?")
 # The torch_dist keys (inside ``decoder.layers.``) of the local spec's names that differ.
 _DIST_NORMS = (("input_layernorm.", "self_attention.linear_qkv.layer_norm_"),
                ("pre_mlp_layernorm.", "mlp.linear_fc1.layer_norm_"))
@@ -140,19 +139,10 @@ def _iteration_directory(path: Path, iteration: Optional[int]) -> Path:
     return path / ("release" if text == "release" else f"iter_{int(text):07d}")
 
 
-def _format(directory: Path) -> Optional[str]:
-    """"torch_dist", "torch" (legacy) or None (not a Megatron checkpoint: megalite's own has a manifest)."""
-    if (directory / DIST_METADATA).is_file() and (directory / COMMON).is_file():
-        return "torch_dist"
-    if directory.is_dir() and any(_RANK_DIRECTORY.fullmatch(p.name) for p in directory.iterdir()):
-        return "torch"
-    return None
-
-
 def is_megatron_checkpoint(path: str | Path) -> bool:
     """Whether ``path`` is a Megatron-LM --save directory or one of its iteration directories."""
     try:
-        return Path(path).is_dir() and _format(_iteration_directory(Path(path), None)) is not None
+        return Path(path).is_dir() and megatron_format(_iteration_directory(Path(path), None)) is not None
     except (CheckpointError, OSError):
         return False
 
@@ -165,14 +155,13 @@ def open_megatron(path: str | Path, iteration: Optional[int] = None) -> Megatron
     directory = _iteration_directory(path, iteration)
     if not directory.is_dir():
         raise CheckpointError(f"{directory}: no such directory (the save is incomplete or the iteration wrong)")
-    kind = _format(directory)
+    kind = megatron_format(directory)
     if kind is None:
-        if (directory / DIST_METADATA).is_file():
-            backend = json.loads((directory / DIST_METADATA).read_text()).get("sharded_backend")
-            raise CheckpointError(f"{directory}: Megatron's {backend!r} checkpoint format: megalite reads torch_dist "
-                                  f"and the legacy torch format")
-        raise CheckpointError(f"{directory}: not a Megatron-LM checkpoint (no {TRACKER}, {COMMON} or mp_rank_* "
-                              f"directories)")
+        raise CheckpointError(f"{directory}: not a Megatron-LM checkpoint (no {COMMON} and {DIST_METADATA}, no "
+                              f"mp_rank_* directories)")
+    if kind not in ("torch_dist", "torch"):
+        raise CheckpointError(f"{directory}: Megatron's {kind!r} checkpoint format: megalite reads torch_dist and the "
+                              f"legacy torch format")
     return MegatronCheckpoint(directory, kind)
 
 
@@ -236,17 +225,20 @@ def read_legacy(checkpoint: MegatronCheckpoint, args: argparse.Namespace, gated:
     return whole
 
 
-def _whole_name(key: str, layer: int, expert: Optional[int] = None) -> str:
-    suffix = key[len("decoder.layers."):]
-    if expert is not None:
-        suffix = f"mlp.experts.local_experts.{expert}.{suffix[len(_DIST_EXPERTS):]}"
-    return local_name(f"decoder.layers.{layer}.{suffix}")
+def _layer_tensors(key: str, tensor: torch.Tensor, chunks) -> tuple[str, dict[int, torch.Tensor]]:
+    """(the name inside a layer, {layer: its tensor}) of a torch_dist key under ``decoder.layers``: a key of one layer
+    (``decoder.layers.3.x``: Megatron's non-homogeneous layers) or one stacked over the layers, of which the layers
+    some chunk covers (a dense layer has no place in an expert key)."""
+    per_layer = LAYER.fullmatch(key)
+    if per_layer:
+        return per_layer[2], {int(per_layer[1]): tensor}
+    covered = {c.offsets[0] + i for c in chunks for i in range(c.sizes[0])}
+    return key[len("decoder.layers."):], {layer: tensor[layer] for layer in sorted(covered)}
 
 
 def read_dist(checkpoint: MegatronCheckpoint) -> dict[str, torch.Tensor]:
     """Megatron's whole state dict from a torch_dist directory: every stored tensor read whole, then the stacked
-    layer (and expert) axes taken apart; a layer with no stored chunk (a dense layer's place in an expert key) is
-    left out."""
+    layer (and expert) axes taken apart."""
     import torch.distributed.checkpoint as dcp  # noqa: PLC0415
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata  # noqa: PLC0415
 
@@ -263,13 +255,14 @@ def read_dist(checkpoint: MegatronCheckpoint) -> dict[str, torch.Tensor]:
         if not key.startswith("decoder.layers."):
             whole[key] = tensor
             continue
-        covered = {c.offsets[0] + i for c in tensors[key].chunks for i in range(c.sizes[0])}
-        for layer in sorted(covered):
-            if key.startswith("decoder.layers." + _DIST_EXPERTS):
-                for e in range(tensor.shape[1]):
-                    whole[_whole_name(key, layer, e)] = tensor[layer, e].clone()
+        suffix, layers = _layer_tensors(key, tensor, tensors[key].chunks)
+        for layer, value in layers.items():
+            if suffix.startswith(_DIST_EXPERTS):
+                for e in range(value.shape[0]):
+                    name = f"decoder.layers.{layer}.mlp.experts.local_experts.{e}.{suffix[len(_DIST_EXPERTS):]}"
+                    whole[local_name(name)] = value[e].clone()
             else:
-                whole[_whole_name(key, layer)] = tensor[layer].clone()
+                whole[local_name(f"decoder.layers.{layer}.{suffix}")] = value.clone()
     return whole
 
 
@@ -280,52 +273,66 @@ def _common(args: argparse.Namespace) -> dict:
             "num_floating_point_operations_so_far": 0}
 
 
-def _dist_key(name: str) -> tuple[str, tuple[int, ...]]:
-    """The torch_dist key of a whole-state-dict name and its index on the stacked axes (layer, expert)."""
+def non_homogeneous(args: argparse.Namespace) -> bool:
+    """Whether Megatron keys this model's torch_dist tensors per layer (``decoder.layers.3.x``) rather than stacked
+    over the layers: when dense and MoE layers alternate, by --moe-layer-freq (a pattern, or one MoE layer in k>1)."""
+    frequency = getattr(args, "moe_layer_freq", 1)
+    return bool(getattr(args, "num_experts", None)) and (isinstance(frequency, list) or frequency > 1)
+
+
+def _dist_key(name: str, per_layer: bool) -> tuple[str, tuple[int, ...]]:
+    """The torch_dist key of a whole-state-dict name and its index on the key's stacked axes ((layer,) or
+    (layer, expert) when stacked over the layers; (expert,) or () when keyed per layer)."""
     layer = LAYER.fullmatch(name)
     if layer is None:
         return name, ()
+    prefix, stacked = ("decoder.layers.", (int(layer[1]),)) if not per_layer else (f"decoder.layers.{layer[1]}.", ())
     suffix = layer[2]
     expert = _LOCAL_EXPERTS.fullmatch(suffix)
     if expert:
-        return f"decoder.layers.{_DIST_EXPERTS}{expert[2]}", (int(layer[1]), int(expert[1]))
+        return f"{prefix}{_DIST_EXPERTS}{expert[2]}", (*stacked, int(expert[1]))
     for local, dist in _DIST_NORMS:
         if suffix.startswith(local):
             suffix = dist + suffix[len(local):]
-    return f"decoder.layers.{suffix}", (int(layer[1]),)
+    return prefix + suffix, stacked
 
 
 def write_dist(directory: Path, whole: dict[str, torch.Tensor], args: argparse.Namespace) -> None:
-    """A torch_dist directory holding ``whole`` (layers and experts stacked as Megatron stores them)."""
+    """A torch_dist directory holding ``whole`` as Megatron keys it (see :func:`non_homogeneous`), each linear's
+    empty extra state beside it."""
     import torch.distributed.checkpoint as dcp  # noqa: PLC0415
 
+    per_layer = non_homogeneous(args)
     tied = not args.untie_embeddings_and_output_weights
     stacked: dict[str, dict[tuple[int, ...], torch.Tensor]] = {}
     state: dict[str, Any] = {}
+
+    def axes(key: str) -> list[int]:   # the sizes of a key's stacked axes
+        return ([] if per_layer else [args.num_layers]) + ([args.num_experts] if _DIST_EXPERTS in key else [])
+
     for name, tensor in whole.items():
         if tied and name == "output_layer.weight":
             continue   # Megatron's torch_dist stores the tied weight once, as the embedding
-        key, index = _dist_key(name)
+        key, index = _dist_key(name, per_layer)
         stacked.setdefault(key, {})[index] = tensor
     for key, pieces in stacked.items():
         if () in pieces:
             state[key] = pieces[()]
             continue
-        shape = [args.num_layers] + ([args.num_experts] if len(next(iter(pieces))) == 2 else [])
         first = next(iter(pieces.values()))
-        full = first.new_zeros(*shape, *first.shape)
+        full = first.new_zeros(*axes(key), *first.shape)
         for index, tensor in pieces.items():
             full[index] = tensor
         state[key] = full
     for name in whole:
         linear = _LINEAR.fullmatch(name)
         if linear and LAYER.fullmatch(name):
-            key, index = _dist_key(linear[1] + ".weight")
-            module = key[:-len(".weight")]
-            shape = [args.num_layers] + ([args.num_experts] if len(index) == 2 else [])
+            key, index = _dist_key(linear[1] + ".weight", per_layer)
+            index, shape = (index, axes(key)) if index else ((0,), [1])
             # A module's extra state without Transformer Engine is None; dist_checkpointing stores an object as the
-            # pickled list of its value.
-            state[f"{module}._extra_state/shard_{'.'.join(map(str, index))}_{'.'.join(map(str, shape))}"] = [None]
+            # pickled list of its value, under its offsets and sizes on the stacked axes.
+            state[f"{key[:-len('.weight')]}._extra_state/shard_{'.'.join(map(str, index))}_"
+                  f"{'.'.join(map(str, shape))}"] = [None]
     directory.mkdir(parents=True, exist_ok=True)
     # Unflattened, as Megatron saves (its loader maps every stored key back itself; DCP's flattening records a
     # mapping that makes it hand an object back bare instead of in the list Megatron expects).

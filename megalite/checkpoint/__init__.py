@@ -1,5 +1,6 @@
 """Checkpoints: each rank saves its own shards through torch.distributed.checkpoint, atomically; loading reshards to
-any layout; conversion to and from Hugging Face GPT-2, Llama, Mistral and Qwen2 (tokenizers included);
+any layout; conversion to and from Hugging Face GPT-2, Llama, Mistral and Qwen2 (tokenizers included) and
+Megatron-LM's torch_dist and legacy checkpoints (``megatron_lm``);
 ``load_pretrained`` for single-process use.
 
 ``start_save`` / ``load_checkpoint`` are what the trainer calls; ``use_checkpoint_args`` and ``check_checkpoint`` what

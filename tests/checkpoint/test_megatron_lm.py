@@ -219,3 +219,21 @@ def test_an_export_carries_the_tokenizer_and_says_the_flags_megatron_needs(hf_to
         export_megatron(tmp_path / "ckpt", tmp_path / "out", progress=False)
     with pytest.raises(CheckpointError, match="cannot split 4 heads over TP 3"):
         export_megatron(tmp_path / "ckpt", tmp_path / "out3", tp=3, progress=False)
+
+
+def test_the_tool_imports_exports_and_inspects(megatron_saves, tmp_path, capsys):
+    from .test_tools import _tool
+
+    convert = _tool("convert_checkpoint").main
+    save = megatron_saves["llama"][1]["torch"]
+    assert convert(["import-megatron", "--input", str(save), "--save", str(tmp_path / "in"), "--quiet"]) == 0
+    assert f"torch format, Megatron iteration {ITERATION}; no tokenizer" in capsys.readouterr().out
+    assert convert(["export-megatron", "--load", str(tmp_path / "in"), "--output", str(tmp_path / "out"),
+                    "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--quiet"]) == 0
+    assert (f"Megatron-LM loads it with: --load {tmp_path / 'out'} --use-checkpoint-args --no-load-optim --no-load-rng "
+            f"--vocab-size 100") in capsys.readouterr().out
+    assert convert(["inspect", "--load", str(tmp_path / "out")]) == 0
+    assert "tensor_model_parallel_size=2" in capsys.readouterr().out
+    assert convert(["import-megatron", "--input", str(tmp_path / "in"), "--save", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("convert_checkpoint: error:") and "not a Megatron-LM checkpoint" in err and "\n" not in err

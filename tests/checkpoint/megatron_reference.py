@@ -50,6 +50,9 @@ import torch.nn.functional as F
 TINY = dict(num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=16, vocab_size=100,
             make_vocab_size_divisible_by=8)
 STYLES = ("gpt3", "llama", "qwen", "mixtral", "qwen_moe")
+# The model flags a Megatron-LM run loading a style's checkpoint must give beside --use-checkpoint-args (options
+# load_args_from_checkpoint does not take from a checkpoint; megalite's export names them likewise).
+LOAD_FLAGS = {"qwen_moe": ("--moe-shared-expert-gate",)}
 ITERATION = 10
 CHECKPOINT_VERSION = 3.0
 # Collectives of Megatron's groups give up after this (a rank stranded by a failed peer raises instead of hanging).
@@ -234,8 +237,17 @@ def megatron_layout(args: argparse.Namespace):
     if own_world:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
     rng = torch.get_rng_state()
+    created = []
+    new_group = dist.new_group
+
+    def recorded_new_group(*args, **kwargs):   # Megatron's groups, destroyed on exit: gloo keeps threads per group
+        group = new_group(*args, **kwargs)
+        created.append(group)
+        return group
+
     try:
         with _cpu_stand_ins():
+            dist.new_group = recorded_new_group
             mpu.initialize_model_parallel(
                 tensor_model_parallel_size=args.tensor_model_parallel_size,
                 pipeline_model_parallel_size=args.pipeline_model_parallel_size,
@@ -251,6 +263,10 @@ def megatron_layout(args: argparse.Namespace):
             finally:
                 mpu.destroy_model_parallel()
     finally:
+        dist.new_group = new_group
+        for group in created:
+            if group is not None and group != dist.GroupMember.NON_GROUP_MEMBER:
+                dist.destroy_process_group(group)
         torch.set_rng_state(rng)
         if own_world:
             dist.destroy_process_group()

@@ -9,7 +9,7 @@ import torch
 
 pytest.importorskip("megatron.core")
 
-from .megatron_reference import (STYLES, build_models, loaded_megatron, megatron_args, megatron_layout,  # noqa: E402
+from .megatron_reference import (LOAD_FLAGS, STYLES, build_models, loaded_megatron, megatron_args, megatron_layout,  # noqa: E402
                                  megatron_logits, save_megatron)
 
 TOKENS = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(0))
@@ -25,7 +25,7 @@ def test_save_and_load_both_formats_give_the_same_logits(style, tmp_path):
             save_megatron(megatron_args(style, ckpt_format=fmt), models, tmp_path / fmt)
     assert expected.shape == (2, 16, args.padded_vocab_size) and expected.dtype == torch.float32
     for fmt in ("torch_dist", "torch"):
-        with loaded_megatron(tmp_path / fmt) as (loaded_args, loaded):
+        with loaded_megatron(tmp_path / fmt, flags=LOAD_FLAGS.get(style, ())) as (loaded_args, loaded):
             assert loaded_args.ckpt_format == fmt and loaded_args.iteration == 10
             torch.testing.assert_close(megatron_logits(loaded_args, loaded, TOKENS), expected, rtol=0, atol=0)
 

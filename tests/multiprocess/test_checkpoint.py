@@ -206,8 +206,8 @@ def test_async_save_waits_for_every_rank_and_a_damaged_item_stops_every_rank(dir
                                                ("mixtral", 1, 2, 2), ("qwen_moe", 1, 2, 2)])
 def test_megatron_reference_saves_loads_and_reshards(directory, style, tp, pp, ep):
     pytest.importorskip("megatron.core")
-    from ..checkpoint.megatron_reference import (build_models, loaded_megatron, megatron_args, megatron_layout,
-                                                 megatron_logits, save_megatron)
+    from ..checkpoint.megatron_reference import (LOAD_FLAGS, build_models, loaded_megatron, megatron_args,
+                                                 megatron_layout, megatron_logits, save_megatron)
 
     tokens = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(0))
     args = megatron_args(style, tp=tp, pp=pp, ep=ep)
@@ -217,8 +217,9 @@ def test_megatron_reference_saves_loads_and_reshards(directory, style, tp, pp, e
         for fmt in ("torch_dist", "torch"):
             save_megatron(megatron_args(style, tp=tp, pp=pp, ep=ep, ckpt_format=fmt), models, f"{directory}/{fmt}")
     for fmt in ("torch_dist", "torch"):
-        with loaded_megatron(f"{directory}/{fmt}") as (loaded_args, loaded):
+        with loaded_megatron(f"{directory}/{fmt}", flags=LOAD_FLAGS.get(style, ())) as (loaded_args, loaded):
             assert (loaded_args.tensor_model_parallel_size, loaded_args.pipeline_model_parallel_size) == (tp, pp)
             torch.testing.assert_close(megatron_logits(loaded_args, loaded, tokens), expected, rtol=0, atol=0)
-    with loaded_megatron(f"{directory}/torch_dist", tp=1, pp=1, ep=1) as (loaded_args, loaded):
+    with loaded_megatron(f"{directory}/torch_dist", tp=1, pp=1, ep=1, flags=LOAD_FLAGS.get(style, ())) as (
+            loaded_args, loaded):
         assert_close_to_scale(megatron_logits(loaded_args, loaded, tokens), expected)

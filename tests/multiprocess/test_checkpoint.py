@@ -12,10 +12,14 @@
   iterations 5 and 6 equal to the uninterrupted run's within 1e-5 relative (dropout off: RNG states only come back at
   the identical layout). A Llama-style model (grouped-query QKV: fused blocks of unequal sizes) reshards TP=2 x PP=2
   -> PP=4 in the 4-rank launch.
-- Megatron-LM reference (4 ranks, with megatron-core installed): Megatron's own models at TP=2 x PP=2 (EP=2 x PP=2
-  for the MoE styles) save in both of Megatron's formats; loading them back at that layout gives the saving models'
-  logits bit for bit, and loading the torch_dist checkpoint at TP=1 x PP=1 (Megatron reshards) gives them within
-  fp32 reordering (tests/checkpoint/megatron_reference.py).
+- Megatron-LM (4 ranks, with megatron-core installed; tests/checkpoint/megatron_reference.py): Megatron's own models
+  at TP=2 x PP=2 (EP=2 x PP=2 for the MoE styles; Llama also at PP=2 with 2 virtual stages) save in both of
+  Megatron's formats; loading them back at that layout gives the saving models' logits bit for bit, and loading the
+  torch_dist checkpoint at TP=1 x PP=1 (Megatron reshards) gives them within fp32 reordering. megalite imports each
+  (one process) to Megatron's logits within 1e-5 of their scale (seen: 3.2e-7 at most), and its exports at the same
+  layout, in both formats, load in Megatron (with the flags the export names) to the original's logits (seen: bit
+  for bit). A megalite run resumed from the import of Megatron's GPT-3 and Llama saves trains at TP=2 x PP=2 with
+  the single-process run's losses within 1e-5 relative.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -36,7 +41,7 @@ from megalite.training import Trainer
 
 from ..helpers import assert_close_to_scale, losses, max_relative_difference, tiny_config, with_checkpoint
 from .groups import layout, requires_world
-from .equivalence import CPU
+from .equivalence import CPU, full_parameters
 
 EXACT = 1e-7
 RESHARD = 1e-5
@@ -202,24 +207,134 @@ def test_async_save_waits_for_every_rank_and_a_damaged_item_stops_every_rank(dir
     assert messages == damaged * dist.get_world_size(), messages
 
 
-@pytest.mark.parametrize("style, tp, pp, ep", [("gpt3", 2, 2, 1), ("llama", 2, 2, 1), ("qwen", 2, 2, 1),
-                                               ("mixtral", 1, 2, 2), ("qwen_moe", 1, 2, 2)])
-def test_megatron_reference_saves_loads_and_reshards(directory, style, tp, pp, ep):
-    pytest.importorskip("megatron.core")
-    from ..checkpoint.megatron_reference import (LOAD_FLAGS, build_models, loaded_megatron, megatron_args,
-                                                 megatron_layout, megatron_logits, save_megatron)
+# Megatron-written layouts of the five styles (tests/checkpoint/megatron_reference.py): TP=2 x PP=2 for the dense ones,
+# EP=2 x PP=2 for the mixtures of experts, and Llama with two virtual stages per pipeline rank (one layer a chunk).
+MEGATRON_LAYOUTS = [("gpt3", 2, 2, None, 1), ("llama", 2, 2, None, 1), ("qwen", 2, 2, None, 1),
+                    ("mixtral", 1, 2, None, 2), ("qwen_moe", 1, 2, None, 2), ("llama", 2, 2, 2, 1)]
+MEGATRON_FORMATS = ("torch_dist", "torch")
+MEGATRON_TOKENS = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(0))
 
-    tokens = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(0))
-    args = megatron_args(style, tp=tp, pp=pp, ep=ep)
+
+def relative_to_scale(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """max |actual - expected| / max |expected|."""
+    return float((actual - expected).abs().max() / expected.abs().max())
+
+
+def save_megatron_checkpoints(directory, style, tp, pp, vpp, ep, formats=MEGATRON_FORMATS) -> torch.Tensor:
+    """Megatron's models of ``style`` built at the layout on every rank and saved under ``directory/FORMAT``; their
+    logits of MEGATRON_TOKENS [b, s, padded vocabulary] on every rank."""
+    from ..checkpoint.megatron_reference import (build_models, megatron_args, megatron_layout, megatron_logits,
+                                                 save_megatron)
+
+    args = megatron_args(style, tp=tp, pp=pp, vpp=vpp, ep=ep)
     with megatron_layout(args):
         models = build_models(args)
-        expected = megatron_logits(args, models, tokens)
-        for fmt in ("torch_dist", "torch"):
-            save_megatron(megatron_args(style, tp=tp, pp=pp, ep=ep, ckpt_format=fmt), models, f"{directory}/{fmt}")
-    for fmt in ("torch_dist", "torch"):
-        with loaded_megatron(f"{directory}/{fmt}", flags=LOAD_FLAGS.get(style, ())) as (loaded_args, loaded):
-            assert (loaded_args.tensor_model_parallel_size, loaded_args.pipeline_model_parallel_size) == (tp, pp)
-            torch.testing.assert_close(megatron_logits(loaded_args, loaded, tokens), expected, rtol=0, atol=0)
-    with loaded_megatron(f"{directory}/torch_dist", tp=1, pp=1, ep=1, flags=LOAD_FLAGS.get(style, ())) as (
-            loaded_args, loaded):
-        assert_close_to_scale(megatron_logits(loaded_args, loaded, tokens), expected)
+        expected = megatron_logits(args, models, MEGATRON_TOKENS)
+        for fmt in formats:
+            save_megatron(megatron_args(style, tp=tp, pp=pp, vpp=vpp, ep=ep, ckpt_format=fmt), models,
+                          f"{directory}/{fmt}")
+    return expected
+
+
+@pytest.mark.parametrize("style, tp, pp, vpp, ep", MEGATRON_LAYOUTS)
+def test_megatron_checkpoints_load_reshard_import_and_export(directory, style, tp, pp, vpp, ep):
+    """Megatron's own save at the layout, in both formats: loads back in Megatron bit for bit, reshards (torch_dist)
+    to TP=1 x PP=1; imported into megalite (one process: ranks 0 and 1, one format each) it gives Megatron's logits
+    within 1e-5 relative to their scale; exported back at the layout (4 exports: each import in each format, one a
+    rank) it loads in Megatron on all ranks with the flags the export names and gives the original's logits."""
+    pytest.importorskip("megatron.core")
+    from megalite.checkpoint import load_pretrained
+    from megalite.checkpoint.megatron_lm import export_megatron, import_megatron
+    from ..checkpoint.megatron_reference import LOAD_FLAGS, loaded_megatron, megatron_logits
+
+    expected = save_megatron_checkpoints(directory, style, tp, pp, vpp, ep)
+    layout_sizes = (tp, pp, vpp, ep)
+    command_line = LOAD_FLAGS.get(style, ())
+
+    def loaded_layout(args):
+        return (args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+                args.virtual_pipeline_model_parallel_size, args.expert_model_parallel_size)
+
+    for fmt in MEGATRON_FORMATS:
+        with loaded_megatron(f"{directory}/{fmt}", flags=command_line) as (loaded_args, loaded):
+            assert loaded_layout(loaded_args) == layout_sizes
+            torch.testing.assert_close(megatron_logits(loaded_args, loaded, MEGATRON_TOKENS), expected, rtol=0, atol=0)
+    with loaded_megatron(f"{directory}/torch_dist", tp=1, pp=1, ep=1, flags=command_line) as (loaded_args, loaded):
+        assert_close_to_scale(megatron_logits(loaded_args, loaded, MEGATRON_TOKENS), expected)
+    if vpp and dist.get_rank() == 0:   # legacy files hold one model per virtual stage
+        saved = torch.load(f"{directory}/torch/iter_0000010/mp_rank_00_000/model_optim_rng.pt", map_location="cpu",
+                           weights_only=False)
+        assert {"model0", "model1"} <= set(saved)
+
+    rank = dist.get_rank()
+    imported = {fmt: f"{directory}/megalite_{fmt}" for fmt in MEGATRON_FORMATS}
+    import_difference = None
+    if rank < len(MEGATRON_FORMATS):
+        fmt = MEGATRON_FORMATS[rank]
+        result = import_megatron(f"{directory}/{fmt}", imported[fmt], progress=False)
+        assert result.format == fmt and result.iteration == 10
+        with torch.no_grad():
+            logits = load_pretrained(result.path)(MEGATRON_TOKENS)
+        assert logits.shape == (2, 16, 101)   # NullTokenizer of --vocab-size 100: 100 ids and its EOD
+        import_difference = relative_to_scale(logits, expected[..., :101])
+    dist.barrier()
+    source, target = MEGATRON_FORMATS[rank % 2], MEGATRON_FORMATS[rank // 2]
+    _, flags = export_megatron(imported[source], f"{directory}/export_{source}_{target}", ckpt_format=target, tp=tp,
+                               pp=pp, virtual_stages=vpp, ep=ep, progress=False)
+    outcomes = [None] * dist.get_world_size()
+    dist.all_gather_object(outcomes, (import_difference, source, target, flags))
+    import_differences = [o[0] for o in outcomes if o[0] is not None]
+    print(f"Megatron {style} at (TP, PP, VPP, EP) = {layout_sizes} imported from torch_dist / torch: max rel logits "
+          f"diff {import_differences[0]:.1e} / {import_differences[1]:.1e}")
+    assert max(import_differences) <= RESHARD
+    for _, source, target, flags in outcomes:
+        with loaded_megatron(f"{directory}/export_{source}_{target}", flags=flags) as (loaded_args, loaded):
+            assert loaded_layout(loaded_args) == layout_sizes
+            exported = megatron_logits(loaded_args, loaded, MEGATRON_TOKENS)[..., :101]
+        difference = relative_to_scale(exported, expected[..., :101])
+        print(f"  imported from {source}, exported as {target} (flags {' '.join(flags)}): loaded in Megatron, max rel "
+              f"logits diff {difference:.1e}")
+        assert difference <= RESHARD
+    if vpp and dist.get_rank() == 0:
+        paths = sorted(Path(directory).glob("export_*_torch/iter_*/mp_rank_00_000/model_optim_rng.pt"))
+        assert len(paths) == 2 and all({"model0", "model1"} <= set(torch.load(path, map_location="cpu",
+                                                                              weights_only=False)) for path in paths)
+
+
+@pytest.mark.parametrize("style", ["gpt3", "llama"])
+def test_imported_megatron_checkpoint_trains_at_a_parallel_layout(directory, style):
+    """A megalite run resumed (--load, no --finetune: Adam starts afresh) from the import of Megatron's TP=2 x PP=2
+    torch_dist save trains at TP=2 x PP=2 (DP=1) with the losses of the same run in one process (within the suite's
+    equivalence tolerance, 1e-5 relative; Adam's eps 1e-5 as there)."""
+    pytest.importorskip("megatron.core")
+    from megalite.checkpoint.convert import full_tensors
+    from megalite.checkpoint.megatron_lm import import_megatron
+
+    save_megatron_checkpoints(directory, style, 2, 2, None, 1, formats=("torch_dist",))
+    if dist.get_rank() == 0:
+        import_megatron(f"{directory}/torch_dist", f"{directory}/megalite", progress=False)
+    dist.barrier()
+    model = dataclasses.replace(open_checkpoint(f"{directory}/megalite").manifest.megalite_config().model,
+                                seq_length=16, hidden_dropout=0.0, attention_dropout=0.0)
+    cfg = with_checkpoint(tiny_config(training={"train_iters": 4}, optimizer={"adam_eps": 1e-5},
+                                      data={"eval_interval": 0}), load=f"{directory}/megalite")
+    cfg = dataclasses.replace(cfg, model=model)
+    expected = [None]
+    with layout(1, 1, ranks=[0]) as member:
+        if member:
+            expected = [losses(Trainer.on_registered_layout(cfg, CPU).train())]
+    dist.broadcast_object_list(expected, src=0)
+    parallel = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, tensor_model_parallel_size=2,
+                                                                     pipeline_model_parallel_size=2))
+    imported = full_tensors(open_checkpoint(f"{directory}/megalite"))
+    with layout(2, 2):
+        trainer = Trainer.on_registered_layout(parallel, CPU)
+        assert trainer.state.iteration == 0
+        started = full_parameters(trainer)   # this stage's, gathered over TP: the imported weights, not a fresh init
+        different = [name for name in started if not torch.equal(started[name], imported[name])]
+        assert started and not different, f"not the imported weights: {different}"
+        actual = losses(trainer.train())
+    difference = max_relative_difference(actual, expected[0])
+    print(f"Megatron {style} imported, resumed at TP=2 x PP=2 vs one process: losses {actual}, max rel loss diff "
+          f"{difference:.1e}")
+    assert len(actual) == 4 and difference < RESHARD

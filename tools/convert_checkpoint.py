@@ -19,9 +19,12 @@ CKPT_DIR`` takes it at any layout, given the model options of its config (``insp
 its tokenizer when given --data-path without tokenizer options. Needs ``safetensors``, ``tokenizers`` for a
 tokenizer, and ``transformers`` to export a Llama-family model. verify checks that a checkpoint is complete and that
 the manifest, DCP's index, every tensor and the tokenizer's files match the digests recorded at save (no model is
-built); it exits 2 naming the first file and item that differ. import-megatron and export-megatron: see
+built); it exits 2 naming the first file and item that differ, or a checkpoint without digests (saved before
+megalite recorded them) unless given --allow-unverified. import-megatron and export-megatron: see
 megalite/checkpoint/megatron_lm (and the README's "Coming from Megatron-LM"): the export prints the Megatron
-command-line words its --use-checkpoint-args does not take from a checkpoint.
+command-line words its --use-checkpoint-args does not take from a checkpoint. Errors are one line
+``convert_checkpoint: error: ...`` and exit code 2 (megalite/config/tool.py); an output that cannot be created is
+refused before any tensor is read.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ from megalite.checkpoint.convert import HF_ARCHITECTURES, export_hf, import_hf, 
 from megalite.checkpoint.contents import open_checkpoint  # noqa: E402
 from megalite.checkpoint.megatron_lm import (export_megatron, import_megatron, inspect_megatron,  # noqa: E402
                                              is_megatron_checkpoint)
-from megalite.config import ConfigError  # noqa: E402
+from megalite.config.tool import check_writable, run_tool  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -88,49 +91,57 @@ def parse(argv: list[str]) -> argparse.Namespace:
     inspect.add_argument("--load", required=True, metavar="CKPT_DIR", help="The megalite or Megatron-LM checkpoint.")
     verify = commands.add_parser("verify", help="Check that every stored byte matches the digests of the save.")
     verify.add_argument("--load", required=True, metavar="CKPT_DIR", help="The megalite checkpoint.")
+    verify.add_argument("--allow-unverified", action="store_true",
+                        help="Accept a checkpoint without digests (saved before megalite recorded them): only its "
+                             "completeness is checked (default: it fails verification).")
     verify.add_argument("--quiet", action="store_true", help="No progress bar.")
     return parser.parse_args(argv)
 
 
 def main(argv: list[str]) -> int:
     args = parse(argv)
-    try:
-        if args.command == "export-hf":
-            out = export_hf(args.load, args.output, DTYPES.get(args.dtype), args.architecture,
-                            progress=not args.quiet)
-            architecture = json.loads((out / "config.json").read_text())["architectures"][0]
-            tokenizer = ("a tokenizer for AutoTokenizer" if (out / "tokenizer_config.json").is_file()
-                         else "no tokenizer AutoTokenizer reads")
-            print(f"wrote {out} ({architecture}: config.json, model.safetensors; {tokenizer})")
-        elif args.command == "import-hf":
-            path = import_hf(args.input, args.save, progress=not args.quiet)
-            tokenizer = open_checkpoint(path).manifest.tokenizer
-            print(f"wrote {path} (" + (f"tokenizer {tokenizer['type']}, {tokenizer['vocab_size']} ids" if tokenizer
-                                       else "no tokenizer") + ")")
-        elif args.command == "import-megatron":
-            imported = import_megatron(args.input, args.save, args.iteration, progress=not args.quiet)
-            tokenizer = imported.tokenizer
-            print(f"wrote {imported.path} from {imported.source} ({imported.format} format, Megatron iteration "
-                  f"{imported.iteration}; " + (f"tokenizer {type(tokenizer).__name__}, {tokenizer.vocab_size} ids"
-                                               if tokenizer else "no tokenizer") + ")")
-            for note in imported.notes:
-                print(f"note: {note}")
-        elif args.command == "export-megatron":
-            directory, flags = export_megatron(
-                args.load, args.output, args.ckpt_format, args.tensor_model_parallel_size,
-                args.pipeline_model_parallel_size, args.num_virtual_stages_per_pipeline_rank,
-                args.expert_model_parallel_size, DTYPES.get(args.dtype), progress=not args.quiet)
-            print(f"wrote {directory} ({args.ckpt_format} format); Megatron-LM loads it with: --load {args.output} "
-                  f"--use-checkpoint-args --no-load-optim --no-load-rng" + "".join(f" {f}" for f in flags))
-        elif args.command == "verify":
-            print(verify_checkpoint(args.load, progress=not args.quiet))
-        elif is_megatron_checkpoint(args.load):
-            print(inspect_megatron(args.load))
-        else:
-            print(inspect(args.load))
-    except ConfigError as error:
-        print(f"convert_checkpoint: error: {error}", file=sys.stderr)
-        return 2
+    return run_tool("convert_checkpoint", lambda: convert(args))
+
+
+def convert(args: argparse.Namespace) -> int:
+    """The command's work; run_tool reports its errors."""
+    if args.command in ("export-hf", "export-megatron"):
+        check_writable(args.output, directory=True)   # before any tensor is read
+    elif args.command in ("import-hf", "import-megatron"):
+        check_writable(args.save, directory=True)
+    if args.command == "export-hf":
+        out = export_hf(args.load, args.output, DTYPES.get(args.dtype), args.architecture,
+                        progress=not args.quiet)
+        architecture = json.loads((out / "config.json").read_text())["architectures"][0]
+        tokenizer = ("a tokenizer for AutoTokenizer" if (out / "tokenizer_config.json").is_file()
+                     else "no tokenizer AutoTokenizer reads")
+        print(f"wrote {out} ({architecture}: config.json, model.safetensors; {tokenizer})")
+    elif args.command == "import-hf":
+        path = import_hf(args.input, args.save, progress=not args.quiet)
+        tokenizer = open_checkpoint(path).manifest.tokenizer
+        print(f"wrote {path} (" + (f"tokenizer {tokenizer['type']}, {tokenizer['vocab_size']} ids" if tokenizer
+                                   else "no tokenizer") + ")")
+    elif args.command == "import-megatron":
+        imported = import_megatron(args.input, args.save, args.iteration, progress=not args.quiet)
+        tokenizer = imported.tokenizer
+        print(f"wrote {imported.path} from {imported.source} ({imported.format} format, Megatron iteration "
+              f"{imported.iteration}; " + (f"tokenizer {type(tokenizer).__name__}, {tokenizer.vocab_size} ids"
+                                           if tokenizer else "no tokenizer") + ")")
+        for note in imported.notes:
+            print(f"note: {note}")
+    elif args.command == "export-megatron":
+        directory, flags = export_megatron(
+            args.load, args.output, args.ckpt_format, args.tensor_model_parallel_size,
+            args.pipeline_model_parallel_size, args.num_virtual_stages_per_pipeline_rank,
+            args.expert_model_parallel_size, DTYPES.get(args.dtype), progress=not args.quiet)
+        print(f"wrote {directory} ({args.ckpt_format} format); Megatron-LM loads it with: --load {args.output} "
+              f"--use-checkpoint-args --no-load-optim --no-load-rng" + "".join(f" {f}" for f in flags))
+    elif args.command == "verify":
+        print(verify_checkpoint(args.load, progress=not args.quiet, allow_unverified=args.allow_unverified))
+    elif is_megatron_checkpoint(args.load):
+        print(inspect_megatron(args.load))
+    else:
+        print(inspect(args.load))
     return 0
 
 

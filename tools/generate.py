@@ -20,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 
 from megalite.checkpoint import load_pretrained  # noqa: E402
 from megalite.config import ConfigError  # noqa: E402
+from megalite.config.tool import run_tool  # noqa: E402
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -41,21 +42,20 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str]) -> int:
     args = parse(argv)
+    return run_tool("generate", lambda: continue_prompt(args))
+
+
+def continue_prompt(args: argparse.Namespace) -> int:
+    """The work; run_tool reports its errors."""
     if args.max_new_tokens < 0 or args.temperature < 0 or args.top_k < 0 or not 0 < args.top_p <= 1:
-        print("generate: error: need --max-new-tokens >= 0, --temperature >= 0, --top-k >= 0, 0 < --top-p <= 1",
-              file=sys.stderr)
-        return 2
-    try:
-        model = load_pretrained(args.load)
-        tokenizer = model.tokenizer()
-        prompt = tokenizer.encode(args.prompt)
-        if not prompt:
-            raise ConfigError("the prompt encodes to no tokens")
-        new = model.generate(prompt, args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed,
-                             use_cache=not args.no_kv_cache)
-    except ConfigError as error:
-        print(f"generate: error: {error}", file=sys.stderr)
-        return 2
+        raise ConfigError("need --max-new-tokens >= 0, --temperature >= 0, --top-k >= 0, 0 < --top-p <= 1")
+    model = load_pretrained(args.load)
+    tokenizer = model.tokenizer()
+    prompt = tokenizer.encode(args.prompt)
+    if not prompt:
+        raise ConfigError("the prompt encodes to no tokens")
+    new = model.generate(prompt, args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed,
+                         use_cache=not args.no_kv_cache)
     print(tokenizer.decode(new), flush=True)
     return 0
 

@@ -27,6 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
 from megalite.config import ConfigError, MegaliteConfig, ModelConfig, TrainingConfig, validate  # noqa: E402
+from megalite.config.tool import check_writable, run_tool  # noqa: E402
 from megalite.config.deepspeed import translate  # noqa: E402
 from megalite.config.flags import BY_KEY  # noqa: E402
 from megalite.planner import (  # noqa: E402
@@ -152,6 +153,11 @@ def _plot(plan, args: argparse.Namespace) -> None:
 
 def main(argv: list[str]) -> int:
     args = parse(argv)
+    return run_tool("plan_parallelism", lambda: plan_layouts(args))
+
+
+def plan_layouts(args: argparse.Namespace) -> int:
+    """The work; run_tool reports the errors it does not (an unwritable --plot, a closed stdout)."""
     try:
         model = with_seq_length(load_model_config(args.model, **_overrides(args)), args.seq_length)
         hardware = Hardware(num_gpus=args.gpus, gpus_per_node=min(args.gpus_per_node, args.gpus),
@@ -161,7 +167,7 @@ def main(argv: list[str]) -> int:
                             efficiency=args.efficiency, memory_headroom=args.memory_headroom)
         deepspeed = _deepspeed(args, model, hardware) if args.deepspeed_config else None
         if args.plot:
-            check_output(args.plot)
+            check_writable(check_output(args.plot))
     except (ConfigError, ValueError) as error:
         for line in getattr(error, "table", ()):   # a refused DeepSpeed config: what was refused, in its table
             print(line)

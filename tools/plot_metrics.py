@@ -19,6 +19,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
 from megalite.config import ConfigError  # noqa: E402
+from megalite.config.tool import check_writable, run_tool  # noqa: E402
 from megalite.visual.figures import check_output, save  # noqa: E402
 from megalite.visual.metrics import (X_KEYS, X_LABELS, Run, check_x, draw_metrics, labels_for,  # noqa: E402
                                      largest_differences, read_metrics)
@@ -39,21 +40,22 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str]) -> int:
     args = parse(argv)
-    try:
-        outputs = [check_output(path) for path in args.output]
-        labels = args.labels or labels_for(args.files)
-        if len(labels) != len(args.files):
-            raise ConfigError(f"--labels gives {len(labels)} names for {len(args.files)} files")
-        runs = [Run(label, tuple(read_metrics(path))) for label, path in zip(labels, args.files)]
-        check_x(runs, args.x, args.files)
-        if outputs:
-            figure = draw_metrics(runs, args.x, args.title)
-            for path in outputs:
-                save(figure, path)
-            print(f"wrote {', '.join(map(str, outputs))}")
-    except ConfigError as error:
-        print(f"plot_metrics: error: {error}", file=sys.stderr)
-        return 2
+    return run_tool("plot_metrics", lambda: plot(args))
+
+
+def plot(args: argparse.Namespace) -> int:
+    """The work; run_tool reports its errors."""
+    outputs = [check_writable(check_output(path)) for path in args.output]
+    labels = args.labels or labels_for(args.files)
+    if len(labels) != len(args.files):
+        raise ConfigError(f"--labels gives {len(labels)} names for {len(args.files)} files")
+    runs = [Run(label, tuple(read_metrics(path))) for label, path in zip(labels, args.files)]
+    check_x(runs, args.x, args.files)
+    if outputs:
+        figure = draw_metrics(runs, args.x, args.title)
+        for path in outputs:
+            save(figure, path)
+        print(f"wrote {', '.join(map(str, outputs))}")
     if len(runs) > 1:
         print(f"largest relative difference from {runs[0].label}:")
         for d in largest_differences(runs, args.x):

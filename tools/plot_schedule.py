@@ -23,6 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
 from megalite.config import ConfigError  # noqa: E402
+from megalite.config.tool import check_writable, run_tool  # noqa: E402
 from megalite.pipeline.schedules import SCHEDULES, build_schedule, placement_of  # noqa: E402
 from megalite.visual.figures import check_output, save  # noqa: E402
 from megalite.visual.timeline import (UNIT_COSTS, Timeline, draw_timeline, from_recorded,  # noqa: E402
@@ -118,15 +119,16 @@ def recorded(args: argparse.Namespace) -> tuple[Timeline, str, str]:
 
 def main(argv: list[str]) -> int:
     args = parse(argv)
-    try:
-        outputs = [check_output(path) for path in args.output]
-        timeline, title, theory = recorded(args) if args.steps_file else simulated(args)
-        figure = draw_timeline(timeline, f"{title}\nbubble {timeline.bubble:.1%} ({theory})")
-        for path in outputs:
-            save(figure, path)
-    except ConfigError as error:
-        print(f"plot_schedule: error: {error}", file=sys.stderr)
-        return 2
+    return run_tool("plot_schedule", lambda: plot(args))
+
+
+def plot(args: argparse.Namespace) -> int:
+    """The work; run_tool reports its errors."""
+    outputs = [check_writable(check_output(path)) for path in args.output]
+    timeline, title, theory = recorded(args) if args.steps_file else simulated(args)
+    figure = draw_timeline(timeline, f"{title}\nbubble {timeline.bubble:.1%} ({theory})")
+    for path in outputs:
+        save(figure, path)
     print(f"wrote {', '.join(map(str, outputs))}: {len(timeline.ranks)} ranks, "
           f"{sum(len(steps) for steps in timeline.ranks)} steps, bubble {timeline.bubble:.1%} ({theory})")
     return 0

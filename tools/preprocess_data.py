@@ -6,8 +6,9 @@
 Then train with ``--data-path data/mine --tokenizer-model tokenizers/mine.model``. A Hugging Face tokenizer:
 ``--tokenizer-type HuggingFaceTokenizer --tokenizer-model DIR`` (DIR holds tokenizer.json, e.g. a model's folder);
 GPT-2's BPE: ``--tokenizer-type GPT2BPETokenizer --vocab-file vocab.json --merge-file merges.txt``. Inputs and
-documents are as for train_tokenizer.py (megalite/data/documents.py); the file format is in
-megalite/data/indexed_dataset.py.
+documents are as for train_tokenizer.py (megalite/data/documents.py: a bad JSON record is skipped with a warning
+naming its file and line, and counted in the summary, or stops the tool with one line where the options are wrong);
+the file format is in megalite/data/indexed_dataset.py.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
-from megalite.config import TOKENIZER_TYPES, ConfigError  # noqa: E402
+from megalite.config import TOKENIZER_TYPES  # noqa: E402
+from megalite.config.tool import check_writable, run_tool  # noqa: E402
 from megalite.data.documents import iter_documents  # noqa: E402
 from megalite.data.preprocess import preprocess  # noqa: E402
 from megalite.data.tokenizer import build_tokenizer  # noqa: E402
@@ -53,22 +55,27 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str]) -> int:
     args = parse(argv)
-    try:
-        tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_size,
-                                    vocab_file=args.vocab_file, merge_file=args.merge_file,
-                                    tiktoken_pattern=args.tiktoken_pattern,
-                                    tiktoken_num_special_tokens=args.tiktoken_num_special_tokens,
-                                    tiktoken_special_tokens=" ".join(args.tiktoken_special_tokens or []) or None)
-        documents = iter_documents(args.input, args.json_keys, args.whole_files)
-        stats = preprocess(documents, tokenizer, args.output_prefix, args.workers, args.append_eod,
-                           progress=None if args.quiet else sys.stderr)
-    except ConfigError as error:
-        print(f"preprocess_data: error: {error}", file=sys.stderr)
-        return 2
-    skipped = f" ({stats.skipped} empty ones skipped)" if stats.skipped else ""
+    return run_tool("preprocess_data", lambda: tokenize(args))
+
+
+def tokenize(args: argparse.Namespace) -> int:
+    """The work; run_tool reports its errors."""
+    check_writable(f"{os.fspath(args.output_prefix)}.bin")   # before the tokenizing that would fill it
+    check_writable(f"{os.fspath(args.output_prefix)}.idx")
+    tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_size,
+                                vocab_file=args.vocab_file, merge_file=args.merge_file,
+                                tiktoken_pattern=args.tiktoken_pattern,
+                                tiktoken_num_special_tokens=args.tiktoken_num_special_tokens,
+                                tiktoken_special_tokens=" ".join(args.tiktoken_special_tokens or []) or None)
+    documents = iter_documents(args.input, args.json_keys, args.whole_files)
+    stats = preprocess(documents, tokenizer, args.output_prefix, args.workers, args.append_eod,
+                       progress=None if args.quiet else sys.stderr)
+    skipped = [f"{stats.skipped} empty ones skipped"] if stats.skipped else []
+    if documents.skipped_records:
+        skipped.append(f"{documents.skipped_records} bad records skipped, each named above")
     print(f"wrote {os.fspath(args.output_prefix)}.bin/.idx: {stats.documents:,} documents, {stats.tokens:,} tokens"
-          f"{skipped} in {stats.seconds:.1f} s ({stats.tokens / max(stats.seconds, 1e-9):,.0f} tokens/s)",
-          file=sys.stderr)
+          + (f" ({'; '.join(skipped)})" if skipped else "")
+          + f" in {stats.seconds:.1f} s ({stats.tokens / max(stats.seconds, 1e-9):,.0f} tokens/s)", file=sys.stderr)
     return 0
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
-from megalite.config import ConfigError  # noqa: E402
+from megalite.config.tool import check_writable, run_tool  # noqa: E402
 from megalite.data.documents import iter_documents  # noqa: E402
 from megalite.data.tokenizer import SentencePieceTokenizer, train_sentencepiece  # noqa: E402
 
@@ -47,18 +47,21 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str]) -> int:
     args = parse(argv)
+    return run_tool("train_tokenizer", lambda: train(args))
+
+
+def train(args: argparse.Namespace) -> int:
+    """The work; run_tool reports its errors."""
     start = time.perf_counter()
-    try:
-        documents = iter_documents(args.input, args.json_keys, args.whole_files)
-        model = train_sentencepiece(documents, args.model_prefix, args.vocab_size, args.model_type,
-                                    args.character_coverage, args.input_sentence_size, args.num_threads,
-                                    args.verbose)
-        tokenizer = SentencePieceTokenizer(model)
-    except ConfigError as error:
-        print(f"train_tokenizer: error: {error}", file=sys.stderr)
-        return 2
+    check_writable(f"{os.fspath(args.model_prefix)}.model")   # before the training that would fill it
+    documents = iter_documents(args.input, args.json_keys, args.whole_files)
+    model = train_sentencepiece(documents, args.model_prefix, args.vocab_size, args.model_type,
+                                args.character_coverage, args.input_sentence_size, args.num_threads, args.verbose)
+    tokenizer = SentencePieceTokenizer(model)
+    skipped = (f"; {documents.skipped_records} bad records skipped, each named above"
+               if documents.skipped_records else "")
     print(f"wrote {model} ({tokenizer.vocab_size} pieces, EOD id {tokenizer.eod}) in "
-          f"{time.perf_counter() - start:.1f} s", file=sys.stderr)
+          f"{time.perf_counter() - start:.1f} s{skipped}", file=sys.stderr)
     return 0
 
 

@@ -123,18 +123,53 @@ def export_hf(load: str | os.PathLike, output: str | os.PathLike, dtype: Optiona
     return out
 
 
+def _read_json_object(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as error:   # ValueError: bad JSON, or an integer too long
+        raise CheckpointError(f"{path}: unreadable ({error})") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path}: not a JSON object")
+    return data
+
+
+def _load_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    library = _safetensors()
+    try:
+        return library.load_file(str(path))
+    except Exception as error:   # safetensors' own SafetensorError (truncated, bad header), or an OSError
+        raise CheckpointError(f"{path}: not a readable safetensors file ({error})") from None
+
+
+def _load_weights_only(path: Path) -> dict[str, torch.Tensor]:
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception:   # truncated, not a zip, or pickling an object other than tensors: never unpickled here
+        raise CheckpointError(f"{path}: not a weights-only PyTorch state dict (truncated, or it holds objects other "
+                              f"than tensors, which megalite does not unpickle)") from None
+    if not isinstance(state, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor)
+                                              for k, v in state.items()):
+        raise CheckpointError(f"{path}: not a state dict (names to tensors)")
+    return state
+
+
 def read_hf_tensors(directory: Path) -> dict[str, torch.Tensor]:
-    """The state dict of an HF model directory: one safetensors file, a sharded set, or a weights-only .bin."""
+    """The state dict of an HF model directory: one safetensors file, a sharded set, or a weights-only .bin. A file
+    that does not read as one is a one-line CheckpointError naming it."""
     if (directory / HF_WEIGHTS).is_file():
-        return _safetensors().load_file(str(directory / HF_WEIGHTS))
+        return _load_safetensors(directory / HF_WEIGHTS)
     if (directory / HF_INDEX).is_file():
-        index = json.loads((directory / HF_INDEX).read_text())
+        weight_map = _read_json_object(directory / HF_INDEX).get("weight_map")
+        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+            raise CheckpointError(f"{directory / HF_INDEX}: no weight_map of tensor names to files")
         tensors = {}
-        for shard_file in sorted(set(index["weight_map"].values())):
-            tensors.update(_safetensors().load_file(str(directory / shard_file)))
+        for shard_file in sorted(set(weight_map.values())):
+            if Path(shard_file).name != shard_file or shard_file in ("", ".", ".."):   # never outside the directory
+                raise CheckpointError(f"{directory / HF_INDEX}: shard {shard_file!r} is not a file of {directory}")
+            tensors.update(_load_safetensors(directory / shard_file))
         return tensors
     if (directory / HF_PICKLE_WEIGHTS).is_file():
-        return torch.load(directory / HF_PICKLE_WEIGHTS, map_location="cpu", weights_only=True)
+        return _load_weights_only(directory / HF_PICKLE_WEIGHTS)
     raise CheckpointError(f"{directory}: no {HF_WEIGHTS}, {HF_INDEX} or {HF_PICKLE_WEIGHTS}")
 
 
@@ -145,20 +180,21 @@ def import_hf(source: str | os.PathLike, save: str | os.PathLike, progress: bool
     directory = Path(source)
     if not (directory / HF_CONFIG).is_file():
         raise CheckpointError(f"{directory}: no {HF_CONFIG}")
-    try:
-        hf = json.loads((directory / HF_CONFIG).read_text())
-    except (OSError, json.JSONDecodeError) as error:
-        raise CheckpointError(f"{directory / HF_CONFIG}: unreadable ({error})") from None
+    hf = _read_json_object(directory / HF_CONFIG)
     model_type = hf.get("model_type", "gpt2")   # GPT-2 configs of old transformers versions may not say
-    if model_type in hf_llama.BY_MODEL_TYPE:
-        model = hf_llama.model_config_from(hf)
+    family = (None if not isinstance(model_type, str) else hf_llama if model_type in hf_llama.BY_MODEL_TYPE
+              else hf_gpt2 if model_type == "gpt2" else hf_moe if model_type in hf_moe.MODEL_TYPES else None)
+    if family is not None:
+        try:
+            model = family.model_config_from(hf)
+        except (KeyError, TypeError, ValueError) as error:   # a key missing, or a value of the wrong kind
+            what = (f"no {error.args[0]!r}" if isinstance(error, KeyError)
+                    else f"a value of the wrong type or range ({error})")
+            raise CheckpointError(f"{directory / HF_CONFIG}: not a {model_type} config: {what}") from None
+    if family is hf_llama:
         canonical = hf_llama.from_hf(read_hf_tensors(directory), model, hf_llama.BY_MODEL_TYPE[model_type])
-    elif model_type == "gpt2":
-        model = hf_gpt2.model_config_from(hf)
-        canonical = hf_gpt2.from_hf(read_hf_tensors(directory), model)
-    elif model_type in hf_moe.MODEL_TYPES:
-        model = hf_moe.model_config_from(hf)
-        canonical = hf_moe.from_hf(read_hf_tensors(directory), model)
+    elif family is not None:
+        canonical = family.from_hf(read_hf_tensors(directory), model)
     else:
         raise CheckpointError(f"model_type {model_type!r}: only {hf_gpt2.ARCHITECTURE} (gpt2), "
                               f"{', '.join(f'{a.name} ({a.model_type})' for a in hf_llama.ARCHITECTURES.values())} "

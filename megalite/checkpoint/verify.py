@@ -18,9 +18,11 @@ from megalite.progress import Progress
 _TENSORS_PER_READ = 64   # tensors checked between two updates of the bar
 
 
-def verify_checkpoint(load: str | os.PathLike, progress: bool = True) -> str:
+def verify_checkpoint(load: str | os.PathLike, progress: bool = True, allow_unverified: bool = False) -> str:
     """Verify the checkpoint ``load`` names (a checkpoint directory, or a --save directory: its latest); returns a
-    one-line summary of what was checked, or raises CheckpointError. ``progress``: the bar (where it can show)."""
+    one-line summary of what was checked, or raises CheckpointError. A checkpoint without digests fails (nothing
+    says its bytes are the ones saved) unless ``allow_unverified``: then only its completeness is checked.
+    ``progress``: the bar (where it can show)."""
     checkpoint = open_checkpoint(load)   # the manifest's digest, then the index's
     manifest = checkpoint.manifest
     checkpoint.verify(optimizer=manifest.has_optimizer, rng=bool(manifest.rng_streams))
@@ -29,6 +31,8 @@ def verify_checkpoint(load: str | os.PathLike, progress: bool = True) -> str:
     data_files = len({info.relative_path for info in checkpoint.metadata.storage_data.values()})
     what = f"{len(keys)} tensors ({stored / 2**20:.1f} MiB) in {data_files} data file(s)"
     if not checkpoint.has_digests:
+        if not allow_unverified:
+            raise CheckpointError(f"{checkpoint.path}: {NO_DIGESTS} (--allow-unverified accepts it once complete)")
         return f"{checkpoint.path}: complete, {what}; but {NO_DIGESTS}"
     digests = manifest.digests
     extra = sorted(set(digests.items) - set(keys))

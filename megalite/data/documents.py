@@ -3,9 +3,18 @@
 An input is a file or a directory (walked recursively in sorted order, hidden entries and ``__pycache__`` skipped).
 A ``.jsonl``/``.json`` file holds one JSON object per line and each of ``json_keys`` gives one document; any other
 file is plain text with one document per line, or one per file with ``whole_files`` (for source code, where lines
-are not documents). Empty lines and documents of only whitespace are skipped, not fatal. Files are streamed a line at
-a time, so an input may be larger than memory (except a whole file taken as one document); the iterable knows how
+are not documents). Empty lines and documents of only whitespace are skipped, not fatal. Files are streamed a line
+at a time, so an input may be larger than memory (except a whole file taken as one document); the iterable knows how
 many bytes of the inputs it has read of how many (``bytes_read``, ``total_bytes``), for progress bars.
+
+A bad JSON record is skipped with a warning on stderr naming its file and line, and counted (``skipped_records``,
+which the tools' summaries report), when it is one damaged record among good ones: a line that is not a JSON object
+(cut short, corrupt), a ``null`` or non-string value under a key, a string holding a lone UTF-16 surrogate
+(``"\\ud800"``: valid JSON, but no UTF-8 text, so no tokenizer can take it). Megatron's preprocessor stops at the
+first with a traceback; a corpus of millions of records is better served by the summary. It stops instead, with one
+line naming the file and line, where the options or the file are wrong rather than a record: a key of --json-keys
+missing from a record, a first record that is not a JSON object (the file is not JSON lines: a pretty-printed
+``.json`` would otherwise be skipped line by line), a line that is not UTF-8.
 """
 
 from __future__ import annotations
@@ -63,24 +72,40 @@ def _lines(path: Path, on_read: Callable[[int], None]) -> Iterator[tuple[int, st
             yield number, line.removesuffix("\n").removesuffix("\r")
 
 
-def _json_documents(path: Path, json_keys: Sequence[str], on_read: Callable[[int], None]) -> Iterator[str]:
+def _json_documents(path: Path, json_keys: Sequence[str], on_read: Callable[[int], None],
+                    skip: Callable[[str], None]) -> Iterator[str]:
+    """The documents of a JSON-lines file; ``skip(where_and_why)`` for each bad record passed over (see the module
+    docstring for which are skipped and which stop)."""
+    records = 0
     for number, line in _lines(path, on_read):
         if not line.strip():
             continue
+        records += 1
         try:
             record = json.loads(line)
-        except json.JSONDecodeError as error:
-            raise DataError(f"{path}:{number}: not a JSON object ({error.msg})") from None
-        if not isinstance(record, dict):
-            raise DataError(f"{path}:{number}: not a JSON object")
+            reason = None if isinstance(record, dict) else "not a JSON object"
+        except (ValueError, RecursionError) as error:   # bad JSON, an integer too long, nesting too deep
+            reason = f"not a JSON object ({getattr(error, 'msg', error)})"
+        if reason is not None:
+            if records == 1:
+                raise DataError(f"{path}:{number}: {reason}; a .jsonl/.json input holds one JSON object per line")
+            skip(f"{path}:{number}: {reason}")
+            continue
         for key in json_keys:
             if key not in record:
                 raise DataError(f"{path}:{number}: no key {key!r} (see --json-keys)")
             value = record[key]
-            if value is None:
-                continue
             if not isinstance(value, str):
-                raise DataError(f"{path}:{number}: {key!r} is a {type(value).__name__}, not a string")
+                skip(f"{path}:{number}: {key!r} is {'null' if value is None else 'a ' + type(value).__name__}, "
+                     f"not a string")
+                continue
+            if "\\u" in line:   # only an escape can make a lone surrogate (the line itself was valid UTF-8)
+                try:
+                    value.encode("utf-8")
+                except UnicodeEncodeError as error:
+                    skip(f"{path}:{number}: {key!r} holds a lone surrogate ({value[error.start]!r}), which is not "
+                         f"text")
+                    continue
             yield value
 
 
@@ -92,9 +117,14 @@ class Documents:
         self.json_keys, self.whole_files = json_keys, whole_files
         self.total_bytes = sum(path.stat().st_size for path, _ in self.files)
         self.bytes_read = 0
+        self.skipped_records = 0   # bad JSON records passed over, each named on stderr
 
     def _read(self, size: int) -> None:
         self.bytes_read += size
+
+    def _skip(self, where_and_why: str) -> None:
+        self.skipped_records += 1
+        print(f"megalite: skipping {where_and_why}", file=sys.stderr)
 
     def __iter__(self) -> Iterator[str]:
         for path, explicit in self.files:
@@ -104,7 +134,7 @@ class Documents:
                 self._read(path.stat().st_size)
                 continue
             if path.suffix in JSON_SUFFIXES:
-                documents: Iterable[str] = _json_documents(path, self.json_keys, self._read)
+                documents: Iterable[str] = _json_documents(path, self.json_keys, self._read, self._skip)
             elif self.whole_files:
                 try:
                     documents = [path.read_bytes().decode("utf-8")]

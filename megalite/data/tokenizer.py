@@ -6,7 +6,9 @@ One class per ``--tokenizer-type`` (Megatron's names), found by name in :data:`T
 - ``HuggingFaceTokenizer``: a Hugging Face fast tokenizer (``--tokenizer-model DIR`` holding ``tokenizer.json``, and
   ``tokenizer_config.json`` naming the EOS token, which is the EOD), run offline by the ``tokenizers`` library:
   the ids of ``transformers.AutoTokenizer.from_pretrained(DIR).encode(text)`` (special tokens such as a BOS added as
-  its post-processor says).
+  its post-processor says). An ``auto_map`` in tokenizer_config.json (Python code of the model's repository, which
+  transformers would run with ``trust_remote_code``) is dropped as the directory is read, and never exported:
+  megalite runs tokenizer.json as it is, never that code, so the class named is ``PreTrainedTokenizerFast``.
 - ``GPT2BPETokenizer``: GPT-2's byte-level BPE from ``--vocab-file vocab.json --merge-file merges.txt``, run by the
   ``tokenizers`` library as transformers' GPT2Tokenizer runs it; EOD is ``<|endoftext|>``.
 - ``NullTokenizer``: text that already is space-separated token ids (pre-tokenized or mock data), with ids below
@@ -324,6 +326,17 @@ def _named_eos(files: dict[str, bytes], where: str) -> Optional[str]:
     return None
 
 
+def _without_remote_code(config_file: bytes, where: str) -> bytes:
+    """tokenizer_config.json without its ``auto_map`` (code megalite never runs, which would otherwise travel into
+    checkpoints and exports), naming the class that reads tokenizer.json as it is instead of the custom one."""
+    config = _read_json(config_file, where)
+    if "auto_map" not in config:
+        return config_file
+    del config["auto_map"]
+    config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    return (json.dumps(config, indent=2) + "\n").encode()
+
+
 def _parse_tokenizer_json(contents: bytes, where: str):
     try:
         return _library_tokenizers().Tokenizer.from_str(contents.decode())
@@ -346,6 +359,9 @@ class HuggingFaceTokenizer(_LibraryTokenizer):
         if not (folder / HF_TOKENIZER_FILE).is_file():
             raise DataError(f"{folder}: no {HF_TOKENIZER_FILE} (a Hugging Face tokenizer's directory)")
         files = {name: (folder / name).read_bytes() for name in cls.FILES if (folder / name).is_file()}
+        if HF_TOKENIZER_CONFIG in files:
+            files[HF_TOKENIZER_CONFIG] = _without_remote_code(files[HF_TOKENIZER_CONFIG],
+                                                              f"{where}/{HF_TOKENIZER_CONFIG}")
         if _named_eos(files, where) is None and (folder / "config.json").is_file():
             # A model's folder may name its EOS in config.json only (OpenAI's GPT-2): kept as special_tokens_map.json,
             # the file transformers writes it to, so that the tokenizer's files say it.
@@ -373,6 +389,8 @@ class HuggingFaceTokenizer(_LibraryTokenizer):
         """Its files; tokenizer_config.json names the class that reads tokenizer.json as it is (without one,
         AutoTokenizer would pick the model type's class, which may build the tokenizer its own way)."""
         files = self.files()
+        if HF_TOKENIZER_CONFIG in files:   # a checkpoint saved before auto_map was dropped on reading may hold one
+            files[HF_TOKENIZER_CONFIG] = _without_remote_code(files[HF_TOKENIZER_CONFIG], self._where)
         config = _read_json(files[HF_TOKENIZER_CONFIG], self._where) if HF_TOKENIZER_CONFIG in files else {}
         if "tokenizer_class" not in config:
             config["tokenizer_class"] = "PreTrainedTokenizerFast"

@@ -53,11 +53,18 @@ def test_only_what_a_load_reads_must_match(saved, capsys):
 
 
 def test_a_checkpoint_without_digests_loads_with_a_note(saved, capsys):
+    """... and fails ``verify`` (nothing says its bytes are the ones saved) unless told --allow-unverified."""
     without_digests(saved / "iter_0000003")
     assert pretrain_gpt.main([*ARGV, "--load", str(saved)]) == 0
     assert NO_DIGESTS in capsys.readouterr().out
-    summary = verify_checkpoint(saved)
+    with pytest.raises(CheckpointError, match="--allow-unverified"):
+        verify_checkpoint(saved)
+    assert tool("convert_checkpoint").main(["verify", "--load", str(saved)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("convert_checkpoint: error: ") and NO_DIGESTS in err and err.count("\n") == 1
+    summary = verify_checkpoint(saved, allow_unverified=True)
     assert summary.startswith(f"{open_checkpoint(saved).path}: complete, ") and summary.endswith(f"; but {NO_DIGESTS}")
+    assert tool("convert_checkpoint").main(["verify", "--load", str(saved), "--allow-unverified"]) == 0
 
 
 def test_sha256_where_xxhash_is_missing(tmp_path, monkeypatch):

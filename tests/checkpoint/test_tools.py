@@ -4,6 +4,7 @@ carried through preprocessing, training, generation and export), and the rules o
 from __future__ import annotations
 
 import importlib.util
+import json
 import shutil
 from pathlib import Path
 
@@ -182,3 +183,100 @@ def test_sampling_rules():
     assert calls == [3, 4, 4]
     calls.clear()
     assert generate(model, [1, 2, 3], max_new_tokens=4, max_positions=4) == [7, 7, 7, 7] and calls == [3, 1, 4, 4]
+
+
+class _ClosedPipe:
+    """A stdout whose reader is gone (``tool | head`` once head has read its lines)."""
+
+    def write(self, text):
+        raise BrokenPipeError(32, "Broken pipe")
+
+    flush = write
+
+
+def test_a_closed_stdout_ends_the_tools_quietly_with_exit_code_1(saved, monkeypatch, capsys):
+    """``inspect | head``: no traceback, nothing on stderr, exit code 1 (Python's recommended handling: the output
+    was cut short); the process, whose interpreter flushes stdout again at exit, in test_inspect_into_a_closed_pipe."""
+    monkeypatch.setattr("sys.stdout", _ClosedPipe())
+    assert _tool("convert_checkpoint").main(["inspect", "--load", str(saved)]) == 1
+    assert _tool("generate").main(["--load", str(saved), "--prompt", "1 2", "--max-new-tokens", "2"]) == 1
+    assert _tool("plan_parallelism").main(["--model", "gpt_tiny", "--gpus", "2"]) == 1
+    assert capsys.readouterr().err == ""
+
+
+def test_inspect_into_a_closed_pipe(saved):
+    import subprocess
+    import sys
+    process = subprocess.Popen([sys.executable, str(ROOT / "tools" / "convert_checkpoint.py"), "inspect", "--load",
+                                str(saved)], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    process.stdout.close()   # before the tool has written a line
+    _, err = process.communicate(timeout=120)
+    assert process.returncode == 1 and err == b"", err
+
+
+def test_unwritable_outputs_are_refused_in_one_line_before_any_tensor_is_read(saved, tmp_path, capsys):
+    (tmp_path / "file").write_text("")
+    convert = _tool("convert_checkpoint")
+    for argv in (["export-hf", "--load", str(saved), "--output"], ["export-megatron", "--load", str(saved), "--output"],
+                 ["import-hf", "--input", str(tmp_path), "--save"], ["import-megatron", "--input", str(tmp_path),
+                                                                     "--save"]):
+        assert convert.main([*argv, str(tmp_path / "file" / "out")]) == 2
+        assert capsys.readouterr().err == (f"convert_checkpoint: error: {tmp_path}/file/out: cannot be created: "
+                                           f"{tmp_path}/file is not a directory\n")
+    assert convert.main(["export-hf", "--load", str(saved), "--output", str(tmp_path / "file")]) == 2
+    assert capsys.readouterr().err == f"convert_checkpoint: error: {tmp_path}/file: exists and is not a directory\n"
+
+
+class _Payload:
+    """Pickled into a pytorch_model.bin: unpickling it would create a file."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (Path.touch, (self.path,))
+
+
+def _hf_config(directory: Path, **config) -> Path:
+    directory.mkdir(exist_ok=True)
+    (directory / "config.json").write_text(json.dumps({"model_type": "gpt2", "vocab_size": 16, "n_positions": 8,
+                                                       "n_embd": 8, "n_layer": 1, "n_head": 2, **config}))
+    return directory
+
+
+def _refused_import(directory: Path, capsys) -> str:
+    assert _tool("convert_checkpoint").main(["import-hf", "--input", str(directory), "--save",
+                                             str(directory.parent / "ckpt")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("convert_checkpoint: error: ") and err.count("\n") == 1, err
+    return err.removeprefix("convert_checkpoint: error: ").strip()
+
+
+def test_bad_hugging_face_files_are_one_line_and_never_unpickled(tmp_path, capsys):
+    """Truncated or foreign weights, a pickle of objects, a config.json that is not a model's: one line naming the
+    file (no traceback, no advice to load with weights_only=False, nothing unpickled)."""
+    directory = _hf_config(tmp_path / "hf")
+    (directory / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{\"a\": ")   # cut short
+    assert _refused_import(directory, capsys).startswith(f"{directory}/model.safetensors: not a readable safetensors "
+                                                         f"file (")
+    (directory / "model.safetensors").unlink()
+    torch.save({"wte": torch.zeros(3)}, directory / "pytorch_model.bin")
+    (directory / "pytorch_model.bin").write_bytes((directory / "pytorch_model.bin").read_bytes()[:200])
+    pickled = (f"{directory}/pytorch_model.bin: not a weights-only PyTorch state dict (truncated, or it holds objects "
+               f"other than tensors, which megalite does not unpickle)")
+    assert _refused_import(directory, capsys) == pickled
+    torch.save({"wte": _Payload(tmp_path / "ran")}, directory / "pytorch_model.bin")
+    assert _refused_import(directory, capsys) == pickled and not (tmp_path / "ran").exists()
+    torch.save([torch.zeros(3)], directory / "pytorch_model.bin")
+    assert _refused_import(directory, capsys) == f"{directory}/pytorch_model.bin: not a state dict (names to tensors)"
+    (directory / "config.json").write_text("[1]")
+    assert _refused_import(directory, capsys) == f"{directory}/config.json: not a JSON object"
+    _hf_config(directory, model_type="qwen2_moe")
+    assert _refused_import(directory, capsys).startswith(f"{directory}/config.json: not a qwen2_moe config: no ")
+    _hf_config(directory, model_type="llama", hidden_size="8", num_attention_heads=2)
+    assert _refused_import(directory, capsys).startswith(f"{directory}/config.json: not a llama config: a value of "
+                                                         f"the wrong type or range")
+    (directory / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"w": "../hf/x.safetensors"}}))
+    _hf_config(directory)
+    assert _refused_import(directory, capsys) == (f"{directory}/model.safetensors.index.json: shard "
+                                                  f"'../hf/x.safetensors' is not a file of {directory}")

@@ -200,3 +200,14 @@ def test_deepspeed_config_sits_between_yaml_and_overrides(tmp_path):
     path.write_text('{"gradient_clipping": 0.25, "steps_per_print": 3}')
     cfg = parse_args(["training.deepspeed_config=" + str(path), "optimizer.clip_grad=0.5"])
     assert (cfg.optimizer.clip_grad, cfg.logging.log_interval) == (0.5, 3)
+
+
+def test_tool_errors_are_one_line(capsys):
+    """A tool's OSError (an output its early checks could not foresee) is one line naming the file."""
+    from megalite.config.tool import run_tool
+
+    def work():
+        open("/proc/no-such-dir/out", "w")
+
+    assert run_tool("tool", work) == 2
+    assert capsys.readouterr().err == "tool: error: /proc/no-such-dir/out: No such file or directory\n"

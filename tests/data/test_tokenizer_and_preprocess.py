@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import pickle
+import re
 import shutil
 from pathlib import Path
 
@@ -89,13 +90,54 @@ def test_plain_text_inputs_and_directories(tmp_path):
         list(iter_documents([str(tmp_path / "dir" / "blob.bin")]))
 
 
-@pytest.mark.parametrize("line, message", [("{not json", "docs.jsonl:2: not a JSON object"),
-                                           ('{"body": "x"}', "docs.jsonl:2: no key 'text'"),
-                                           ('{"text": 3}', "docs.jsonl:2: 'text' is a int, not a string")])
-def test_bad_json_lines_name_the_line(tmp_path, line, message):
-    (tmp_path / "docs.jsonl").write_text('{"text": "fine"}\n' + line + "\n")
-    with pytest.raises(DataError, match=message):
+@pytest.mark.parametrize("lines, message", [
+    (['{"text": "fine"}', '{"body": "x"}'], "docs.jsonl:2: no key 'text' (see --json-keys)"),   # the options wrong
+    (['{not json', '{"text": "fine"}'], "docs.jsonl:1: not a JSON object (Expecting property name enclosed in double "
+                                        "quotes); a .jsonl/.json input holds one JSON object per line"),
+    (['[1]', '{"text": "fine"}'], "docs.jsonl:1: not a JSON object; a .jsonl/.json")])   # not JSON lines at all
+def test_bad_json_lines_that_stop_name_the_line(tmp_path, lines, message):
+    (tmp_path / "docs.jsonl").write_text("\n".join(lines) + "\n")
+    with pytest.raises(DataError, match=re.escape(message)):
         list(iter_documents([str(tmp_path / "docs.jsonl")]))
+
+
+def test_bad_json_records_are_skipped_each_named_and_counted(tmp_path, capsys):
+    """A damaged record among good ones is skipped with a warning naming its file and line, and the summary counts
+    them: a corrupt or cut line, a non-object, null or non-string text, a lone surrogate (valid JSON, but not text:
+    it crashed the preprocessor with a traceback), nesting too deep, an integer too long for Python."""
+    lines = ['{"text": "1 2"}', '{not json', '[3]', '{"text": null}', '{"text": 3}', '{"text": "4 \\ud800"}',
+             '{"text": "5", "more": "6 \\udfff"}', "[" * 100_000, '{"text": 1' + "0" * 5000 + "}", '{"text": "7 8',
+             '{"text": "9"}']
+    (tmp_path / "docs.jsonl").write_text("\n".join(lines) + "\n")
+    (tmp_path / "pair.jsonl").write_text('{"text": "\\ud83d\\ude00"}\n')   # a valid surrogate pair: one character
+    assert list(iter_documents([str(tmp_path / "pair.jsonl")])) == ["\U0001F600"]
+    documents = iter_documents([str(tmp_path / "docs.jsonl")], json_keys=["text", "more"])
+    with pytest.raises(DataError, match="docs.jsonl:1: no key 'more'"):   # a missing key stops: the options are wrong
+        list(documents)
+    preprocess_tool = load_tool("preprocess_data")
+    assert preprocess_tool.main(["--input", str(tmp_path / "docs.jsonl"), "--output-prefix", str(tmp_path / "out"),
+                                 "--tokenizer-type", "NullTokenizer", "--vocab-size", "100", "--quiet"]) == 0
+    err = capsys.readouterr().err.splitlines()
+    skipped = [line.split("docs.jsonl:")[1] for line in err if line.startswith("megalite: skipping ")]
+    assert [s.split(":")[0] for s in skipped] == ["2", "3", "4", "5", "6", "8", "9", "10"], err
+    assert skipped[2] == "4: 'text' is null, not a string" and skipped[3] == "5: 'text' is a int, not a string"
+    assert skipped[4] == "6: 'text' holds a lone surrogate ('\\ud800'), which is not text"
+    assert err[-1].startswith("wrote ") and "(8 bad records skipped, each named above)" in err[-1], err[-1]
+    assert [IndexedDataset(tmp_path / "out")[i].tolist() for i in range(3)] == [[1, 2], [5], [9]]
+
+
+def test_unwritable_outputs_are_one_line(tmp_path, capsys):
+    """An output under a regular file (permissions do not stop root) is refused before any work, in one line."""
+    (tmp_path / "file").write_text("")
+    (tmp_path / "docs.txt").write_text("1 2\n")
+    assert load_tool("preprocess_data").main(["--input", str(tmp_path / "docs.txt"), "--output-prefix",
+                                              str(tmp_path / "file" / "out"), "--tokenizer-type", "NullTokenizer",
+                                              "--vocab-size", "10"]) == 2
+    assert load_tool("train_tokenizer").main(["--input", str(tmp_path / "docs.txt"), "--model-prefix",
+                                              str(tmp_path / "file" / "tok")]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"preprocess_data: error: {tmp_path}/file/out.bin: cannot be created: {tmp_path}/file is not a directory",
+        f"train_tokenizer: error: {tmp_path}/file/tok.model: cannot be created: {tmp_path}/file is not a directory"]
 
 
 def test_tokenizer_errors_name_the_file(tmp_path):
@@ -249,3 +291,20 @@ def test_preprocess_data_with_hugging_face_tokenizers(hf_tokenizer_dir, tmp_path
     dataset, tokenizer = IndexedDataset(tmp_path / "out"), _library_tokenizers(hf_tokenizer_dir)[0]
     assert [tokenizer.decode(dataset[i][:-1].tolist()) for i in range(len(dataset))] == documents
     assert {int(dataset[i][-1]) for i in range(len(dataset))} == {tokenizer.eod}
+
+
+def test_auto_map_is_dropped_from_a_hugging_face_tokenizer(hf_tokenizer_dir, tmp_path):
+    """tokenizer_config.json's auto_map names code of the model's repository that transformers would run with
+    trust_remote_code; megalite never runs it, so it is dropped as the directory is read (nothing carries it into a
+    checkpoint) and from the files an export writes (a checkpoint saved before holds it)."""
+    shutil.copytree(hf_tokenizer_dir, tmp_path / "hf")
+    config = json.loads((tmp_path / "hf" / "tokenizer_config.json").read_text())
+    config.update(auto_map={"AutoTokenizer": ["evil--tokenization.EvilTokenizer", None]}, tokenizer_class="Evil")
+    (tmp_path / "hf" / "tokenizer_config.json").write_text(json.dumps(config))
+    read = HuggingFaceTokenizer.from_directory(tmp_path / "hf")
+    old = tokenizer_from_files("HuggingFaceTokenizer", {**read.files(), "tokenizer_config.json":
+                                                        json.dumps(config).encode()}, read.vocab_size)
+    for files in (read.files(), read.export_files(), old.export_files()):
+        written = json.loads(files["tokenizer_config.json"])
+        assert "auto_map" not in written and written["tokenizer_class"] == "PreTrainedTokenizerFast"
+        assert written["eos_token"] == config["eos_token"]

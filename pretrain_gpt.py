@@ -16,6 +16,7 @@ from megalite.extensions import ExtensionUnavailable
 from megalite.planner.doctor import is_out_of_memory, out_of_memory_message
 from megalite.planner.dry_run import format_dry_run
 from megalite.run import Run
+from megalite.training.failures import RollCall, failure_line
 from megalite.training import (Trainer, finish_checks, initialize_distributed, rank_device, shutdown_distributed,
                                world_size_from_env)
 from megalite.training.stopping import TrainingError
@@ -81,6 +82,7 @@ def main(argv: list[str]) -> int:
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     if restart and os.environ.get("RANK", "0") == "0":   # torchrun --max-restarts began this attempt after a failure
         print(f"megalite: torchrun restart {restart} of {os.environ.get('TORCHELASTIC_MAX_RESTARTS', '?')}", flush=True)
+    roll_call = RollCall.join()   # answers, from a thread, a rank that fails and asks who is still here
     try:
         trainer = Trainer(run, device)
         description = trainer.describe()   # collective: every rank computes it, rank 0 prints it
@@ -100,12 +102,12 @@ def main(argv: list[str]) -> int:
         if is_out_of_memory(error):   # which memory ran over, by how much, and what to change
             error_line(out_of_memory_message(cfg, error))
             return 1
-        if "timed out" not in str(error).lower():
+        # A dead or stalled peer: one line (which collective, which ranks are gone) instead of a backend traceback.
+        line = failure_line(error, int(os.environ.get("RANK", "0")), cfg.training.distributed_timeout_minutes,
+                            roll_call)
+        if line is None:
             raise
-        # A dead or stalled peer: say so in one line instead of a traceback from inside the backend.
-        error_line(f"megalite: error: rank {os.environ.get('RANK', '0')}: a collective timed out after "
-              f"--distributed-timeout-minutes {cfg.training.distributed_timeout_minutes:g}: another rank died or "
-              f"stalled ({str(error).splitlines()[0]})")
+        error_line(line)
         return 1
     finally:
         shutdown_distributed()

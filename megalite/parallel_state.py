@@ -198,7 +198,8 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_mode
             global_members = tuple(ranks[r] for r in members)
             # new_group is collective over the world: every rank creates every group, in the same order.
             if len(global_members) > 1 and global_members not in made:
-                made[global_members] = dist.new_group(list(global_members), timeout=timeout)
+                # named, so that NCCL's watchdog and megalite.training.failures say which group a collective was on
+                made[global_members] = dist.new_group(list(global_members), timeout=timeout, group_desc=kind)
             if me in global_members:
                 mine[kind] = GroupInfo(made.get(global_members), global_members)
     shares: dict[int, GroupInfo] = {}
@@ -206,7 +207,7 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_mode
                                                   pipeline_model_parallel_size, context_parallel_size).items():
         for members in members_list:   # every rank creates every one, in this same order
             global_members = tuple(ranks[r] for r in members)
-            group = dist.new_group(list(global_members), timeout=timeout)
+            group = dist.new_group(list(global_members), timeout=timeout, group_desc=f"tensor_share{size}")
             if me in global_members:
                 shares[size] = GroupInfo(group, global_members)
     if me not in ranks:

@@ -93,3 +93,44 @@ def test_torchrun_tensor_parallel_run_and_bad_layout_on_every_rank(tmp_path):
     lines = [l for l in bad.stderr.splitlines() if "megalite: error:" in l]
     assert len(lines) == 2   # one per rank
     assert all("--num-attention-heads 3 is not divisible by --tensor-model-parallel-size 2" in l for l in lines)
+
+
+def test_negative_number_parses_and_validation_refuses_it(capsys):
+    # argparse took "-1e-3" for a flag ("expected one argument"); now the number arrives, and is refused for what it is.
+    assert pretrain_gpt.main(["model=gpt_tiny", "data=mock", "--lr", "-1e-3"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("megalite: error: need 0 <= --min-lr <= --lr") and "--lr -0.001" in err and "\n" not in err
+
+
+def test_data_path_with_a_space_is_one_prefix(tmp_path):
+    from megalite.config.cli import parse_args
+    from megalite.config.flags import argv
+
+    prefix = str(tmp_path / "my corpus" / "text_document")
+    data = parse_args(["--data-path", prefix]).data
+    assert data.blend() == ([prefix], None)
+    data = parse_args(["--data-path", "0.3", prefix, "0.7", "other"]).data
+    assert data.blend() == ([prefix, "other"], [0.3, 0.7])
+    assert parse_args(argv({"data.data_path": data.data_path})).data.data_path == data.data_path   # round trip
+    assert parse_args(["--data-path", "0.3 A 0.7 B"]).data.blend() == (["A", "B"], [0.3, 0.7])   # "$BLEND" in quotes
+
+
+def test_train_iters_below_the_checkpoint_is_refused(tmp_path, capsys):
+    argv = ["model=gpt_tiny", "data=mock", "--eval-interval", "0", "--save", str(tmp_path), "--load", str(tmp_path)]
+    assert pretrain_gpt.main([*argv, "--train-iters", "2"]) == 0
+    capsys.readouterr()
+    assert pretrain_gpt.main([*argv, "--train-iters", "1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "the checkpoint is at iteration 2, past the run's last (--train-iters 1 = iteration 1)" in err
+    assert "\n" not in err
+    assert pretrain_gpt.main([*argv, "--train-iters", "2"]) == 0
+    assert "the checkpoint is at iteration 2, the run's last (--train-iters 2): nothing left to train" in \
+        capsys.readouterr().out
+
+
+def test_empty_validation_split_warns_once(corpus, capsys):
+    assert pretrain_gpt.main(["model=gpt_tiny", "--data-path", str(corpus.prefix), "--tokenizer-model",
+                              str(corpus.tokenizer_model), "--split", "100,0,0", "--train-iters", "1",
+                              "--eval-interval", "1", "--eval-iters", "1", "--vocab-size", "301"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("megalite: warning: --split 100,0,0 leaves the validation split no documents") == 1

@@ -20,6 +20,7 @@ import argparse
 import dataclasses
 import difflib
 import os
+import shlex
 import typing
 from typing import Optional
 
@@ -68,22 +69,47 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _join_multi_word_values(argv: list[str]) -> list[str]:
-    """``--data-path 0.3 A 0.7 B`` -> ``--data-path=0.3 A 0.7 B``: the words after a multi-word flag, up to the next
-    flag or Hydra override (a word with '='), become its one string value. argparse's own nargs="+" would also
-    swallow a following ``model=gpt_tiny``; a word that contains '=' can still be part of the value when given in
-    one piece: ``--data-path='0.5 a=b 0.5 c'``."""
+def _number(word: str) -> bool:
+    try:
+        float(word)
+    except ValueError:
+        return False
+    return True
+
+
+def _weighted_blend(word: str) -> bool:
+    """Whether one word is a whole blend, ``"0.3 A 0.7 B"`` (from ``--data-path "$BLEND"``), kept as words; any other
+    word with a space is one value (a path)."""
+    words = word.split()
+    return len(words) <= 1 or (len(words) % 2 == 0 and all(_number(w) for w in words[0::2]))
+
+
+def _join_flag_values(argv: list[str]) -> list[str]:
+    """Each flag's value attached to it where argparse would misread it.
+
+    ``--lr -1e-3`` -> ``--lr=-1e-3``: argparse takes a word starting with '-' for a flag (it knows "-1" but not
+    "-1e-3" as a number), and would say "expected one argument"; joined, the number parses and validation says what
+    is wrong with it. ``--data-path 0.3 A 0.7 B`` -> ``--data-path=0.3 A 0.7 B``: the words after a multi-word flag,
+    up to the next flag or Hydra override (a word with '='), become its one string value, each word that holds a
+    space shell-quoted so that it stays one word (a prefix ``"my corpus/text"`` given in quotes is one path, as in
+    Megatron's nargs="+"), unless the word is a whole weighted blend. argparse's own nargs="+" would also swallow a following ``model=gpt_tiny``; a word that
+    contains '=' can still be part of the value when given in one piece: ``--data-path='0.5 a=b 0.5 c'``."""
     multi_word = {f.flag for f in FLAGS if f.multi_word}
+    takes_value = {f.flag for f in FLAGS if not f.is_switch and not f.multi_word}
     result, i = [], 0
     while i < len(argv):
         name, has_value, value = argv[i].partition("=")
         i += 1
+        if name in takes_value and not has_value and i < len(argv) and argv[i].startswith("-") and _number(argv[i]):
+            result.append(f"{name}={argv[i]}")
+            i += 1
+            continue
         if name not in multi_word:
             result.append(argv[i - 1])
             continue
         words = [value] if has_value else []
         while i < len(argv) and not argv[i].startswith("-") and "=" not in argv[i]:
-            words.append(argv[i])
+            words.append(argv[i] if _weighted_blend(argv[i]) else shlex.quote(argv[i]))
             i += 1
         result.append(f"{name}={' '.join(words)}" if words else name)  # no words: argparse reports the flag
     return result
@@ -92,7 +118,7 @@ def _join_multi_word_values(argv: list[str]) -> list[str]:
 def split_argv(argv: list[str]) -> tuple[list[str], list[str], tuple[str, ...]]:
     """(Hydra overrides, flag overrides, Megatron flags accepted without effect) for argv; the flag overrides
     already formatted as ``section.field=value``."""
-    namespace, rest = build_parser().parse_known_args(_join_multi_word_values(list(argv)))
+    namespace, rest = build_parser().parse_known_args(_join_flag_values(list(argv)))
     unknown = list(dict.fromkeys(arg.split("=")[0] for arg in rest if arg.startswith("-")))
     if unknown:
         raise ConfigError(_unknown_flags_message(unknown))

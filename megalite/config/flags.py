@@ -14,7 +14,7 @@ import typing
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
-from megalite.config.schema import ConfigError, MegaliteConfig, sections
+from megalite.config.schema import ConfigError, MegaliteConfig, multi_word_values, sections
 
 SCHEMA_NAME = "megalite_schema"  # referenced by the defaults list of configs/config.yaml
 CONFIG_DIR_ENV = "MEGALITE_CONFIG_DIR"
@@ -125,6 +125,8 @@ def argv(settings: dict[str, Any]) -> list[str]:
             words.append(flag.flag)
         elif value is None or isinstance(value, bool):
             words.append(override(key, value))
+        elif flag.multi_word:   # one word per value word, so that it reads back the same (quoted words stay one)
+            words += [flag.flag, *multi_word_values(str(value))]
         else:
             words += [flag.flag, str(value)]
     return words

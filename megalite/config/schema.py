@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
+import shlex
 import typing
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -387,6 +389,15 @@ class OptimizerConfig:
         return {"use_distributed_optimizer": level in (1, 2), "zero_stage": max(level, 1)}
 
 
+def multi_word_values(text: str) -> list[str]:
+    """The words of a multi-word option (Megatron's nargs="+"), split as a shell would: a word in quotes may hold
+    spaces (``'my corpus/text' other``); a stray quote (``John's``) leaves plain whitespace splitting."""
+    try:
+        return shlex.split(text)
+    except ValueError:
+        return text.split()
+
+
 @dataclass
 class DataConfig:
     mock_data: bool = option(False, "Train on deterministic synthetic sequences (no data files needed).")
@@ -440,12 +451,14 @@ class DataConfig:
         """(prefixes, weights) of data_path: 'A B' -> ([A, B], None), '0.3 A 0.7 B' -> ([A, B], [0.3, 0.7])."""
         from megalite.config.flags import FLAG   # noqa: PLC0415 - flags import this module
 
-        words = (self.data_path or "").split()
+        words = multi_word_values(self.data_path or "")
         if not words:
             raise ConfigError(f"{FLAG.data_path} is empty")
         try:
             float(words[0])
         except ValueError:  # the first word is a prefix: no weights
+            if len(words) > 1 and os.path.exists(f"{self.data_path}.idx"):   # one path with a space, quoted only
+                return [self.data_path], None                                # for the shell (or for Hydra)
             return words, None
         if len(words) % 2:
             raise ConfigError(f"{FLAG.data_path} {self.data_path!r}: weights and prefixes must come in pairs")

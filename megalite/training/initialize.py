@@ -18,6 +18,7 @@ import torch.distributed as dist
 from megalite import parallel_state
 from megalite.config import ConfigError, ParallelConfig
 from megalite.config.flags import FLAG
+from megalite.training.failures import nccl_flight_recorder_defaults
 
 
 def world_size_from_env() -> int:
@@ -92,6 +93,8 @@ def initialize_distributed(parallel: ParallelConfig, timeout_s: float = 600.0,
         store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         store = dist.PrefixStore(f"megalite/attempt{attempt}", store)
+        if backend == "nccl":   # read when the NCCL group is made: a timeout then leaves each rank's last collectives
+            nccl_flight_recorder_defaults(os.environ)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout,
                                 device_id=device if backend == "nccl" else None)
     parallel_state.initialize_model_parallel(parallel.tensor_model_parallel_size,

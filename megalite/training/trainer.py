@@ -20,8 +20,9 @@ import torch
 import torch.distributed as dist
 
 from megalite import checkpoint, parallel_state
-from megalite.config import MegaliteConfig
+from megalite.config import ConfigError, MegaliteConfig
 from megalite.config.batches import batch_schedule, describe as describe_batches, train_iterations
+from megalite.config.flags import FLAG
 from megalite.data import build_datasets, micro_batch_indices
 from megalite.data.packing import packed_documents
 from megalite.distributed import is_expert
@@ -108,6 +109,12 @@ class Trainer:
         valid_samples = d.eval_iters * t.global_batch_size if d.eval_interval > 0 else 0
         self.data = build_datasets(cfg, (self.batches.consumed_after(self.train_iters), valid_samples, 0),
                                    run.tokenizer)
+        rank_zero = not dist.is_initialized() or dist.get_rank() == 0
+        if valid_samples and d.eval_iters > 0 and self.data.valid is None and rank_zero:
+            # Megatron skips evaluation here too; say so once, rather than leave the eval_loss missing unexplained.
+            print(f"megalite: warning: {FLAG.split} {d.split} leaves the validation split no documents: no "
+                  f"evaluation, although {FLAG.eval_interval} {d.eval_interval} asks for one (give the split a "
+                  f"share, or {FLAG.eval_interval} 0)", flush=True)
         self.model, self.engine, self.pipeline, self.rng, self.dtype = parallelize(run, device)
         # The FP8 linears' amax histories (delayed recipe), by canonical name (checkpoints keep them).
         self.fp8_histories = [found for chunk in self.model for found in chunk.canonical_fp8_histories()]
@@ -399,9 +406,19 @@ class Trainer:
         if result is None:
             self.logger.print(f"no checkpoint in {c.load} yet: starting from scratch")
             return None
+        # A run shorter than its checkpoint would load, train nothing and exit 0: refuse, on every rank alike.
+        length = (f"{FLAG.train_samples} {self.cfg.training.train_samples}" if self.cfg.training.train_samples
+                  is not None else f"{FLAG.train_iters} {self.train_iters}")
+        if result.iteration > self.train_iters:
+            raise ConfigError(f"{FLAG.load} {c.load}: the checkpoint is at iteration {result.iteration}, past the "
+                              f"run's last ({length} = iteration {self.train_iters}): nothing to train; give "
+                              f"{FLAG.train_iters} above {result.iteration} to go on")
         self.state = TrainState(result.iteration, result.consumed_samples)
         for note in [f"loaded checkpoint {result.path} in {time.perf_counter() - start:.1f} s"] + result.notes:
             self.logger.print(note)
+        if result.iteration == self.train_iters:
+            self.logger.print(f"megalite: the checkpoint is at iteration {result.iteration}, the run's last "
+                              f"({length}): nothing left to train")
         return result.iteration
 
     def _should_evaluate(self, iteration: int) -> bool:

@@ -114,4 +114,6 @@ def test_stalled_rank_makes_the_others_fail_within_the_timeout(tmp_path):
         launcher.wait()
     assert "a collective timed out after --distributed-timeout-minutes 0.1: another rank died or stalled" in err
     assert "rank 0" in err
+    # The stalled rank answers no roll call, and the line says which collective waited for it.
+    assert "rank(s) 1 did not answer a roll call" in err and " over the " in err and "ranks [0, 1]" in err, err
     assert waited < 60

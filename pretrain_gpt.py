@@ -10,11 +10,13 @@ from __future__ import annotations
 import os
 import sys
 
+from megalite.checkpoint.errors import SaveError
 from megalite.config.cli import parse_command_line
 from megalite.config import ConfigError
 from megalite.extensions import ExtensionUnavailable
 from megalite.planner.doctor import is_out_of_memory, out_of_memory_message
 from megalite.planner.dry_run import format_dry_run
+from megalite.planner.preflight import check_machine, no_space_message
 from megalite.run import Run
 from megalite.training.failures import RollCall, failure_line
 from megalite.training import (Trainer, finish_checks, initialize_distributed, rank_device, shutdown_distributed,
@@ -43,7 +45,9 @@ def main(argv: list[str]) -> int:
         # Every rank resolves and checks the run on its own before any collective, so a bad value cannot hang the job.
         run = Run.resolve(command_line.config, world_size, command_line.accepted)
         if not run.cfg.training.dry_run and not simulated:   # more processes than GPUs here: one line, not "invalid
-            rank_device(run.cfg.training.distributed_backend)   # device ordinal"
+            _, device = rank_device(run.cfg.training.distributed_backend)   # device ordinal"
+            # This machine against the run: writable outputs, the memory estimate, one checkpoint on the disk.
+            check_machine(run.cfg, world_size, cuda=device.type == "cuda")
     except ConfigError as error:
         if os.environ.get("RANK", "0") == "0":   # a refused --deepspeed-config: its table shows what was refused
             for line in getattr(error, "table", ()):
@@ -98,7 +102,11 @@ def main(argv: list[str]) -> int:
     except ExtensionUnavailable as error:   # --use-fused-kernels on, and the kernels do not build or pass here
         error_line(f"megalite: error: rank {os.environ.get('RANK', '0')}: {error}")
         return 1
-    except RuntimeError as error:   # torch's DistBackendError and OutOfMemoryError are RuntimeErrors too
+    except SaveError as error:   # a full or read-only disk at a save: every rank finds it (save.py, storage.py)
+        line = no_space_message(cfg, error, error.directory) or str(error)
+        error_line(f"megalite: error: rank {os.environ.get('RANK', '0')}: {line}")
+        return 1
+    except (RuntimeError, MemoryError) as error:   # torch's DistBackendError and OutOfMemoryError are RuntimeErrors
         if is_out_of_memory(error):   # which memory ran over, by how much, and what to change
             error_line(out_of_memory_message(cfg, error))
             return 1

@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from megalite import parallel_state
 from megalite.checkpoint import directory as ckpt_dir
-from megalite.checkpoint.errors import CheckpointError
+from megalite.checkpoint.errors import CheckpointError, SaveError
 from megalite.checkpoint.keys import fp8_key, model_key, optimizer_key, rng_key, slice_of, stores_slice
 from megalite.checkpoint.digests import digest_bytes
 from megalite.checkpoint.manifest import MANIFEST_NAME, Digests, Manifest, SavedLayout, TensorSpec
@@ -115,7 +115,7 @@ class PendingSave:
             ckpt_dir.write_file(self._temporary / MANIFEST_NAME, manifest.to_json().encode())
             ckpt_dir.commit(self._temporary, self._final, self.iteration)
 
-        _on_rank0(commit, not self._collective or dist.get_rank() == 0, self._collective)
+        _on_rank0(commit, not self._collective or dist.get_rank() == 0, self._collective, self._temporary)
         return self._final   # nobody goes on (or loads) before the checkpoint is in place
 
 
@@ -153,14 +153,15 @@ def start_save(root: str | Path, *, cfg: MegaliteConfig, iteration: int, consume
         loss_scaler=optimizer.scaler.state_dict() if optimizer is not None and optimizer.scaler else None,
         rng_streams=sorted(streams))
 
-    _on_rank0(lambda: ckpt_dir.prepare(final), is_writer, collective)
+    _on_rank0(lambda: ckpt_dir.prepare(final), is_writer, collective, temporary)
     write = write_tensors(temporary, tensors, collective, asynchronous)
     return PendingSave(write, manifest, tokenizer, temporary, final, collective, device)
 
 
-def _on_rank0(step: Callable[[], object], is_writer: bool, collective: bool) -> None:
-    """Run ``step`` on rank 0, then a barrier that carries its failure: if rank 0 cannot write (a full or read-only
-    disk), every rank raises, instead of the others waiting for it until the collective timeout."""
+def _on_rank0(step: Callable[[], object], is_writer: bool, collective: bool, directory: Path) -> None:
+    """Run ``step`` (writing into ``directory``) on rank 0, then a barrier that carries its failure: if rank 0 cannot
+    write (a full or read-only disk), every rank raises a SaveError, instead of the others waiting for it until the
+    collective timeout. A CheckpointError (a bad tokenizer file name) stays one."""
     failure: Optional[Exception] = None
     if is_writer:
         try:
@@ -171,7 +172,10 @@ def _on_rank0(step: Callable[[], object], is_writer: bool, collective: bool) -> 
         outcome = [None if failure is None else f"{type(failure).__name__}: {failure}"]
         dist.broadcast_object_list(outcome, src=0)
         if outcome[0] is not None and failure is None:
-            raise RuntimeError(f"saving the checkpoint failed on rank 0 ({outcome[0]})")
+            raise SaveError(f"saving the checkpoint into {directory} failed on rank 0 ({outcome[0]})", str(directory))
+    if isinstance(failure, OSError):
+        raise SaveError(f"saving the checkpoint into {directory} failed ({type(failure).__name__}: {failure})",
+                        str(directory)) from failure
     if failure is not None:
         raise failure
 

@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from megalite import parallel_state
 from megalite.checkpoint.digests import default_algorithm, digest_bytes, digest_file, digest_ranges
-from megalite.checkpoint.errors import CheckpointError
+from megalite.checkpoint.errors import CheckpointError, SaveError
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint import FileSystemReader, metadata as dcp_metadata
@@ -249,7 +249,8 @@ class TensorWrite:
         try:
             future.result()
         except (Exception, _dcp().api.CheckpointException) as error:   # the latter is a BaseException
-            raise RuntimeError(f"saving the checkpoint into {self.directory} failed ({_reason(error)})") from None
+            raise SaveError(f"saving the checkpoint into {self.directory} failed ({_reason(error)})",
+                            str(self.directory)) from None
         finally:
             if self._group is not None:
                 dist.destroy_process_group(self._group)
@@ -279,7 +280,7 @@ def write_tensors(directory: Path, tensors: dict[str, torch.Tensor], collective:
             warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single process")
             dcp.save(tensors, storage_writer=writer, no_dist=not collective)
     except dcp.api.CheckpointException as error:   # a BaseException: an ordinary error with its first reason
-        raise RuntimeError(f"saving the checkpoint into {directory} failed ({_reason(error)})") from None
+        raise SaveError(f"saving the checkpoint into {directory} failed ({_reason(error)})", str(directory)) from None
     return TensorWrite(directory, writer)
 
 

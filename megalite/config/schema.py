@@ -529,6 +529,10 @@ class TrainingConfig:
     dry_run: bool = option(
         False, "Print the planner's per-GPU memory estimate for this layout (weights, gradients, optimizer states, "
                "activations of each pipeline stage) and exit without training.")
+    skip_memory_check: bool = option(
+        False, "Start even when the planner's memory estimate (what --dry-run prints) exceeds this GPU's memory, or "
+               "on the CPU the host's available memory for its ranks (by default refused at start-up): for when the "
+               "estimate is wrong.")
     simulate_gpus: int = option(
         0, "Check this job on N simulated GPUs before paying for real ones: run one rank's real code path (model, "
            "schedule, every collective, optimizer step; two iterations) in this one process on meta tensors that "

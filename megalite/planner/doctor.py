@@ -33,10 +33,16 @@ _UNITS = {"GiB": 2**30, "MiB": 2**20, "KiB": 2**10}
 USABLE = 0.9   # as the planner's default headroom
 
 
+# How allocators say it: CUDA's and older torch's "out of memory", the CPU allocator's "can't allocate memory" (Linux:
+# "DefaultCPUAllocator: can't allocate memory: you tried to allocate N bytes. Error code 12 (Cannot allocate
+# memory)") and "not enough memory" (Windows).
+_OUT_OF_MEMORY = ("out of memory", "can't allocate memory", "cannot allocate memory", "not enough memory")
+
+
 def is_out_of_memory(error: BaseException) -> bool:
-    """torch's OutOfMemoryError, or a RuntimeError saying so (CPU allocators, older torch)."""
-    return isinstance(error, torch.OutOfMemoryError) or (
-        isinstance(error, RuntimeError) and "out of memory" in str(error).lower())
+    """torch's OutOfMemoryError, Python's MemoryError, or a RuntimeError in an allocator's words."""
+    return isinstance(error, (torch.OutOfMemoryError, MemoryError)) or (
+        isinstance(error, RuntimeError) and any(words in str(error).lower() for words in _OUT_OF_MEMORY))
 
 
 def device_memory_bytes(error: BaseException) -> float:

@@ -41,6 +41,12 @@ def test_recognizes_out_of_memory_errors():
     assert is_out_of_memory(torch.OutOfMemoryError("CUDA out of memory."))
     assert is_out_of_memory(RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried... out of memory"))
     assert not is_out_of_memory(RuntimeError("a collective timed out"))
+    # The CPU allocator's own words (Linux, Windows), which never say "out of memory", and Python's MemoryError.
+    assert is_out_of_memory(RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't "
+                                         "allocate memory: you tried to allocate 10000000000000 bytes. Error code 12 "
+                                         "(Cannot allocate memory)"))
+    assert is_out_of_memory(RuntimeError("DefaultCPUAllocator: not enough memory: you tried to allocate 8 GB."))
+    assert is_out_of_memory(MemoryError())
     assert device_memory_bytes(_cuda_error(80 * 1024 * MiB)) == 80 * 2**30
 
 

@@ -7,6 +7,7 @@ Megatron-style flags and Hydra overrides (key=value, config groups) may be mixed
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 
@@ -20,7 +21,7 @@ from megalite.planner.preflight import check_machine, no_space_message
 from megalite.run import Run
 from megalite.training.failures import RollCall, failure_line
 from megalite.training import (Trainer, finish_checks, initialize_distributed, rank_device, shutdown_distributed,
-                               world_size_from_env)
+                               take_save_lock, world_size_from_env)
 from megalite.training.stopping import TrainingError
 
 
@@ -36,6 +37,11 @@ def error_line(text: str) -> None:
 
 
 def main(argv: list[str]) -> int:
+    with contextlib.ExitStack() as held:   # the --save directory's lock, released however the run ends
+        return _main(argv, held)
+
+
+def _main(argv: list[str], held: contextlib.ExitStack) -> int:
     try:
         command_line = parse_command_line(argv, world_size_from_env())   # the world size: --deepspeed-config's DP
         simulated = command_line.config.training.simulate_gpus   # --simulate-gpus N: this process plays N GPUs
@@ -48,6 +54,10 @@ def main(argv: list[str]) -> int:
             _, device = rank_device(run.cfg.training.distributed_backend)   # device ordinal"
             # This machine against the run: writable outputs, the memory estimate, one checkpoint on the disk.
             check_machine(run.cfg, world_size, cuda=device.type == "cuda")
+        if run.cfg.checkpoint.save and not run.cfg.training.dry_run and not simulated:   # one job per --save
+            lock = take_save_lock(run.cfg.checkpoint, 60 * run.cfg.training.distributed_timeout_minutes)
+            if lock is not None:
+                held.callback(lock.release)
     except ConfigError as error:
         if os.environ.get("RANK", "0") == "0":   # a refused --deepspeed-config: its table shows what was refused
             for line in getattr(error, "table", ()):

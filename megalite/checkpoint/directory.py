@@ -5,10 +5,13 @@
         iter_0000010/
         latest_checkpointed_iteration.txt   "10": the checkpoint --load resumes from (Megatron's name and format)
 
-A save writes into ``iter_0000010.tmp/``; once every rank's files and the manifest are in it, rank 0 renames it to
+A save writes into ``iter_0000010.tmp.PID@HOST[@JOB]/`` (named after rank 0's process and job, see
+:class:`megalite.checkpoint.lock.Owner`); once every rank's files and the manifest are in it, rank 0 renames it to
 ``iter_0000010/`` and only then rewrites the pointer file (a temporary file renamed over it). Renames are atomic, so
 a crash at any moment, kill -9 included, leaves the pointer naming the previous complete checkpoint; the leftover
-``.tmp`` directory is never read, and the next save removes it.
+``.tmp.*`` directory is never read, and a later save of the same job (or any save once its owner's process is seen
+dead on this host) removes it. Another job's is never touched: ``SAVE/.megalite.lock`` keeps a second job out of
+the directory, and the names keep one that got in anyway (or a tool writing there) from deleting this one's.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from pathlib import Path
 from typing import Optional
 
 from megalite.checkpoint.errors import CheckpointError
+from megalite.checkpoint.lock import Owner
 from megalite.checkpoint.manifest import MANIFEST_NAME
 
 POINTER_NAME = "latest_checkpointed_iteration.txt"
@@ -32,8 +36,8 @@ def iteration_dir(root: Path, iteration: int) -> Path:
     return root / f"iter_{iteration:07d}"
 
 
-def temporary_dir(final: Path) -> Path:
-    return final.with_name(final.name + TEMPORARY_SUFFIX)
+def temporary_dir(final: Path, owner: Owner) -> Path:
+    return final.with_name(f"{final.name}{TEMPORARY_SUFFIX}.{owner.tag}")
 
 
 # What marks an iteration directory of Megatron-LM (same pointer file, other contents): its torch_dist format's
@@ -93,19 +97,31 @@ def find_checkpoint(load: str | os.PathLike, allow_none: bool = False) -> Option
     raise CheckpointError(f"--load {root}: no checkpoint there (no {POINTER_NAME} or {MANIFEST_NAME})")
 
 
+def pointed_iteration(root: str | os.PathLike) -> Optional[int]:
+    """The iteration ``root``'s pointer file names; None without a readable one."""
+    try:
+        return int((Path(root) / POINTER_NAME).read_text().strip())
+    except (OSError, ValueError):
+        return None
+
+
 def _complete_iterations(root: Path) -> list[Path]:
     if not root.is_dir():
         return []
     return sorted(p for p in root.iterdir() if _ITERATION_DIR.fullmatch(p.name) and (p / MANIFEST_NAME).is_file())
 
 
-def prepare(final: Path) -> Path:
-    """(Rank 0, before a save.) An empty temporary directory for ``final``; leftovers of interrupted saves in the
-    same root are removed (they were never complete, and nothing reads them)."""
+def prepare(final: Path, owner: Optional[Owner] = None) -> Path:
+    """(Rank 0, before a save.) An empty temporary directory for ``final``, named after ``owner`` (this process by
+    default). Leftovers of interrupted saves in the same root are removed when they were this job's or their owner
+    is seen dead on this host (they were never complete, and nothing reads them); another job's are left alone."""
+    owner = owner or Owner.current()
     final.parent.mkdir(parents=True, exist_ok=True)
-    for stale in final.parent.glob(f"iter_*{TEMPORARY_SUFFIX}"):
-        shutil.rmtree(stale, ignore_errors=True)
-    temporary = temporary_dir(final)
+    for leftover in final.parent.glob(f"iter_*{TEMPORARY_SUFFIX}.*"):
+        writer = Owner.from_tag(leftover.name.split(TEMPORARY_SUFFIX + ".", 1)[1])
+        if writer is not None and (owner.same_job(writer) or writer.is_dead_here()):
+            shutil.rmtree(leftover, ignore_errors=True)
+    temporary = temporary_dir(final, owner)
     temporary.mkdir()
     return temporary
 

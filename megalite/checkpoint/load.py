@@ -24,6 +24,7 @@ from typing import Optional
 import torch
 
 from megalite import parallel_state
+from megalite.checkpoint import directory as ckpt_dir
 from megalite.checkpoint.contents import NO_DIGESTS, Checkpoint, open_load_checkpoint
 from megalite.checkpoint.digests import even_shares
 from megalite.checkpoint.errors import CheckpointError
@@ -32,7 +33,7 @@ from megalite.checkpoint.keys import OPTIMIZER_STATES, fp8_key, model_key, optim
 from megalite.checkpoint.manifest import Manifest, SavedLayout
 from megalite.checkpoint.model_specs import check_fits
 from megalite.checkpoint.reshard import assemble, merge, split
-from megalite.config import MegaliteConfig
+from megalite.config import CheckpointConfig, MegaliteConfig
 from megalite.config.dims import ParallelDims
 from megalite.data.tokenizer import Tokenizer
 from megalite.distributed import copy_into_parameter
@@ -51,17 +52,31 @@ class LoadResult:
 def check_checkpoint(cfg: MegaliteConfig, world_size: int, tokenizer: Optional[Tokenizer] = None) -> None:
     """Raise a one-line CheckpointError if ``--load`` names no usable checkpoint, or one that misses anything this
     run would read, or holds another model than ``cfg``'s read with ``tokenizer`` (megalite.run resolved both: the
-    vocabulary is the tokenizer's). Reads only the manifest and DCP's index; no process group needed."""
+    vocabulary is the tokenizer's). Reads only the manifest and DCP's index; no process group needed. Also refuses a
+    ``--save`` whose pointer names a newer iteration than the run starts from (see :func:`_check_not_behind`)."""
     c = cfg.checkpoint
-    if c.load is None:
+    checkpoint = open_load_checkpoint(c) if c.load is not None else None
+    if checkpoint is not None:
+        layout = SavedLayout.of(cfg, ParallelDims.of(cfg.parallel, world_size).dp)
+        checkpoint.verify(optimizer=_loads_optimizer(cfg, checkpoint.manifest),
+                          rng=_loads_rng(cfg, checkpoint.manifest, layout, torch.cuda.is_available()))
+        check_same_model(checkpoint, cfg.model, tokenizer, c.finetune)
+    start = checkpoint.manifest.iteration if checkpoint is not None and not c.finetune else 0
+    _check_not_behind(c, start)
+
+
+def _check_not_behind(c: CheckpointConfig, start: int) -> None:
+    """A run starting at iteration ``start`` whose --save already points to a later one (e.g. --load X/iter_5
+    --save X with X at 10, maybe another run's) would replace those iterations and move the pointer back: refused
+    unless --override-newer-checkpoint."""
+    if c.save is None or c.override_newer_checkpoint:
         return
-    checkpoint = open_load_checkpoint(c)
-    if checkpoint is None:
-        return
-    layout = SavedLayout.of(cfg, ParallelDims.of(cfg.parallel, world_size).dp)
-    checkpoint.verify(optimizer=_loads_optimizer(cfg, checkpoint.manifest),
-                      rng=_loads_rng(cfg, checkpoint.manifest, layout, torch.cuda.is_available()))
-    check_same_model(checkpoint, cfg.model, tokenizer, c.finetune)
+    newest = ckpt_dir.pointed_iteration(c.save)
+    if newest is not None and newest > start:
+        raise CheckpointError(
+            f"--save {c.save} already points to iteration {newest}, newer than iteration {start} this run starts "
+            f"from (its saves would overwrite checkpoints up to {newest} and move {ckpt_dir.POINTER_NAME} back): "
+            f"choose another --save, or pass --override-newer-checkpoint")
 
 
 def load_checkpoint(cfg: MegaliteConfig, *, parameters: list[tuple[str, torch.nn.Parameter]],

@@ -135,7 +135,6 @@ def start_save(root: str | Path, *, cfg: MegaliteConfig, iteration: int, consume
     collective = layout_size > 1
     is_writer = not collective or dist.get_rank() == 0
     final = ckpt_dir.iteration_dir(Path(root), iteration)
-    temporary = ckpt_dir.temporary_dir(final)
 
     tensors = _model_tensors(parameters, at)
     adam_step = _adam_step(optimizer)
@@ -153,31 +152,35 @@ def start_save(root: str | Path, *, cfg: MegaliteConfig, iteration: int, consume
         loss_scaler=optimizer.scaler.state_dict() if optimizer is not None and optimizer.scaler else None,
         rng_streams=sorted(streams))
 
-    _on_rank0(lambda: ckpt_dir.prepare(final), is_writer, collective, temporary)
+    temporary = _on_rank0(lambda: ckpt_dir.prepare(final), is_writer, collective, final)   # rank 0's name for it
     write = write_tensors(temporary, tensors, collective, asynchronous)
     return PendingSave(write, manifest, tokenizer, temporary, final, collective, device)
 
 
-def _on_rank0(step: Callable[[], object], is_writer: bool, collective: bool, directory: Path) -> None:
-    """Run ``step`` (writing into ``directory``) on rank 0, then a barrier that carries its failure: if rank 0 cannot
-    write (a full or read-only disk), every rank raises a SaveError, instead of the others waiting for it until the
-    collective timeout. A CheckpointError (a bad tokenizer file name) stays one."""
+def _on_rank0(step: Callable[[], object], is_writer: bool, collective: bool, directory: Path) -> object:
+    """Run ``step`` (writing towards ``directory``) on rank 0, then a barrier that carries its failure: if rank 0
+    cannot write (a full or read-only disk), every rank raises a SaveError, instead of the others waiting for it until
+    the collective timeout. A CheckpointError (a bad tokenizer file name) stays one. Returns what ``step`` returned on
+    rank 0, on every rank."""
     failure: Optional[Exception] = None
+    result = None
     if is_writer:
         try:
-            step()
+            result = step()
         except Exception as error:
             failure = error
     if collective:
-        outcome = [None if failure is None else f"{type(failure).__name__}: {failure}"]
+        outcome = [None if failure is None else f"{type(failure).__name__}: {failure}", result]
         dist.broadcast_object_list(outcome, src=0)
         if outcome[0] is not None and failure is None:
             raise SaveError(f"saving the checkpoint into {directory} failed on rank 0 ({outcome[0]})", str(directory))
+        result = outcome[1]
     if isinstance(failure, OSError):
         raise SaveError(f"saving the checkpoint into {directory} failed ({type(failure).__name__}: {failure})",
                         str(directory)) from failure
     if failure is not None:
         raise failure
+    return result
 
 
 def _model_tensors(parameters, at: _Coordinates) -> dict[str, torch.Tensor]:

@@ -614,6 +614,12 @@ class CheckpointConfig:
     async_save: bool = option(
         False, "With --save: write checkpoints in the background while training goes on (torch.distributed."
                "checkpoint.async_save); each is renamed into place and pointed to once every rank has written it.")
+    break_save_lock: bool = option(
+        False, "With --save: take the directory's lock (SAVE/.megalite.lock, one job per --save) even from an owner "
+               "on another host that cannot be seen to have ended; only when that job is known to be gone.")
+    override_newer_checkpoint: bool = option(
+        False, "With --save: save even where --save already points to a newer checkpoint than this run starts from "
+               "(its saves replace those iterations and move the pointer back).")
 
 
 @dataclass

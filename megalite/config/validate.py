@@ -460,6 +460,9 @@ def _check_checkpoint(cfg: MegaliteConfig) -> None:
     _require(not c.finetune or c.load is not None, f"{FLAG.finetune} needs {FLAG.load}")
     _require(not c.use_checkpoint_args or c.load is not None, f"{FLAG.use_checkpoint_args} needs {FLAG.load}")
     _require(not c.async_save or c.save is not None, f"{FLAG.async_save} needs {FLAG.save}")
+    _require(not c.break_save_lock or c.save is not None, f"{FLAG.break_save_lock} needs {FLAG.save}")
+    _require(not c.override_newer_checkpoint or c.save is not None,
+             f"{FLAG.override_newer_checkpoint} needs {FLAG.save}")
 
 
 def _check_kernels(cfg: MegaliteConfig) -> None:

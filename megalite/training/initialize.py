@@ -11,12 +11,15 @@ from __future__ import annotations
 import datetime
 import os
 import time
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 
 from megalite import parallel_state
-from megalite.config import ConfigError, ParallelConfig
+from megalite.checkpoint.errors import CheckpointError
+from megalite.checkpoint.lock import SaveLock
+from megalite.config import CheckpointConfig, ConfigError, ParallelConfig
 from megalite.config.flags import FLAG
 from megalite.training.failures import nccl_flight_recorder_defaults
 
@@ -40,6 +43,41 @@ def finish_checks(failed: bool, timeout_s: float = 30.0) -> None:
             arrived = store.add(key, 0)
     except (RuntimeError, ValueError, TimeoutError):   # no store to reach: nothing to wait for
         pass
+
+
+def take_save_lock(c: CheckpointConfig, timeout_s: float = 600.0) -> Optional[SaveLock]:
+    """Rank 0 takes the lock of ``--save`` (megalite.checkpoint.lock: one job per directory) before any process
+    group exists and tells every rank through torchrun's key-value store whether it got it, so that a refusal is
+    the same one-line CheckpointError on every rank, before any collective. Rank 0 returns the lock (the caller
+    releases it at exit), the other ranks None; rank 0 prints a line when it took over a dead owner's lock. The
+    others wait at most ``timeout_s`` (the collective timeout) for rank 0's answer."""
+    rank, world = int(os.environ.get("RANK", "0")), world_size_from_env()
+    store = None
+    if world > 1 and "MASTER_ADDR" in os.environ:
+        store, _, _ = next(dist.rendezvous("env://", timeout=datetime.timedelta(seconds=timeout_s)))
+    key = f"megalite/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/save_lock"
+    if rank != 0:
+        if store is None:
+            return None
+        try:
+            refusal = store.get(key).decode()
+        except (RuntimeError, TimeoutError) as error:   # rank 0 failed before (its own line says why) or stalls
+            raise ConfigError(f"rank 0 did not say within {timeout_s:g} s whether it holds the lock of "
+                              f"{FLAG.save} {c.save} ({str(error).splitlines()[0]})") from None
+        if refusal:
+            raise CheckpointError(refusal)
+        return None
+    try:
+        lock, line = SaveLock.acquire(c.save, c.break_save_lock)
+    except CheckpointError as error:
+        if store is not None:
+            store.set(key, str(error))
+        raise
+    if store is not None:
+        store.set(key, "")
+    if line:
+        print(line, flush=True)
+    return lock
 
 
 def choose_device(backend: str, local_rank: int, gpu_count: int,

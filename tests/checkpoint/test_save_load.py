@@ -1,7 +1,10 @@
 """Save and load in one process: exact resume, what --finetune / --no-load-optim restore, when saves happen, and
-the one-line errors of a partial or corrupt checkpoint (from pretrain_gpt.py, before anything is built)."""
+the one-line errors of a partial or corrupt checkpoint (from pretrain_gpt.py, before anything is built), and a resume
+that would move its --save directory's pointer back."""
 
 from __future__ import annotations
+
+import shutil
 
 import pytest
 import torch
@@ -90,6 +93,22 @@ def test_checkpoint_that_does_not_fit_the_model(cfg, saved, capsys):
     assert "model options differ: hidden_size 64 (checkpoint) vs 128" in err
 
 
+def test_resuming_an_older_checkpoint_into_its_save_directory_is_refused(saved, capsys):
+    """--load X/iter_3 --save X while X points to 5 (another run's, maybe): its saves would replace iteration 4 and
+    move the pointer back from 5 (before: silently). --override-newer-checkpoint says to go ahead."""
+    shutil.copytree(saved / "iter_0000003", saved / "iter_0000005")
+    (saved / POINTER_NAME).write_text("5\n")
+    argv = [*ARGV, "--vocab-size", "301", "--load", str(saved / "iter_0000003"), "--save", str(saved)]
+    assert pretrain_gpt.main(argv) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"megalite: error: --save {saved} already points to iteration 5, newer than iteration 3 this run starts from "
+        f"(its saves would overwrite checkpoints up to 5 and move {POINTER_NAME} back): choose another --save, or "
+        f"pass --override-newer-checkpoint")
+    assert (saved / POINTER_NAME).read_text() == "5\n" and not (saved / "iter_0000004").exists()
+    assert pretrain_gpt.main([*argv, "--override-newer-checkpoint"]) == 0
+    assert (saved / POINTER_NAME).read_text() == "4\n"
+
+
 def _remove_optimizer_piece(directory):
     metadata = read_metadata(directory)
     key = next(k for k in metadata.state_dict_metadata if k.startswith("optim/layers.1.mlp.linear_fc1.weight/")
@@ -144,6 +163,8 @@ def test_corrupt_tensor_bytes_are_reported_by_name(saved, digests):
     (["--finetune"], "--finetune needs --load"),
     (["--use-checkpoint-args"], "--use-checkpoint-args needs --load"),
     (["--async-save"], "--async-save needs --save"),
+    (["--break-save-lock"], "--break-save-lock needs --save"),
+    (["--override-newer-checkpoint"], "--override-newer-checkpoint needs --save"),
     (["checkpoint.load=/no/such/dir"], "--load /no/such/dir: no such directory"),
 ])
 def test_checkpoint_options_fail_with_one_line(argv, message, capsys):

@@ -1,14 +1,17 @@
 """Which backend and device a process gets (--distributed-backend and the node's GPUs), the one-line error when a
 node has more processes than GPUs, before any process group exists, and the device's numerics settings (TF32 for fp32
-products on CUDA only)."""
+products on CUDA only), and the --save directory's lock taken by rank 0 at start-up."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import pretrain_gpt
-from megalite.config import ConfigError
+from megalite.checkpoint import CheckpointError
+from megalite.checkpoint.lock import Owner, SaveLock
+from megalite.config import CheckpointConfig, ConfigError
 from megalite.training import initialize
 
 CPU = torch.device("cpu")
@@ -63,3 +66,33 @@ def test_tf32_is_allowed_on_cuda_only():
         assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = flags
+
+
+def test_rank_0_takes_the_save_lock_and_every_rank_learns_the_outcome(tmp_path, monkeypatch):
+    """Before any process group: rank 0 takes --save's lock and says through torchrun's key-value store whether it
+    got it; another rank goes on, or raises rank 0's refusal (the same line), or says rank 0 never answered."""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)   # torchrun's agent store
+    for name, value in [("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(store.port)), ("WORLD_SIZE", "2"),
+                        ("TORCHELASTIC_USE_AGENT_STORE", "True"), ("TORCHELASTIC_RESTART_COUNT", "0")]:
+        monkeypatch.setenv(name, value)
+    c = CheckpointConfig(save=str(tmp_path))
+
+    def as_rank(rank: int, timeout_s: float = 10):
+        monkeypatch.setenv("RANK", str(rank))
+        return initialize.take_save_lock(c, timeout_s)
+
+    lock = as_rank(0)
+    assert lock is not None and as_rank(1) is None
+    lock.release()
+    SaveLock.acquire(tmp_path, owner=Owner("node7", 4242, "other"))   # another job's, on another node
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")             # each attempt has its own answer
+    refusals = []
+    for rank in (0, 1):
+        with pytest.raises(CheckpointError, match=r"in use by another job \(host node7, pid 4242") as refused:
+            as_rank(rank)
+        refusals.append(str(refused.value))
+    assert refusals[0] == refusals[1]
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")             # rank 0 failed an earlier check: no answer
+    with pytest.raises(ConfigError, match=rf"rank 0 did not say within 1 s whether it holds the lock of --save "
+                                          rf"{tmp_path} \("):
+        as_rank(1, timeout_s=1)

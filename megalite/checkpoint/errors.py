@@ -1,7 +1,8 @@
 """CheckpointError: a checkpoint that is missing, incomplete, corrupt or does not fit the model.
 
 It is a ConfigError, so ``pretrain_gpt.py`` reports it like a bad option: one line naming the file or tensor and what
-is wrong, exit code 2, on every rank.
+is wrong, exit code 2, on every rank. NotFiniteError: a save refused because what it would write holds a NaN or an
+infinity (the run's failure, not a checkpoint's: the trainer reports it as a training error, exit code 1).
 """
 
 from __future__ import annotations
@@ -11,3 +12,8 @@ from megalite.config import ConfigError
 
 class CheckpointError(ConfigError):
     """A bad checkpoint; the message names the checkpoint path and the first thing missing or wrong."""
+
+
+class NotFiniteError(RuntimeError):
+    """A save refused on every rank: the weights or optimizer states it would write are not finite; nothing of it was
+    written, and the pointer still names the latest good checkpoint."""

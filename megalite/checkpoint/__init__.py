@@ -10,7 +10,7 @@ layout on disk is described in ``directory``, the tensor names in ``keys``, the 
 """
 
 from megalite.checkpoint.contents import Checkpoint, open_checkpoint
-from megalite.checkpoint.errors import CheckpointError
+from megalite.checkpoint.errors import CheckpointError, NotFiniteError
 from megalite.checkpoint.identity import use_checkpoint_args
 from megalite.checkpoint.load import LoadResult, check_checkpoint, load_checkpoint
 from megalite.checkpoint.manifest import Manifest, SavedLayout, TensorSpec
@@ -19,7 +19,7 @@ from megalite.checkpoint.save import PendingSave, save_checkpoint, start_save
 from megalite.checkpoint.tokenizer import saved_tokenizer, with_checkpoint_tokenizer
 from megalite.checkpoint.verify import verify_checkpoint
 
-__all__ = ["Checkpoint", "CheckpointError", "LoadResult", "Manifest", "PendingSave", "PretrainedGPT", "SavedLayout",
-           "TensorSpec", "check_checkpoint", "load_checkpoint", "load_pretrained", "open_checkpoint",
+__all__ = ["Checkpoint", "CheckpointError", "LoadResult", "Manifest", "NotFiniteError", "PendingSave", "PretrainedGPT",
+           "SavedLayout", "TensorSpec", "check_checkpoint", "load_checkpoint", "load_pretrained", "open_checkpoint",
            "save_checkpoint", "saved_tokenizer", "start_save", "use_checkpoint_args", "verify_checkpoint",
            "with_checkpoint_tokenizer"]

@@ -16,7 +16,8 @@ Who writes what, so that every piece is stored exactly once:
 :func:`start_save` returns a :class:`PendingSave`: with ``asynchronous`` (``--async-save``) the tensors are copied
 and written in the background while training goes on; :meth:`PendingSave.ready` says (collectively) when every rank's
 write has completed, and only then does :meth:`PendingSave.finish` write the manifest, rename the checkpoint into
-place and point to it. A process killed before that leaves the previous checkpoint in charge.
+place and point to it. A process killed before that leaves the previous checkpoint in charge. A save whose weights or
+optimizer states are not finite is refused before anything is written (:class:`NotFiniteError`, on every rank).
 
 "DP" here is DP x CP: context-parallel ranks hold the same weights, and the optimizer shards over all of them.
 """
@@ -33,7 +34,7 @@ import torch.distributed as dist
 
 from megalite import parallel_state
 from megalite.checkpoint import directory as ckpt_dir
-from megalite.checkpoint.errors import CheckpointError, SaveError
+from megalite.checkpoint.errors import CheckpointError, NotFiniteError, SaveError
 from megalite.checkpoint.keys import fp8_key, model_key, optimizer_key, rng_key, slice_of, stores_slice
 from megalite.checkpoint.digests import digest_bytes
 from megalite.checkpoint.manifest import MANIFEST_NAME, Digests, Manifest, SavedLayout, TensorSpec
@@ -138,8 +139,10 @@ def start_save(root: str | Path, *, cfg: MegaliteConfig, iteration: int, consume
 
     tensors = _model_tensors(parameters, at)
     adam_step = _adam_step(optimizer)
-    if adam_step is not None:
-        tensors.update(_optimizer_tensors(optimizer, at, {id(param): name for name, param in parameters}))
+    states = ({} if adam_step is None else
+              _optimizer_tensors(optimizer, at, {id(param): name for name, param in parameters}))
+    _refuse_non_finite(Path(root), iteration, tensors.values(), states.values(), collective, device)
+    tensors.update(states)
     streams = _rng_states(rng, device)
     tensors.update({rng_key(at.pp_rank, at.tp_rank, at.dp_rank, s): state for s, state in streams.items()})
     if at.tp_rank == 0 and at.dp_rank == 0:
@@ -155,6 +158,35 @@ def start_save(root: str | Path, *, cfg: MegaliteConfig, iteration: int, consume
     temporary = _on_rank0(lambda: ckpt_dir.prepare(final), is_writer, collective, final)   # rank 0's name for it
     write = write_tensors(temporary, tensors, collective, asynchronous)
     return PendingSave(write, manifest, tokenizer, temporary, final, collective, device)
+
+
+def _refuse_non_finite(root: Path, iteration: int, weights, states, collective: bool, device: torch.device) -> None:
+    """Raise NotFiniteError on every rank, before anything is written or renamed, if a weight or an optimizer state
+    this save would write holds a NaN or an infinity. A finite loss and gradient norm do not vouch for the weights:
+    the step taken after them may have overflowed (a huge learning rate), and the next loss would tell too late, once
+    this checkpoint had become the one --load picks. The cost: one pass over this rank's tensors at save time and
+    one all-reduce of two flags, made on the compute device (an NCCL group carries CUDA tensors only) and read once."""
+    bad = torch.stack([_any_not_finite(weights, device), _any_not_finite(states, device)]).float()
+    if collective:
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+    bad_weights, bad_states = (bool(flag) for flag in bad.tolist())
+    if not (bad_weights or bad_states):
+        return
+    what = "weights" if bad_weights else "optimizer states (Adam moments or fp32 main weights)"
+    pointer = root / ckpt_dir.POINTER_NAME
+    try:
+        latest = str(ckpt_dir.iteration_dir(root, int(pointer.read_text())))
+    except (OSError, ValueError):
+        latest = f"none (no {pointer})"
+    raise NotFiniteError(f"iteration {iteration}: the {what} are not finite (NaN/inf); the checkpoint was not saved; "
+                         f"the latest good one is {latest}")
+
+
+def _any_not_finite(tensors, device: torch.device) -> torch.Tensor:
+    """Whether a floating-point tensor of ``tensors`` holds a NaN or an infinity, as a bool on ``device`` (a CPU
+    tensor's answer, an offloaded optimizer's, is copied there), left there for the caller's one read."""
+    flags = [torch.isfinite(t).all().logical_not().to(device) for t in tensors if t.is_floating_point()]
+    return torch.stack(flags).any() if flags else torch.zeros((), dtype=torch.bool, device=device)
 
 
 def _on_rank0(step: Callable[[], object], is_writer: bool, collective: bool, directory: Path) -> object:

@@ -4,12 +4,13 @@ instead of hanging in a collective. Messages name options by their flags (``FLAG
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Iterable
 
 from megalite.config.batches import batch_schedule
 from megalite.config.dims import ParallelDims
 from megalite.config.flags import FLAG
-from megalite.config.schema import TOKENIZER_TYPES, ConfigError, MegaliteConfig, ModelConfig
+from megalite.config.schema import TOKENIZER_TYPES, ConfigError, MegaliteConfig, ModelConfig, sections
 
 
 # Megatron's tokenizer names that megalite.data.tokenizer serves beside its SentencePiece and Null tokenizers.
@@ -35,6 +36,7 @@ def _one_of(name: str, value: Any, choices: tuple) -> None:
 def validate(cfg: MegaliteConfig, world_size: int) -> None:
     """Check every cross-field rule; raise ConfigError naming the offending values."""
     m, p, t = cfg.model, cfg.parallel, cfg.training
+    _check_finite(cfg)
     _at_least(1, [("num_layers", m.num_layers), ("hidden_size", m.hidden_size),
                   ("num_attention_heads", m.num_attention_heads), ("seq_length", m.seq_length),
                   ("vocab_size", m.vocab_size), ("make_vocab_size_divisible_by", m.make_vocab_size_divisible_by),
@@ -73,12 +75,26 @@ def validate(cfg: MegaliteConfig, world_size: int) -> None:
              f"{FLAG.max_position_embeddings} {m.max_positions} is smaller than {FLAG.seq_length} {m.seq_length}")
     for name, value in [("hidden_dropout", m.hidden_dropout), ("attention_dropout", m.attention_dropout)]:
         _require(0.0 <= value < 1.0, f"{getattr(FLAG, name)} must be in [0, 1), got {value}")
+    _at_least(0, [("init_method_std", m.init_method_std), ("layernorm_epsilon", m.layernorm_epsilon)])
     _check_optimizer(cfg, dims)
     _check_data(cfg)
     _check_logging(cfg, world_size)
     _check_checkpoint(cfg)
     _check_kernels(cfg)
     _check_simulation(cfg)
+
+
+def _check_finite(cfg: MegaliteConfig) -> None:
+    """No float option may be an infinity or a NaN, and none needs one: where "never" or "no limit" makes sense, None
+    or 0 says it. An infinity passes every lower bound below (a NaN, any rule written as a refusal of the bad range)
+    and poisons the weights later: an inf learning rate, init std or loss scale, a NaN epsilon. Checked by value over
+    every section, so that an option added later is covered too."""
+    for section, _ in sections():
+        values = getattr(cfg, section)
+        for field in dataclasses.fields(values):
+            value = getattr(values, field.name)
+            _require(not isinstance(value, float) or math.isfinite(value),
+                     f"{getattr(FLAG, field.name)} must be a finite number, got {value}")
 
 
 def _check_simulation(cfg: MegaliteConfig) -> None:
@@ -413,6 +429,9 @@ def _check_optimizer(cfg: MegaliteConfig, dims: ParallelDims) -> None:
              f"{FLAG.grad_reduce_in_bf16} needs {FLAG.bf16} (gradients are kept in the parameters' dtype)")
     _require(0 <= o.adam_beta1 < 1 and 0 <= o.adam_beta2 < 1,
              f"{FLAG.adam_beta1} and {FLAG.adam_beta2} must be in [0, 1), got {o.adam_beta1}, {o.adam_beta2}")
+    # Adam divides by sqrt(second moment) + eps: with eps 0, a parameter whose gradients are all zero steps by 0/0.
+    _require(o.adam_eps > 0, f"{FLAG.adam_eps} must be > 0, got {o.adam_eps}")
+    _at_least(0, [("weight_decay", o.weight_decay)])
     _require(not (t.bf16 and t.fp16), f"{FLAG.bf16} and {FLAG.fp16} exclude each other")
     _one_of("zero_stage", o.zero_stage, (1, 2, 3))
     _require(o.zero_stage != 2 or o.use_distributed_optimizer,

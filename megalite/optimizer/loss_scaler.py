@@ -7,10 +7,13 @@ is multiplied by ``backoff`` (never below ``min_scale``); after ``window`` clean
 ``growth``.
 
 Giving up: a step that overflows at a scale that cannot go lower (``min_scale``, or a constant scale) is one the
-scaler cannot fix. After ``GIVE_UP_AFTER`` (10) such steps in a row, ``gave_up`` turns True and the trainer stops with
-one line, as DeepSpeed does at its minimum scale (where it stops at the first): a loss that stays NaN would otherwise
-skip every step forever. Ten, not one, so that a few bad batches at the minimum scale are skipped as before; any step
-that does not overflow starts the count again. The count is not saved with the scaler's state.
+scaler cannot fix; neither is a step whose loss itself is not finite (the scale multiplies the loss after the forward
+pass, so no scale makes a NaN/inf loss finite: the weights or the data are broken, not the gradients' range). After
+``GIVE_UP_AFTER`` (10) such steps in a row, of either kind, ``gave_up`` turns True and the trainer stops with one line,
+as DeepSpeed does at its minimum scale (where it stops at the first): a loss that stays NaN would otherwise skip every
+step forever. Ten, not one, so that a few bad batches are skipped as before; any step that does not overflow starts
+the counts again. So at most hysteresis - 1 + log2(initial / min scale) + 10 steps in a row are skipped while the loss
+is finite (43 with the defaults), and 10 once it is not. The counts are not saved with the scaler's state.
 """
 
 from __future__ import annotations
@@ -21,23 +24,26 @@ GIVE_UP_AFTER = 10   # overflowing steps in a row at the lowest scale
 
 
 class _GivesUp:
-    """The count of overflowing steps in a row at a scale that cannot go lower."""
+    """The counts of overflowing steps in a row that no scale can fix: at a scale that cannot go lower, and with a
+    loss that is not finite."""
     overflows_at_minimum = 0
+    nonfinite_losses = 0
 
-    def _count(self, found_inf: bool, at_minimum: bool) -> None:
+    def _count(self, found_inf: bool, at_minimum: bool, loss_finite: bool) -> None:
         self.overflows_at_minimum = self.overflows_at_minimum + 1 if found_inf and at_minimum else 0
+        self.nonfinite_losses = self.nonfinite_losses + 1 if found_inf and not loss_finite else 0
 
     @property
     def gave_up(self) -> bool:
-        return self.overflows_at_minimum >= GIVE_UP_AFTER
+        return max(self.overflows_at_minimum, self.nonfinite_losses) >= GIVE_UP_AFTER
 
 
 @dataclass
 class ConstantLossScaler(_GivesUp):
     scale: float
 
-    def update(self, found_inf: bool) -> None:
-        self._count(found_inf, at_minimum=True)
+    def update(self, found_inf: bool, loss_finite: bool = True) -> None:
+        self._count(found_inf, at_minimum=True, loss_finite=loss_finite)
 
     def state_dict(self) -> dict:
         return {"scale": self.scale}
@@ -59,8 +65,9 @@ class DynamicLossScaler(_GivesUp):
         self._clean_steps = 0
         self._hysteresis_left = self.hysteresis
 
-    def update(self, found_inf: bool) -> None:
-        self._count(found_inf, at_minimum=self.scale <= self.min_scale)
+    def update(self, found_inf: bool, loss_finite: bool = True) -> None:
+        """One step's outcome: ``found_inf`` on any rank, ``loss_finite`` the loss on every rank (see _GivesUp)."""
+        self._count(found_inf, at_minimum=self.scale <= self.min_scale, loss_finite=loss_finite)
         if found_inf:
             self._clean_steps = 0
             self._hysteresis_left -= 1

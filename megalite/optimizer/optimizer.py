@@ -102,17 +102,22 @@ class MegaliteOptimizer:
         return any(not bool(torch.isfinite(p.grad).all()) for p in self.pieces)
 
     @torch.no_grad()
-    def step(self, lr: float, decoupled_lr: Optional[float] = None) -> dict:
+    def step(self, lr: float, decoupled_lr: Optional[float] = None, loss_finite: bool = True) -> dict:
         """Update the model from the reduced gradients at rate ``lr`` (``decoupled_lr`` for the word embedding and
-        output layer, with --decoupled-lr); returns ``grad_norm`` (None when skipped) and flags."""
+        output layer, with --decoupled-lr); returns ``grad_norm`` (None when skipped) and flags. ``loss_finite``:
+        this rank's loss (if it has one) is finite, which the fp16 loss scaler counts (see its giving up)."""
         grads = [p.grad for p in self.pieces]
         result: dict = {}
         if self.scaler is not None:
             if grads:
                 torch._foreach_mul_(grads, 1.0 / self.scaler.scale)
-            found_inf = parallel_state.any_rank(self.has_nonfinite_grads(), self.engine.device)
+            device = self.engine.device
+            found_inf = parallel_state.any_rank(self.has_nonfinite_grads(), device)
+            # Only on a skipped step (every rank knows it is one) is the loss's finiteness agreed: one more collective
+            # there, none on a clean step.
+            loss_finite = not found_inf or not parallel_state.any_rank(not loss_finite, device)
             result["loss_scale"] = self.scaler.scale
-            self.scaler.update(found_inf)
+            self.scaler.update(found_inf, loss_finite)
             if found_inf:
                 return {**result, "grad_norm": None, "skipped": True}
         norm = global_grad_norm([(p.param, p.grad) for p in self.pieces], self.engine.distributed)

@@ -1,5 +1,6 @@
 """Stopping a run on purpose: a scheduler's SIGTERM, an iteration budget, a time budget; and refusing to go on
-after a NaN, or (fp16) after steps that keep overflowing at the lowest loss scale.
+after a NaN, or (fp16) after skipped steps that no loss scale can fix (overflowing at the lowest scale, or a loss
+that is itself NaN/inf).
 
 Every rank must take the same decision at the same iteration, or the ones that stop leave the others waiting in a
 collective: a SIGTERM may reach only some ranks, and clocks differ. So each rank contributes its own wish and one
@@ -16,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from megalite.config import TrainingConfig
+from megalite.optimizer.loss_scaler import GIVE_UP_AFTER
 
 
 class TrainingError(RuntimeError):
@@ -79,10 +81,16 @@ def check_finite(iteration: int, loss: float, grad_norm: Optional[float], local_
 
 def check_loss_scale(iteration: int, scaler) -> None:
     """Raise TrainingError once the fp16 loss scaler gave up (see megalite.optimizer.loss_scaler): every rank
-    decides alike, the overflow flag being agreed over all ranks before the scaler counts it."""
+    decides alike, the overflow flag and the loss's finiteness being agreed over all ranks before the scaler counts
+    them."""
     if not scaler.gave_up:
         return
-    where = "--loss-scale" if not hasattr(scaler, "min_scale") else "--min-loss-scale"
-    raise TrainingError(f"iteration {iteration}: {scaler.overflows_at_minimum} steps in a row overflowed (inf/nan "
-                        f"gradients) at the lowest loss scale {scaler.scale:g} ({where}); stopping: fp16 cannot go on "
-                        f"from here (try --bf16 or a lower --lr)")
+    if scaler.overflows_at_minimum >= GIVE_UP_AFTER:
+        where = "--loss-scale" if not hasattr(scaler, "min_scale") else "--min-loss-scale"
+        raise TrainingError(f"iteration {iteration}: {scaler.overflows_at_minimum} steps in a row overflowed (inf/nan "
+                            f"gradients) at the lowest loss scale {scaler.scale:g} ({where}); stopping: fp16 cannot go "
+                            f"on from here (try --bf16 or a lower --lr)")
+    raise TrainingError(f"iteration {iteration}: the loss was not finite (NaN/inf) in {scaler.nonfinite_losses} "
+                        f"steps in a row, each skipped by --fp16; stopping: a loss scale cannot fix that (it scales "
+                        f"the loss after the forward pass), the weights or the data are broken (try --bf16 or a lower "
+                        f"--lr)")

@@ -40,7 +40,7 @@ from megalite.training.moe_statistics import MoEStatistics
 from megalite.training.parallelize import parallelize
 from megalite.training.profiling import StepProfiler
 from megalite.training.step_times import StepTimeRecorder
-from megalite.training.stopping import StopRequests, check_finite, check_loss_scale
+from megalite.training.stopping import StopRequests, TrainingError, check_finite, check_loss_scale
 from megalite.training.prefetch import BatchPrefetcher
 from megalite.training.timers import Timers, peak_memory_gib, peak_tflops
 
@@ -310,7 +310,7 @@ class Trainer:
         for hook in self.hooks:   # FP8: the next delayed scales
             hook.before_optimizer_step()
         with self.timers("optimizer"):   # unscale, clip, AdamW, and the parameter gather unless overlapped
-            step = self.optimizer.step(lr, decoupled_lr)
+            step = self.optimizer.step(lr, decoupled_lr, loss_finite=not local_bad)
         self.memory.after_step()
         # Which ranks saw a NaN/Inf (only looked for when the global norm, equal on every rank, is not finite).
         norm_bad = step["grad_norm"] is not None and not math.isfinite(step["grad_norm"])
@@ -340,7 +340,7 @@ class Trainer:
         t = self.cfg.training
         if not t.fp16 and not t.no_check_for_nan_in_loss_and_grad:   # fp16 skips such steps instead
             check_finite(iteration, record["loss"], step["grad_norm"], local_bad, self.device)
-        elif t.fp16 and not t.no_check_for_nan_in_loss_and_grad:   # ... until they overflow at the lowest scale
+        elif t.fp16 and not t.no_check_for_nan_in_loss_and_grad:   # ... until no scale can fix them
             check_loss_scale(iteration, self.optimizer.scaler)
         if self.pipeline.pp > 1:
             if measured:   # idle / compute time up to the end of the slowest stage (the optimizer waits for it)
@@ -374,11 +374,14 @@ class Trainer:
         (the loop calls it every iteration and at the end); one save at a time. Returns the directory once saved."""
         self.finish_save()
         self.engine.finish_param_sync()   # the distributed optimizer's parameter gathers must have landed
-        pending = checkpoint.start_save(
-            directory, cfg=self.cfg, iteration=self.state.iteration, consumed_samples=self.state.consumed_samples,
-            parameters=list(self.canonical_named_parameters()), optimizer=self.optimizer, rng=self.rng,
-            tokenizer=self.data.tokenizer, device=self.device, asynchronous=self.cfg.checkpoint.async_save,
-            fp8_histories=self.fp8_histories)
+        try:
+            pending = checkpoint.start_save(
+                directory, cfg=self.cfg, iteration=self.state.iteration, consumed_samples=self.state.consumed_samples,
+                parameters=list(self.canonical_named_parameters()), optimizer=self.optimizer, rng=self.rng,
+                tokenizer=self.data.tokenizer, device=self.device, asynchronous=self.cfg.checkpoint.async_save,
+                fp8_histories=self.fp8_histories)
+        except checkpoint.NotFiniteError as error:   # NaN/inf weights: the run cannot go on, and was not saved
+            raise TrainingError(str(error)) from None
         self._checkpointed_iteration = self.state.iteration
         self._pending_save = pending
         return self.finish_save(wait=not self.cfg.checkpoint.async_save)

@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import threading
 
+import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
 from megalite.checkpoint import open_checkpoint
 from megalite.checkpoint.directory import POINTER_NAME
 from megalite.training import Trainer
+from megalite.training.stopping import TrainingError
 
 from ..helpers import single_layout, tiny_config, with_checkpoint
 from .helpers import CPU
@@ -66,3 +68,22 @@ def test_the_end_of_training_waits_for_the_save(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["iter_0000002", "iter_0000004", "iter_0000005",
                                                           POINTER_NAME]
     assert open_checkpoint(tmp_path).manifest.iteration == 5
+
+
+def test_async_save_of_non_finite_weights_is_refused_before_anything_is_written(tmp_path):
+    """The check runs when the save starts, on the weights being staged, not after the background write: the save
+    before it still lands, and the refused one leaves no directory, no .tmp and the pointer as it was."""
+    cfg = with_checkpoint(tiny_config(data={"eval_interval": 0}), async_save=True)
+    with single_layout():
+        trainer = Trainer.on_registered_layout(cfg, CPU)
+        trainer.train_step()
+        assert trainer.save_checkpoint(str(tmp_path)) is None   # in the background
+        trainer.train_step()
+        with torch.no_grad():
+            for _, param in trainer.canonical_named_parameters():
+                param.fill_(float("nan"))
+        with pytest.raises(TrainingError, match=r"^iteration 2: the weights are not finite \(NaN/inf\); the "
+                                                r"checkpoint was not saved; the latest good one is \S+iter_0000001$"):
+            trainer.save_checkpoint(str(tmp_path))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["iter_0000001", POINTER_NAME]
+    assert (tmp_path / POINTER_NAME).read_text() == "1\n"

@@ -15,6 +15,7 @@ from megalite.checkpoint import CheckpointError, check_checkpoint, open_checkpoi
 from megalite.checkpoint.directory import POINTER_NAME
 from megalite.checkpoint.storage import read_metadata
 from megalite.training import Trainer
+from megalite.training.stopping import TrainingError
 
 from ..helpers import TINY, losses, read_metrics, single_layout, tiny_config, with_checkpoint
 from .helpers import CPU, rewrite_index, train_and_save, without_digests
@@ -63,6 +64,33 @@ def test_saves_at_interval_and_end_once(tmp_path):
         trainer = Trainer.on_registered_layout(with_checkpoint(cfg, load=str(tmp_path)), CPU)
         assert trainer.train() == [] and trainer.state.iteration == 5
     assert (tmp_path / POINTER_NAME).read_text() == "5\n"
+
+
+def _files(root) -> dict[str, tuple[int, int]]:
+    """Every file under ``root``: (size, modification time in ns) by relative path."""
+    return {str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns) for p in root.rglob("*") if p.is_file()}
+
+
+@pytest.mark.parametrize("poison, what", [
+    (lambda trainer: next(p for _, p in trainer.canonical_named_parameters()).data.view(-1)[3].fill_(float("nan")),
+     "weights"),
+    (lambda trainer: next(iter(trainer.optimizer.inner.state.values()))["exp_avg_sq"].view(-1)[0].fill_(float("inf")),
+     "optimizer states (Adam moments or fp32 main weights)"),
+])
+def test_a_save_of_non_finite_weights_or_optimizer_states_is_refused(tmp_path, poison, what):
+    cfg = tiny_config(data={"eval_interval": 0})
+    with single_layout():
+        trainer = Trainer.on_registered_layout(cfg, CPU)
+        trainer.train_step()
+        good = trainer.save_checkpoint(str(tmp_path))
+        before = _files(tmp_path)
+        trainer.train_step()
+        poison(trainer)
+        with pytest.raises(TrainingError) as refused:
+            trainer.save_checkpoint(str(tmp_path))
+    assert str(refused.value) == (f"iteration 2: the {what} are not finite (NaN/inf); the checkpoint was not saved; "
+                                  f"the latest good one is {good}")
+    assert _files(tmp_path) == before   # nothing written, renamed or removed; the pointer still names iteration 1
 
 
 def test_pretrain_gpt_save_then_resume_where_load_is_save(tmp_path, capsys):

@@ -226,3 +226,70 @@ def test_architecture_and_memory_options_combine_with_parallel_layouts():
     validate(tiny_config(tp=2, pp=2, model={"num_layers": 4, "recompute_granularity": "full",
                                             "recompute_method": "uniform", "recompute_num_layers": 2}), 4)
     validate(tiny_config(model={"recompute_granularity": "selective"}), 1)
+
+
+@pytest.mark.parametrize("section, field, flag", [
+    ("optimizer", "lr", "--lr"), ("model", "init_method_std", "--init-method-std"),
+    ("model", "layernorm_epsilon", "--layernorm-epsilon"), ("optimizer", "weight_decay", "--weight-decay"),
+    ("optimizer", "initial_loss_scale", "--initial-loss-scale"), ("training", "exit_duration_in_mins",
+                                                                    "--exit-duration-in-mins")])
+@pytest.mark.parametrize("value", [float("inf"), float("nan"), float("-inf")])
+def test_a_float_option_that_is_not_finite_is_refused_naming_its_flag(section, field, flag, value):
+    with pytest.raises(ConfigError) as refused:
+        validate(tiny_config(**{section: {field: value}}), 1)
+    assert str(refused.value) == f"{flag} must be a finite number, got {value}"
+
+
+def test_every_float_option_is_checked_for_finiteness():
+    """Generic over the schema: each float field of every section, set to inf, is refused by its own flag."""
+    import dataclasses
+    import typing
+
+    from megalite.config.flags import FLAG
+    from megalite.config.schema import sections
+
+    checked = 0
+    for section, cls in sections():
+        hints = typing.get_type_hints(cls)
+        for field in dataclasses.fields(cls):
+            if hints[field.name] in (float, typing.Optional[float]):
+                cfg = tiny_config()
+                setattr(cfg, section, dataclasses.replace(getattr(cfg, section), **{field.name: float("inf")}))
+                with pytest.raises(ConfigError, match=f"^{getattr(FLAG, field.name)} must be a finite number"):
+                    validate(cfg, 1)
+                checked += 1
+    assert checked >= 25
+
+
+@pytest.mark.parametrize("optimizer, message", [
+    ({"adam_eps": 0.0}, "--adam-eps must be > 0, got 0.0"),
+    ({"weight_decay": -0.1}, "--weight-decay must be >= 0, got -0.1"),
+    ({"lr": -1e-3}, "need 0 <= --min-lr <= --lr"),
+])
+def test_optimizer_values_that_poison_the_weights_are_refused(optimizer, message):
+    with pytest.raises(ConfigError, match=message.replace("[", r"\[")):
+        validate(tiny_config(optimizer=optimizer), 1)
+
+
+@pytest.mark.parametrize("model, message", [
+    ({"init_method_std": -0.02}, "--init-method-std must be >= 0, got -0.02"),
+    ({"layernorm_epsilon": -1e-5}, "--layernorm-epsilon must be >= 0, got -1e-05"),
+])
+def test_negative_init_std_or_epsilon_is_refused(model, message):
+    with pytest.raises(ConfigError, match=message):
+        validate(tiny_config(model=model), 1)
+
+
+@pytest.mark.parametrize("words, message", [
+    (["--fp16", "--initial-loss-scale", "inf"], "--initial-loss-scale must be a finite number, got inf"),
+    (["--lr", "inf"], "--lr must be a finite number, got inf"),
+    (["--layernorm-epsilon", "nan"], "--layernorm-epsilon must be a finite number, got nan"),
+    (["--adam-eps", "0"], "--adam-eps must be > 0, got 0.0"),
+])
+def test_pretrain_gpt_refuses_a_poisoning_flag_in_one_line(words, message, capsys):
+    import pretrain_gpt
+
+    from ..helpers import TINY
+
+    assert pretrain_gpt.main([*TINY, *words]) == 2
+    assert capsys.readouterr().err.splitlines() == [f"megalite: error: {message}"]

@@ -35,6 +35,20 @@ def test_a_constant_scale_gives_up_too():
     assert scaler.gave_up
 
 
+def test_overflows_with_a_non_finite_loss_give_up_above_the_minimum():
+    """No scale fixes a NaN/inf loss (it is computed before scaling): ten such steps in a row give up, however high
+    the scale still is; an overflow with a finite loss, or a clean step, starts the count again."""
+    scaler = DynamicLossScaler(scale=2.0**32, min_scale=1.0)
+    for _ in range(GIVE_UP_AFTER - 1):
+        scaler.update(True, loss_finite=False)
+    scaler.update(True)              # the gradients overflowed, the loss did not: lowering the scale may fix it
+    for _ in range(GIVE_UP_AFTER - 1):
+        scaler.update(True, loss_finite=False)
+    assert not scaler.gave_up
+    scaler.update(True, loss_finite=False)
+    assert scaler.gave_up and scaler.nonfinite_losses == GIVE_UP_AFTER and scaler.scale > 1.0
+
+
 def test_fp16_training_whose_loss_stays_nan_stops_with_one_line(capsys):
     argv = ["model=gpt_tiny", "data=mock", "--eval-interval", "0", "--train-iters", "40", "--global-batch-size", "2",
             "--fp16", "--lr", "1e30", "--clip-grad", "0", "--initial-loss-scale", "1", "--min-loss-scale", "1"]

@@ -13,9 +13,16 @@ import subprocess
 import time
 from pathlib import Path
 
-import pretrain_gpt
+import pytest
+import torch
 
-from ..helpers import NO_DROPOUT, STANDALONE, TINY, read_metrics, start, worker_pid
+import pretrain_gpt
+from megalite.checkpoint.directory import POINTER_NAME
+from megalite.training import Trainer
+from megalite.training.stopping import TrainingError
+
+from ..helpers import (NO_DROPOUT, STANDALONE, TINY, read_metrics, single_layout, start, tiny_config, with_checkpoint,
+                       worker_pid)
 
 ARGV = [*TINY, *NO_DROPOUT, "--log-interval", "1"]
 
@@ -39,6 +46,58 @@ def test_nan_stops_training_naming_iteration_and_rank(capsys):
     assert pretrain_gpt.main([*ARGV, "--train-iters", "3", "--lr", "1e30", "--clip-grad", "0"]) == 1
     err = capsys.readouterr().err
     assert "megalite: error: iteration 2: loss is nan" in err and "rank(s) [0]" in err
+
+
+def test_a_step_that_poisons_the_weights_is_not_saved_though_its_loss_was_finite(tmp_path):
+    """fp32: the step of iteration 4 overflows every weight (as a huge learning rate can) after a finite loss and
+    gradient norm; the save at 4 is refused, instead of becoming the one --load picks before the loss of 5 tells."""
+    cfg = with_checkpoint(tiny_config(data={"eval_interval": 0}, training={"train_iters": 6}), save=str(tmp_path),
+                          save_interval=2)
+    with single_layout():
+        trainer = Trainer.on_registered_layout(cfg, torch.device("cpu"))
+        step = trainer.optimizer.step
+
+        def overflowing_step(*args, **kwargs):
+            result = step(*args, **kwargs)
+            if trainer.state.iteration == 3:   # the step of iteration 4
+                for _, param in trainer.canonical_named_parameters():
+                    param.data.fill_(float("inf"))
+            return result
+
+        trainer.optimizer.step = overflowing_step
+        with pytest.raises(TrainingError) as stopped:
+            trainer.train()
+    assert str(stopped.value) == (f"iteration 4: the weights are not finite (NaN/inf); the checkpoint was not saved; "
+                                  f"the latest good one is {tmp_path / 'iter_0000002'}")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["iter_0000002", POINTER_NAME]
+
+
+def _fp16_lr_1e10(**sections):
+    """The tester's run (fp16, --lr 1e10), its scale starting at 2^22 rather than 2^32 to be short: the gradients
+    overflow at 2^22 and 2^21, the first step taken (iteration 4, at 2^20) sends the fp16 weights to inf, and every
+    loss after it is NaN."""
+    return tiny_config(data={"eval_interval": 0}, optimizer={"lr": 1e10, "lr_warmup_iters": 0,
+                                                             "initial_loss_scale": 2.0**22},
+                       training={"fp16": True, "train_iters": 30}, **sections)
+
+
+def test_fp16_poisoned_weights_are_not_saved(tmp_path):
+    cfg = with_checkpoint(_fp16_lr_1e10(), save=str(tmp_path), save_interval=2)
+    with single_layout(), pytest.raises(TrainingError) as stopped:
+        Trainer.on_registered_layout(cfg, torch.device("cpu")).train()
+    assert str(stopped.value) == (f"iteration 4: the weights are not finite (NaN/inf); the checkpoint was not saved; "
+                                  f"the latest good one is {tmp_path / 'iter_0000002'}")
+    assert (tmp_path / POINTER_NAME).read_text() == "2\n"
+
+
+def test_fp16_whose_loss_stays_nan_gives_up_after_ten_skipped_steps():
+    """A NaN loss is no overflow: lowering the scale cannot fix it (the scale multiplies the loss after the forward
+    pass). Iteration 5 is the first NaN loss, 14 the tenth, the scale still far above its minimum (1)."""
+    with single_layout(), pytest.raises(TrainingError) as stopped:
+        Trainer.on_registered_layout(_fp16_lr_1e10(), torch.device("cpu")).train()
+    assert str(stopped.value) == ("iteration 14: the loss was not finite (NaN/inf) in 10 steps in a row, each skipped "
+                                  "by --fp16; stopping: a loss scale cannot fix that (it scales the loss after the "
+                                  "forward pass), the weights or the data are broken (try --bf16 or a lower --lr)")
 
 
 def test_exit_interval_stops_after_a_checkpoint(tmp_path, capsys):

@@ -92,7 +92,8 @@ def _join_flag_values(argv: list[str]) -> list[str]:
     is wrong with it. ``--data-path 0.3 A 0.7 B`` -> ``--data-path=0.3 A 0.7 B``: the words after a multi-word flag,
     up to the next flag or Hydra override (a word with '='), become its one string value, each word that holds a
     space shell-quoted so that it stays one word (a prefix ``"my corpus/text"`` given in quotes is one path, as in
-    Megatron's nargs="+"), unless the word is a whole weighted blend. argparse's own nargs="+" would also swallow a following ``model=gpt_tiny``; a word that
+    Megatron's nargs="+"), unless the word is a whole weighted blend: --data-path's words only (the one multi-word
+    value read back shell-style; the others, such as a schedule given in one quoted word, split at whitespace). argparse's own nargs="+" would also swallow a following ``model=gpt_tiny``; a word that
     contains '=' can still be part of the value when given in one piece: ``--data-path='0.5 a=b 0.5 c'``."""
     multi_word = {f.flag for f in FLAGS if f.multi_word}
     takes_value = {f.flag for f in FLAGS if not f.is_switch and not f.multi_word}
@@ -109,7 +110,8 @@ def _join_flag_values(argv: list[str]) -> list[str]:
             continue
         words = [value] if has_value else []
         while i < len(argv) and not argv[i].startswith("-") and "=" not in argv[i]:
-            words.append(argv[i] if _weighted_blend(argv[i]) else shlex.quote(argv[i]))
+            quoted = name == "--data-path" and not _weighted_blend(argv[i])   # the one value read shell-style
+            words.append(shlex.quote(argv[i]) if quoted else argv[i])
             i += 1
         result.append(f"{name}={' '.join(words)}" if words else name)  # no words: argparse reports the flag
     return result

@@ -338,3 +338,24 @@ def test_imported_megatron_checkpoint_trains_at_a_parallel_layout(directory, sty
     print(f"Megatron {style} imported, resumed at TP=2 x PP=2 vs one process: losses {actual}, max rel loss diff "
           f"{difference:.1e}")
     assert len(actual) == 4 and difference < RESHARD
+
+
+def test_a_non_finite_shard_on_one_rank_stops_every_rank_before_anything_is_saved(directory):
+    """TP=2 x DP=2 with the distributed optimizer: one weight made NaN on rank 1 only (its TP shard); the save's one
+    all-reduce tells every rank, none writes anything, and the good checkpoint stays the latest."""
+    from megalite.training.stopping import TrainingError
+
+    cfg = tiny_config(tp=2, optimizer={"use_distributed_optimizer": True}, data={"eval_interval": 0})
+    with layout(2, 1):
+        trainer = Trainer.on_registered_layout(cfg, CPU)
+        trainer.train_step()
+        good = trainer.save_checkpoint(directory)
+        trainer.train_step()
+        if dist.get_rank() == 1:
+            with torch.no_grad():
+                next(iter(trainer.model[0].parameters())).view(-1)[0] = float("nan")
+        with pytest.raises(TrainingError, match="iteration 2: the weights are not finite"):
+            trainer.save_checkpoint(directory)
+    dist.barrier()
+    assert open_checkpoint(directory).path == good
+    assert sorted(p.name for p in good.parent.iterdir() if p.name.startswith("iter_")) == [good.name]

@@ -158,6 +158,13 @@ class ModelConfig:
                "(Qwen2-MoE); by default the softmax runs over the k chosen logits (weights summing to 1, Mixtral).")
     moe_router_topk_scaling_factor: Optional[float] = option(
         None, "Multiply the routing weights by this factor (DeepSeek's routed scaling factor).")
+    moe_router_num_groups: Optional[int] = option(
+        None, "Group-limited routing (DeepSeek-V3): the experts, in order, form this many equal groups and each "
+              "token's top k come from its --moe-router-group-topk best groups only; default none, every expert "
+              "eligible.")
+    moe_router_group_topk: Optional[int] = option(
+        None, "With --moe-router-num-groups: the groups a token may use, those whose top --moe-router-topk / "
+              "--moe-router-group-topk scores (with the expert bias, the biased scores) sum the highest.")
     moe_router_load_balancing_type: str = option(
         "aux_loss", "Load balancing: aux_loss (Switch Transformer's loss over each micro-batch), seq_aux_loss "
                     "(the same loss per sequence, averaged: DeepSeek-V2/V3) or none.", role=RUN)

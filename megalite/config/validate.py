@@ -387,6 +387,7 @@ def _check_experts(cfg: MegaliteConfig, dims: ParallelDims) -> None:
     _require(not m.moe_router_enable_expert_bias or m.moe_router_score_function == "sigmoid",
              f"{FLAG.moe_router_enable_expert_bias} biases sigmoid scores: it needs "
              f"{FLAG.moe_router_score_function} sigmoid")
+    _check_group_limited_routing(m)
     _require(not m.moe_shared_expert_gate or m.moe_shared_expert_intermediate_size is not None,
              f"{FLAG.moe_shared_expert_gate} needs {FLAG.moe_shared_expert_intermediate_size}")
     _require(m.moe_expert_capacity_factor is None or m.moe_token_dispatcher_type == "alltoall",
@@ -410,6 +411,25 @@ def _check_experts(cfg: MegaliteConfig, dims: ParallelDims) -> None:
     _require(cfg.optimizer.zero_stage != 3 or dims.expert_dp > 1,
              f"{FLAG.zero_stage} 3 shards expert parameters over the ranks holding the same experts, and "
              f"{FLAG.expert_model_parallel_size} {ep} leaves none (data-parallel x context-parallel size {replicas})")
+
+
+def _check_group_limited_routing(m: ModelConfig) -> None:
+    """Groups of whole experts, enough eligible experts for the top k, and at least one expert scoring each group."""
+    groups, chosen, k = m.moe_router_num_groups, m.moe_router_group_topk, m.moe_router_topk
+    _require((groups is None) == (chosen is None),
+             f"{FLAG.moe_router_num_groups} and {FLAG.moe_router_group_topk} go together (group-limited routing)")
+    if groups is None:
+        return
+    _at_least(1, [("moe_router_num_groups", groups), ("moe_router_group_topk", chosen)])
+    _require(m.num_experts % groups == 0,
+             f"{FLAG.num_experts} {m.num_experts} is not divisible by {FLAG.moe_router_num_groups} {groups}")
+    _require(chosen <= groups, f"{FLAG.moe_router_group_topk} {chosen} is more than {FLAG.moe_router_num_groups} "
+                               f"{groups}")
+    eligible = chosen * (m.num_experts // groups)
+    _require(k <= eligible, f"{FLAG.moe_router_topk} {k} is more than the {eligible} experts of "
+                            f"{FLAG.moe_router_group_topk} {chosen} groups of {m.num_experts // groups}")
+    _require(k >= chosen, f"{FLAG.moe_router_topk} {k} is less than {FLAG.moe_router_group_topk} {chosen} (a group "
+                          f"is scored by the sum of its top k / group-topk experts)")
 
 
 def _check_optimizer(cfg: MegaliteConfig, dims: ParallelDims) -> None:

@@ -10,12 +10,21 @@ Scores, for logits z = x W^T (W: [experts, hidden], replicated over TP), in fp32
   after every step b moves by ``rate x sign(mean load - load)`` (``update_expert_bias``), from the tokens each
   expert received over the whole global batch, so it is the same on every rank.
 
+Either way a scaling factor then multiplies the weights (DeepSeek-V3's routed_scaling_factor, after the sigmoid's
+normalization).
+
+Group-limited routing (DeepSeek-V3's node-limited routing; Megatron's group_limited_topk): the E experts, in
+order, form G equal groups; a group scores the sum of its k/g highest scores (those the top k is taken over: the
+logits, the softmax, or the sigmoid plus the expert bias), and each token's top k come only from its g best groups.
+DeepSeek-V3 (k = 8, g = 4) sums each group's top 2, as transformers' DeepseekV3TopkRouter always does.
+
 A capacity factor c limits every expert to ceil(c x T x k / E) of a micro-batch's T tokens (on this rank, as
 Megatron): it keeps its highest-weight tokens (``probs``) or its earliest (``position``); the others lose that
 expert (dropped, not rerouted).
 
 Losses, computed only when training with gradients (so once under activation recompute: in the replay), over the
-routing *before* dropping, with the scores s (softmax over all experts, or sigmoid normalized per token):
+routing *before* dropping (each token's plain top k of s, without groups, as Megatron), with the scores s (softmax
+over all experts, or sigmoid normalized per token):
 
 - aux_loss (Switch Transformer): coeff x E / (k T^2) x sum_e (sum_t s_te) x (tokens routed to e);
 - seq_aux_loss (DeepSeek-V2): the same per sequence, averaged over the micro-batch's sequences;
@@ -131,22 +140,34 @@ class TopKRouter(nn.Module):
         cfg, k = self.cfg, self.topk
         if cfg.moe_router_score_function == "softmax":
             if cfg.moe_router_pre_softmax:
-                probs, top = torch.topk(torch.softmax(logits.float(), dim=-1), k, dim=-1)
+                probs, top = self._choose(torch.softmax(logits.float(), dim=-1))
             else:
-                chosen, top = torch.topk(logits, k, dim=-1)
+                chosen, top = self._choose(logits)
                 probs = torch.softmax(chosen.float(), dim=-1)
         else:
             scores = torch.sigmoid(logits.float())
             if self.expert_bias is not None:
-                top = torch.topk(scores + self.expert_bias, k, dim=-1)[1]
+                top = self._choose(scores + self.expert_bias)[1]
                 probs = scores.gather(1, top)
             else:
-                probs, top = torch.topk(scores, k, dim=-1)
+                probs, top = self._choose(scores)
             if k > 1:
                 probs = probs / (probs.sum(dim=-1, keepdim=True) + 1e-20)
         if cfg.moe_router_topk_scaling_factor is not None:
             probs = probs * cfg.moe_router_topk_scaling_factor
         return probs.type_as(logits), top
+
+    def _choose(self, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The k highest scores [T, k] and their experts; with groups, only among the experts of each token's
+        ``group_topk`` groups whose top k / group_topk scores sum the highest (see the module docstring)."""
+        groups, eligible = self.cfg.moe_router_num_groups, self.cfg.moe_router_group_topk
+        if groups is not None:
+            grouped = scores.view(scores.shape[0], groups, -1)
+            group_scores = grouped.topk(self.topk // eligible, dim=-1)[0].sum(dim=-1)
+            best = torch.topk(group_scores, eligible, dim=-1)[1]
+            kept = torch.zeros_like(group_scores, dtype=torch.bool).scatter(1, best, True)
+            scores = grouped.masked_fill(~kept.unsqueeze(-1), float("-inf")).view_as(scores)
+        return torch.topk(scores, self.topk, dim=-1)
 
     def _drop(self, routing: torch.Tensor, routing_map: torch.Tensor):
         """Keep at most ``capacity`` tokens per expert (by weight or by position); the number dropped."""

@@ -34,9 +34,11 @@ VOCAB = 101   # Megatron's NullTokenizer of --vocab-size 100 adds its EOD
 RELATIVE = 1e-5
 FORMATS = ("torch_dist", "torch")
 # Each style once: GPT-3 (learned positions, LayerNorm, biases, tied), Llama (rope, RMSNorm, SwiGLU, GQA, untied),
-# Qwen-MoE (q/k/v bias-free MoE with a gated shared expert, sigmoid router and expert bias), and a Mixtral whose
-# first and third layers are dense (torch_dist stores those layers' places in the expert keys empty).
-CASES = {"gpt3": {}, "llama": {}, "qwen_moe": {}, "mixtral_dense_layers": {"moe_layer_freq": [0, 1, 0, 1]}}
+# Qwen-MoE (q/k/v bias-free MoE with a gated shared expert, sigmoid router and expert bias; here with DeepSeek-V3's
+# group-limited routing: each token's 2 experts from the best of 2 groups), and a Mixtral whose first and third
+# layers are dense (torch_dist stores those layers' places in the expert keys empty).
+CASES = {"gpt3": {}, "llama": {}, "qwen_moe": {"moe_router_num_groups": 2, "moe_router_group_topk": 1},
+         "mixtral_dense_layers": {"moe_layer_freq": [0, 1, 0, 1]}}
 
 
 def _relative(actual: torch.Tensor, expected: torch.Tensor) -> float:
@@ -89,6 +91,7 @@ def test_the_import_reads_megatrons_model_options(megatron_saves, tmp_path):
     assert (model.num_experts, model.moe_router_topk, model.moe_ffn_hidden_size) == (4, 2, 64)
     assert (model.moe_shared_expert_intermediate_size, model.moe_shared_expert_gate) == (96, True)
     assert (model.moe_router_score_function, model.moe_router_enable_expert_bias) == ("sigmoid", True)
+    assert (model.moe_router_num_groups, model.moe_router_group_topk) == (2, 1)
     assert model.make_vocab_size_divisible_by == 8
 
 

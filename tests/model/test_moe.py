@@ -81,6 +81,78 @@ def test_layer_equals_token_by_token_reference(options):
         torch.testing.assert_close(layer(x), _reference(layer, x), rtol=1e-5, atol=1e-5)
 
 
+# DeepSeek-V3's router in small: 8 experts in 4 groups, each token's top 4 from its best 2 groups (each group scored
+# by its top 4 / 2 = 2 experts, as DeepSeek and Megatron both do), sigmoid scores normalized, then scaled by 2.5.
+DEEPSEEK_V3_ROUTER = {"num_experts": 8, "moe_router_topk": 4, "moe_router_num_groups": 4, "moe_router_group_topk": 2,
+                      "moe_router_score_function": "sigmoid", "moe_router_topk_scaling_factor": 2.5}
+
+
+def _routed(options: dict, bias: bool) -> tuple[MoELayer, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(layer, tokens [T, h], its routing weights [T, E], the plain top-k map without groups) for 64 tokens."""
+    torch.manual_seed(0)
+    layer = _layer(**options, moe_router_enable_expert_bias=bias).eval()
+    if bias:
+        layer.router.expert_bias.copy_(torch.randn(layer.cfg.num_experts) * 0.3)
+    tokens = torch.randn(64, 64)
+    with torch.no_grad():
+        routing, routing_map = layer.router(tokens, 1)
+        ungrouped = dataclasses.replace(layer.cfg, moe_router_num_groups=None, moe_router_group_topk=None)
+        layer.router.cfg = ungrouped
+        plain_map = layer.router(tokens, 1)[1]
+        layer.router.cfg = layer.cfg
+    assert torch.equal(routing_map, routing != 0)
+    assert not torch.equal(routing_map, plain_map), "the groups change some tokens' choices"
+    return layer, tokens, routing, plain_map
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_group_limited_routing_equals_transformers_deepseek_v3_gate(bias):
+    """The choices and weights of transformers' DeepseekV3TopkRouter given the same weight and score-correction bias
+    (the expert bias: it chooses groups and experts, never weights them)."""
+    deepseek_v3 = pytest.importorskip("transformers.models.deepseek_v3.modeling_deepseek_v3")
+    from transformers import DeepseekV3Config
+
+    with single_layout():
+        layer, tokens, routing, _ = _routed(DEEPSEEK_V3_ROUTER, bias)
+        gate = deepseek_v3.DeepseekV3TopkRouter(DeepseekV3Config(
+            hidden_size=64, n_routed_experts=8, num_experts_per_tok=4, n_group=4, topk_group=2,
+            routed_scaling_factor=2.5, norm_topk_prob=True))
+        with torch.no_grad():
+            gate.weight.copy_(layer.router.weight)
+            if bias:
+                gate.e_score_correction_bias.copy_(layer.router.expert_bias)
+            _, weights, chosen = gate(tokens)
+        expected = torch.zeros_like(routing).scatter(1, chosen, weights)
+        torch.testing.assert_close(routing, expected, rtol=1e-6, atol=1e-6)
+        assert torch.equal(routing != 0, expected != 0)
+
+
+@pytest.mark.parametrize("options, bias", [
+    (DEEPSEEK_V3_ROUTER, True),
+    ({**DEEPSEEK_V3_ROUTER, "moe_router_topk": 3, "moe_router_num_groups": 2, "moe_router_group_topk": 1},
+     False),   # a group's top 3 sum
+    ({"num_experts": 8, "moe_router_num_groups": 2, "moe_router_group_topk": 1}, False),   # softmax of the top logits
+    ({"num_experts": 6, "moe_router_topk": 3, "moe_router_num_groups": 3, "moe_router_group_topk": 2,
+      "moe_router_pre_softmax": True}, False),
+])
+def test_group_limited_routing_equals_megatron(options, bias):
+    """Megatron-core's topk_routing_with_score_function (its group_limited_topk) on the same logits."""
+    pytest.importorskip("megatron.core")
+    from megatron.core.transformer.moe.moe_utils import topk_routing_with_score_function
+
+    with single_layout():
+        layer, tokens, routing, _ = _routed(options, bias)
+        cfg = layer.cfg
+        with torch.no_grad():
+            expected, expected_map = topk_routing_with_score_function(
+                tokens @ layer.router.weight.t(), cfg.moe_router_topk, use_pre_softmax=cfg.moe_router_pre_softmax,
+                num_groups=cfg.moe_router_num_groups, group_topk=cfg.moe_router_group_topk,
+                scaling_factor=cfg.moe_router_topk_scaling_factor, score_function=cfg.moe_router_score_function,
+                expert_bias=layer.router.expert_bias)
+        torch.testing.assert_close(routing, expected, rtol=1e-6, atol=1e-6)
+        assert torch.equal(routing != 0, expected_map)
+
+
 def test_grouped_experts_equal_the_loop_forward_and_backward():
     with single_layout():
         x = torch.randn(2, 16, 64, requires_grad=True)

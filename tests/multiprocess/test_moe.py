@@ -4,7 +4,8 @@ Dropless routing (and, separately, a capacity factor), fp32, 10 iterations: per-
 MoE metrics (balancing losses, expert loads, dropped tokens) within 1e-5 relative and final weights (every expert,
 gathered by name, and the routers' expert biases) within 1e-5, at EP=2, EP=4, EP=2 x TP=2 (with sequence
 parallelism; and with whole experts on each TP rank), EP=2 x DP=4 with ZeRO-3, EP=2 carved from CP=2 x DP=2, and
-EP=2 x PP=2 x DP=4 (8 ranks; 1F1B, zero-bubble and ZB-V), with both dispatchers and with the distributed optimizer.
+EP=2 x PP=2 x DP=4 (8 ranks; 1F1B, zero-bubble and ZB-V), with both dispatchers and with the distributed optimizer;
+DeepSeek-V3's group-limited routing at EP=2 and EP=2 x TP=2.
 """
 
 from __future__ import annotations
@@ -28,6 +29,11 @@ DEEPSEEK_LIKE = {"moe_router_score_function": "sigmoid", "moe_router_enable_expe
                  "normalization": "RMSNorm", "position_embedding_type": "rope", "disable_bias_linear": True,
                  "moe_grouped_gemm": True}
 
+# DeepSeek-V3's routing in small: a dense first layer, 8 experts in 4 groups, each token's top 4 from its best 2
+# groups, the weights scaled by the routed scaling factor.
+DEEPSEEK_V3 = {**DEEPSEEK_LIKE, "num_experts": 8, "moe_router_topk": 4, "moe_router_num_groups": 4,
+               "moe_router_group_topk": 2, "moe_router_topk_scaling_factor": 2.5, "moe_layer_freq": "[0,1]"}
+
 
 def moe_config(tp=1, pp=1, ep=1, model=None, parallel=None, **sections):
     return tiny_config(tp=tp, pp=pp, model={**TINY_MOE, **(model or {})},
@@ -40,7 +46,9 @@ def moe_config(tp=1, pp=1, ep=1, model=None, parallel=None, **sections):
     (1, 2, [0, 1], {}, {}, {}),
     (1, 2, [0, 1], {"moe_token_dispatcher_type": "allgather"}, {}, {}),
     (1, 4, None, DEEPSEEK_LIKE, {}, {"use_distributed_optimizer": True}),
+    (1, 2, [0, 1], DEEPSEEK_V3, {}, {}),
     (2, 2, None, {}, {"sequence_parallel": True}, {}),
+    (2, 2, None, DEEPSEEK_V3, {"sequence_parallel": True}, {}),
     (2, 2, None, {"moe_token_dispatcher_type": "allgather"}, {"expert_tensor_parallel_size": 1}, {}),
     (1, 2, None, {}, {}, {"zero_stage": 3}),
     (1, 2, None, {"attention_dropout": 0.0}, {"context_parallel_size": 2}, {}),   # EP from DP x CP: EDP = 2

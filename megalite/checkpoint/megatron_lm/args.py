@@ -45,8 +45,6 @@ UNSUPPORTED = {
     "rotary_interleaved": ((False, None), "--rotary-interleaved"),
     "multi_latent_attention": ((False, None), "--multi-latent-attention"),
     "mtp_num_layers": ((None, 0), "--mtp-num-layers"),
-    "moe_router_num_groups": ((None,), "--moe-router-num-groups"),
-    "moe_router_group_topk": ((None,), "--moe-router-group-topk"),
     "moe_latent_size": ((None,), "--moe-latent-size"),
     "window_size": ((None,), "--window-size"),
     "softmax_type": (("vanilla", None), "--softmax-type"),

@@ -12,11 +12,12 @@ CKPT_DIR is a checkpoint directory or a --save directory (its latest checkpoint)
 directory loads with ``transformers.AutoModelForCausalLM.from_pretrained(HF_DIR)``, vocabulary padding removed, and
 its tokenizer (a Hugging Face or GPT-2 BPE one) with ``AutoTokenizer.from_pretrained(HF_DIR)``: a LlamaForCausalLM
 if the model uses Llama options (rotary positions, RMSNorm, SwiGLU, no biases, grouped-query attention; it must then
-use all but grouped-query attention), a Qwen2ForCausalLM if it also has q/k/v biases, MistralForCausalLM with
---architecture, else a GPT2LMHeadModel. import-hf reads any of them, by the model_type of HF_DIR/config.json, with
-the directory's tokenizer. An imported checkpoint is at iteration 0 with weights only; ``pretrain_gpt.py --load
-CKPT_DIR`` takes it at any layout, given the model options of its config (``inspect`` shows them), and trains with
-its tokenizer when given --data-path without tokenizer options. Needs ``safetensors``, ``tokenizers`` for a
+use all but grouped-query attention), a Qwen2ForCausalLM if it also has q/k/v biases, a Qwen3ForCausalLM if it has
+per-head q/k norms (--qk-layernorm), MistralForCausalLM with --architecture, else a GPT2LMHeadModel. import-hf
+reads any of them, by the model_type of HF_DIR/config.json, with the directory's tokenizer. An imported checkpoint
+is at iteration 0 with weights only; ``pretrain_gpt.py --load CKPT_DIR`` takes it at any layout, given the model
+options of its config (``inspect`` shows them), and trains with its tokenizer when given --data-path without
+tokenizer options. Needs ``safetensors``, ``tokenizers`` for a
 tokenizer, and ``transformers`` to export a Llama-family model. verify checks that a checkpoint is complete and that
 the manifest, DCP's index, every tensor and the tokenizer's files match the digests recorded at save (no model is
 built); it exits 2 naming the first file and item that differ, or a checkpoint without digests (saved before
@@ -60,8 +61,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
                         help="The Hugging Face architecture (default: from the model options; a Llama-shaped model "
                              "without biases may also be a MistralForCausalLM).")
     export.add_argument("--quiet", action="store_true", help="No progress bar.")
-    imported = commands.add_parser("import-hf", help="Read a Hugging Face GPT-2, Llama, Mistral or Qwen2 directory "
-                                                     "(and its tokenizer) into a checkpoint.")
+    imported = commands.add_parser("import-hf", help="Read a Hugging Face GPT-2, Llama, Mistral, Qwen2, Qwen3, "
+                                                     "Mixtral, Qwen2-MoE or Qwen3-MoE directory (and its tokenizer) "
+                                                     "into a checkpoint.")
     imported.add_argument("--input", required=True, metavar="HF_DIR",
                           help="config.json + model.safetensors, and tokenizer.json (or vocab.json + merges.txt).")
     imported.add_argument("--save", required=True, metavar="CKPT_DIR", help="Save directory of the checkpoint.")

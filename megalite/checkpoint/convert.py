@@ -1,9 +1,10 @@
 """What ``tools/convert_checkpoint.py`` does: export to / import from a Hugging Face directory, and inspect.
 
 The Hugging Face architecture follows the model: a megalite model using any Llama option (rotary positions, RMSNorm,
-SwiGLU, no biases, grouped-query attention, q/k/v biases) exports as ``LlamaForCausalLM``, or ``Qwen2ForCausalLM``
-with q/k/v biases, or ``MistralForCausalLM`` when asked for (``hf_llama``), any other as ``GPT2LMHeadModel``
-(``hf_gpt2``); an import follows the ``model_type`` of config.json (``gpt2``, ``llama``, ``mistral``, ``qwen2``).
+SwiGLU, no biases, grouped-query attention, q/k/v biases, per-head q/k norms) exports as ``LlamaForCausalLM``, or
+``Qwen2ForCausalLM`` with q/k/v biases, or ``Qwen3ForCausalLM`` with q/k norms, or ``MistralForCausalLM`` when asked
+for (``hf_llama``), any other as ``GPT2LMHeadModel`` (``hf_gpt2``); an import follows the ``model_type`` of
+config.json (``gpt2``, ``llama``, ``mistral``, ``qwen2``, ``qwen3``; mixtures of experts: ``hf_moe``).
 
 An export merges every parameter to its canonical tensor (whatever layout the checkpoint was saved at) and writes
 ``config.json`` + ``model.safetensors``, and the tokenizer's files where transformers' AutoTokenizer can read them
@@ -174,9 +175,9 @@ def read_hf_tensors(directory: Path) -> dict[str, torch.Tensor]:
 
 
 def import_hf(source: str | os.PathLike, save: str | os.PathLike, progress: bool = True) -> Path:
-    """Turn an HF GPT-2, Llama, Mistral, Qwen2, Mixtral, Qwen2-MoE or Qwen3-MoE directory into a megalite checkpoint (iteration 0, weights only,
-    fp32, with the directory's tokenizer if it has one); returns it. ``progress``: a bar on a terminal while the
-    tensors are converted."""
+    """Turn an HF GPT-2, Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen2-MoE or Qwen3-MoE directory into a megalite
+    checkpoint (iteration 0, weights only, fp32, with the directory's tokenizer if it has one); returns it.
+    ``progress``: a bar on a terminal while the tensors are converted."""
     directory = Path(source)
     if not (directory / HF_CONFIG).is_file():
         raise CheckpointError(f"{directory}: no {HF_CONFIG}")

@@ -1,10 +1,11 @@
-"""Megalite's Llama-shaped GPT <-> Hugging Face ``LlamaForCausalLM``, ``MistralForCausalLM`` and
-``Qwen2ForCausalLM``: names, shapes and config.
+"""Megalite's Llama-shaped GPT <-> Hugging Face ``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM``
+and ``Qwen3ForCausalLM``: names, shapes and config.
 
 A megalite model with rotary positions, RMSNorm, SwiGLU and no biases (grouped-query attention or not) is a Llama;
-with ``--add-qkv-bias`` (biases on q, k and v only) a Qwen2; a Mistral is a Llama whose attention is not limited to
-a sliding window. Its canonical tensors are already in Hugging Face's layout, so converting is renaming and cutting
-fused weights:
+with ``--add-qkv-bias`` (biases on q, k and v only) a Qwen2; with ``--qk-layernorm`` (an RMSNorm over the head
+dimension shared by every head, on q and k before rotary embeddings: Qwen3's ``q_norm``/``k_norm``) a Qwen3; a
+Mistral is a Llama whose attention is not limited to a sliding window. Its canonical tensors are already in Hugging
+Face's layout, so converting is renaming and cutting fused weights:
 
 - ``linear_qkv`` is [q_proj; k_proj; v_proj] stacked along the output dimension, q with heads x head_dim rows, k
   and v with groups x head_dim rows each, heads in order inside each block (no per-group interleaving: tensor
@@ -17,9 +18,9 @@ fused weights:
 
 What megalite would compute differently is refused by name: other rope scalings (``linear``, ``dynamic``, ``yarn``,
 ...), attention or MLP biases of Llama, an activation other than SiLU, a sliding window shorter than the context
-(Mistral's ``sliding_window``, Qwen2's ``use_sliding_window``). A ``head_dim`` other than hidden size / heads is
-megalite's ``--kv-channels`` (Llama and Mistral; Qwen2's config has no head_dim). HF's models have no hidden dropout:
-megalite's (training only) is not exported and is 0 on import.
+(Mistral's ``sliding_window``, Qwen2's and Qwen3's ``use_sliding_window`` with sliding layers). A ``head_dim`` other
+than hidden size / heads is megalite's ``--kv-channels`` (Llama, Mistral and Qwen3; Qwen2's config has no head_dim).
+HF's models have no hidden dropout: megalite's (training only) is not exported and is 0 on import.
 
 config.json is written by transformers' own config class (imported only then), so it is in the format the installed
 transformers reads (``rope_parameters`` from v5, ``rope_theta`` and ``rope_scaling`` before); importing reads plain
@@ -51,6 +52,7 @@ _MAPPED_FIELDS = {"num_layers", "hidden_size", "ffn_hidden_size", "num_attention
                   "use_rope_scaling", "rope_scaling_factor", "rope_scaling_low_freq_factor",
                   "rope_scaling_high_freq_factor", "rope_scaling_original_max_position_embeddings",
                   "group_query_attention", "num_query_groups", "add_qkv_bias", "kv_channels",   # HF's head_dim
+                  "qk_layernorm",   # Qwen3's q_norm and k_norm
                   *LLAMA_OPTIONS, "no_position_embedding"}   # no learned positions beside rope anyway
 
 # The config class's defaults, for config.json files that leave keys out (None: derived from other keys, or unset).
@@ -66,6 +68,7 @@ class Architecture:
     config_class: str      # transformers' config class, which writes config.json
     qkv_bias: bool         # biases on q_proj, k_proj and v_proj (megalite's --add-qkv-bias)
     defaults: dict[str, Any]
+    qk_norm: bool = False  # q_norm and k_norm over each head (megalite's --qk-layernorm)
 
 
 LLAMA = Architecture("LlamaForCausalLM", "llama", "LlamaConfig", False, {
@@ -80,7 +83,10 @@ QWEN2 = Architecture("Qwen2ForCausalLM", "qwen2", "Qwen2Config", True, {
     **_COMMON_DEFAULTS, "vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 22016,
     "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32, "max_position_embeddings": 32768,
     "use_sliding_window": False, "sliding_window": 4096, "max_window_layers": 28, "layer_types": None})
-ARCHITECTURES = {a.name: a for a in (LLAMA, MISTRAL, QWEN2)}
+# Qwen3's head_dim is its own setting (128 by default), not hidden size / heads.
+QWEN3 = Architecture("Qwen3ForCausalLM", "qwen3", "Qwen3Config", False, {
+    **QWEN2.defaults, "head_dim": 128, "attention_bias": False}, qk_norm=True)
+ARCHITECTURES = {a.name: a for a in (LLAMA, MISTRAL, QWEN2, QWEN3)}
 BY_MODEL_TYPE = {a.model_type: a for a in ARCHITECTURES.values()}
 
 # (megalite name inside layer i, HF names inside model.layers.i it is the stack of, in order)
@@ -93,6 +99,8 @@ _LAYER_NAMES = [("input_norm.weight", ["input_layernorm.weight"]),
                 ("mlp.linear_fc2.weight", ["mlp.down_proj.weight"])]
 _QKV_BIAS = ("self_attention.linear_qkv.bias", ["self_attn.q_proj.bias", "self_attn.k_proj.bias",
                                                 "self_attn.v_proj.bias"])
+_QK_NORMS = [("self_attention.q_layernorm.weight", ["self_attn.q_norm.weight"]),
+             ("self_attention.k_layernorm.weight", ["self_attn.k_norm.weight"])]
 _TOP_NAMES = [("embedding.word.weight", ["model.embed_tokens.weight"]), ("final_norm.weight", ["model.norm.weight"])]
 # Buffers some HF versions store beside the parameters (rotary inverse frequencies): not weights, ignored on import.
 _HF_BUFFERS = re.compile(r"model\.(layers\.\d+\.self_attn\.)?rotary_emb\.inv_freq")
@@ -103,10 +111,10 @@ _LLAMA3_KEYS = {"factor": "rope_scaling_factor", "low_freq_factor": "rope_scalin
 
 
 def export_architecture(model: ModelConfig, name: Optional[str] = None) -> Architecture:
-    """The family member a Llama-shaped model exports as: ``name`` if given, else Qwen2 with q/k/v biases and Llama
-    without (a Mistral is the same network: ask for it by name)."""
+    """The family member a Llama-shaped model exports as: ``name`` if given, else Qwen3 with per-head q/k norms,
+    Qwen2 with q/k/v biases and Llama without either (a Mistral is the same network: ask for it by name)."""
     if name is None:
-        return QWEN2 if model.add_qkv_bias else LLAMA
+        return QWEN3 if model.qk_layernorm else QWEN2 if model.add_qkv_bias else LLAMA
     if name not in ARCHITECTURES:
         raise CheckpointError(f"unknown architecture {name!r} (a Llama-shaped model exports as "
                               f"{', '.join(ARCHITECTURES)})")
@@ -115,7 +123,7 @@ def export_architecture(model: ModelConfig, name: Optional[str] = None) -> Archi
 
 def is_llama_shaped(model: ModelConfig) -> bool:
     """Whether the model uses any Llama-only option (then it can only export as a Llama, if at all)."""
-    return (model.group_query_attention or model.add_qkv_bias
+    return (model.group_query_attention or model.add_qkv_bias or model.qk_layernorm
             or any(getattr(model, k) == v for k, v in LLAMA_OPTIONS.items()))
 
 
@@ -123,6 +131,7 @@ def name_map(model: ModelConfig) -> list[tuple[str, list[str]]]:
     """(canonical megalite name, the HF names it stacks along dim 0) for every tensor of a Llama with this config."""
     names = list(_TOP_NAMES)
     layer_names = _LAYER_NAMES + ([_QKV_BIAS] if model.add_qkv_bias else [])
+    layer_names += _QK_NORMS if model.qk_layernorm else []
     for i in range(model.num_layers):
         names += [(f"layers.{i}.{m}", [f"model.layers.{i}.{h}" for h in hf]) for m, hf in layer_names]
     if model.untie_embeddings_and_output_weights:
@@ -131,8 +140,8 @@ def name_map(model: ModelConfig) -> list[tuple[str, list[str]]]:
 
 
 def check_exportable(model: ModelConfig, architecture: Architecture = LLAMA) -> None:
-    """Raise CheckpointError unless the model is this family member: every Llama option set, q/k/v biases as the
-    architecture has them, every other option mapped."""
+    """Raise CheckpointError unless the model is this family member: every Llama option set, q/k norms and q/k/v
+    biases as the architecture has them, every other option mapped."""
     for name, wanted in LLAMA_OPTIONS.items():
         value = getattr(model, name)
         if value != wanted:
@@ -140,10 +149,15 @@ def check_exportable(model: ModelConfig, architecture: Architecture = LLAMA) -> 
                 f"cannot export as {architecture.name}: model option {name}={value!r} (a Llama needs "
                 f"{name}={wanted!r}); a GPT-2-shaped model (learned positions, LayerNorm, GeLU, biases) exports as "
                 f"GPT2LMHeadModel")
-    if model.add_qkv_bias != architecture.qkv_bias:
-        other = QWEN2.name if model.add_qkv_bias else f"{LLAMA.name} or {MISTRAL.name}"
-        raise CheckpointError(f"cannot export as {architecture.name}: model option add_qkv_bias={model.add_qkv_bias} "
+    if model.qk_layernorm != architecture.qk_norm:
+        other = QWEN3.name if model.qk_layernorm else f"{LLAMA.name}, {MISTRAL.name} or {QWEN2.name}"
+        raise CheckpointError(f"cannot export as {architecture.name}: model option qk_layernorm={model.qk_layernorm} "
                               f"(exports as {other})")
+    if model.add_qkv_bias != architecture.qkv_bias:
+        other = (f"{architecture.name} has no q/k/v biases" if architecture is QWEN3 else
+                 f"exports as {QWEN2.name}" if model.add_qkv_bias else f"exports as {LLAMA.name} or {MISTRAL.name}")
+        raise CheckpointError(f"cannot export as {architecture.name}: model option add_qkv_bias={model.add_qkv_bias} "
+                              f"({other})")
     if architecture is QWEN2 and model.head_dim * model.num_attention_heads != model.hidden_size:
         raise CheckpointError(f"cannot export as {architecture.name}: kv_channels {model.head_dim} is not hidden size / "
                               f"heads (Qwen2's config has no head_dim; export as {LLAMA.name})")
@@ -210,7 +224,8 @@ def _hf_shapes(model: ModelConfig) -> dict[str, tuple[int, ...]]:
             "self_attn.q_proj.weight": (q, h), "self_attn.k_proj.weight": (kv, h), "self_attn.v_proj.weight": (kv, h),
             "self_attn.o_proj.weight": (h, q), "mlp.gate_proj.weight": (ffn, h), "mlp.up_proj.weight": (ffn, h),
             "mlp.down_proj.weight": (h, ffn), "self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,),
-            "self_attn.v_proj.bias": (kv,)}
+            "self_attn.v_proj.bias": (kv,), "self_attn.q_norm.weight": (model.head_dim,),
+            "self_attn.k_norm.weight": (model.head_dim,)}
 
 
 def _check_shapes(tensors: dict[str, torch.Tensor], model: ModelConfig, what: str) -> None:
@@ -250,7 +265,7 @@ def _rope(hf: dict[str, Any]) -> dict[str, Any]:
 def _check_attention_window(hf: dict[str, Any], architecture: Architecture) -> None:
     """Refuse a sliding window shorter than the context: megalite attends to every earlier position."""
     window = hf.get("sliding_window")
-    if architecture is QWEN2:
+    if architecture in (QWEN2, QWEN3):
         layer_types = hf.get("layer_types") or [
             "sliding_attention" if i >= hf["max_window_layers"] else "full_attention"
             for i in range(hf["num_hidden_layers"])]
@@ -267,8 +282,8 @@ def _check_attention_window(hf: dict[str, Any], architecture: Architecture) -> N
 
 
 def model_config_from(hf: dict[str, Any]) -> ModelConfig:
-    """The megalite ModelConfig of an HF Llama, Mistral or Qwen2 config.json (refusing what megalite would compute
-    differently)."""
+    """The megalite ModelConfig of an HF Llama, Mistral, Qwen2 or Qwen3 config.json (refusing what megalite would
+    compute differently)."""
     architecture = BY_MODEL_TYPE.get(hf.get("model_type"))
     if architecture is None:
         raise CheckpointError(f"model_type {hf.get('model_type')!r}: not one of {', '.join(BY_MODEL_TYPE)}")
@@ -282,7 +297,7 @@ def model_config_from(hf: dict[str, Any]) -> ModelConfig:
                                   f"biases there)")
     _check_attention_window(hf, architecture)
     hidden, heads = hf["hidden_size"], hf["num_attention_heads"]
-    # head_dim other than hidden / heads (Qwen3-style): megalite's --kv-channels.
+    # head_dim other than hidden / heads (as in Qwen3-32B): megalite's --kv-channels.
     kv_channels = hf["head_dim"] if hf["head_dim"] is not None and hf["head_dim"] * heads != hidden else None
     if kv_channels is None and hidden % heads:
         raise CheckpointError(f"hidden_size {hidden} is not divisible by num_attention_heads {heads}")
@@ -297,7 +312,8 @@ def model_config_from(hf: dict[str, Any]) -> ModelConfig:
                        untie_embeddings_and_output_weights=not hf["tie_word_embeddings"],
                        position_embedding_type="rope", normalization="RMSNorm", swiglu=True,
                        group_query_attention=grouped, num_query_groups=groups if grouped else 1,
-                       disable_bias_linear=True, add_qkv_bias=architecture.qkv_bias, kv_channels=kv_channels, **rope)
+                       disable_bias_linear=True, add_qkv_bias=architecture.qkv_bias, kv_channels=kv_channels,
+                       qk_layernorm=architecture.qk_norm, **rope)
 
 
 def hf_config_from(model: ModelConfig, eod: int | None = None, dtype: torch.dtype = torch.float32,
@@ -318,6 +334,8 @@ def hf_config_from(model: ModelConfig, eod: int | None = None, dtype: torch.dtyp
         config.update(head_dim=model.head_dim, attention_bias=False, mlp_bias=False)
     elif architecture is MISTRAL:
         config.update(head_dim=model.head_dim, sliding_window=None)
+    elif architecture is QWEN3:
+        config.update(head_dim=model.head_dim, attention_bias=False, use_sliding_window=False, sliding_window=None)
     else:
         config.update(use_sliding_window=False, sliding_window=None)
     return config

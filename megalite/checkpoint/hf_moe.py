@@ -45,7 +45,7 @@ MODEL_TYPES = {"mixtral": MIXTRAL, "qwen2_moe": QWEN2_MOE, "qwen3_moe": QWEN3_MO
 # The model-defining options a conversion accounts for beside the Llama ones (the router's score function and
 # scaling keep their defaults: check_exportable names them).
 _MAPPED_FIELDS = hf_llama._MAPPED_FIELDS | {
-    "qk_layernorm", "num_experts", "moe_ffn_hidden_size", "moe_router_topk", "moe_layer_freq",
+    "num_experts", "moe_ffn_hidden_size", "moe_router_topk", "moe_layer_freq",
     "moe_shared_expert_intermediate_size", "moe_shared_expert_gate", "moe_router_pre_softmax"}
 
 # The HF names of a MoE block, legacy (per expert, on disk) layout: (router, expert prefix, gate, up, down).
@@ -95,8 +95,7 @@ def name_map(model: ModelConfig) -> list[tuple[str, list[str]]]:
         if model.add_qkv_bias:
             layer.append(hf_llama._QKV_BIAS)
         if model.qk_layernorm:
-            layer += [("self_attention.q_layernorm.weight", ["self_attn.q_norm.weight"]),
-                      ("self_attention.k_layernorm.weight", ["self_attn.k_norm.weight"])]
+            layer += hf_llama._QK_NORMS
         if not moe:
             layer += [(m, hf) for m, hf in hf_llama._LAYER_NAMES if m.startswith("mlp.")]
         else:
@@ -119,18 +118,15 @@ def name_map(model: ModelConfig) -> list[tuple[str, list[str]]]:
 def _rows(model: ModelConfig, hf_name: str) -> int:
     """Rows of an HF tensor (the dimension fused megalite tensors stack)."""
     suffix = re.sub(r"^model\.layers\.\d+\.", "", hf_name)
-    h, d = model.hidden_size, model.head_dim
+    if re.search(r"(experts\.\d+\.(w2|down_proj)|shared_expert\.down_proj)\.weight$", suffix):
+        return model.hidden_size
     if re.search(r"experts\.\d+\.(w1|w3|gate_proj|up_proj)\.weight$", suffix):
         return model.expert_ffn_size
     if re.search(r"shared_expert\.(gate|up)_proj\.weight$", suffix):
         return model.moe_shared_expert_intermediate_size
     if suffix.endswith(("gate.weight", "shared_expert_gate.weight")):   # the router [E, h], the shared gate [1, h]
         return 1 if suffix.endswith("shared_expert_gate.weight") else model.num_experts
-    kv = model.query_groups * d
-    return {"self_attn.q_proj.weight": model.query_size, "self_attn.k_proj.weight": kv, "self_attn.v_proj.weight": kv,
-            "self_attn.q_proj.bias": model.query_size, "self_attn.k_proj.bias": kv, "self_attn.v_proj.bias": kv, "mlp.gate_proj.weight": model.ffn_size,
-            "mlp.up_proj.weight": model.ffn_size, "self_attn.q_norm.weight": d, "self_attn.k_norm.weight": d,
-            "model.embed_tokens.weight": model.vocab_size, "lm_head.weight": model.vocab_size}.get(suffix, h)
+    return hf_llama._hf_shapes(model)[hf_llama._suffix(hf_name)][0]   # the attention and dense MLP: a Llama's
 
 
 def to_hf(tensors: dict[str, torch.Tensor], model: ModelConfig) -> dict[str, torch.Tensor]:

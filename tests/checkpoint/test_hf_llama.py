@@ -1,7 +1,7 @@
-"""Hugging Face Llama, Llama 3.1-style rope scaling, Qwen2 and Mistral conversion: logits agree both ways
-(grouped-query attention, odd vocabulary 301, tied and untied output layer, q/k/v biases), greedy generation (KV
-cache or not) equals transformers', the tool picks the architecture by itself, and what megalite cannot compute is
-refused in one line naming the field.
+"""Hugging Face Llama, Llama 3.1-style rope scaling, Qwen2, Qwen3 and Mistral conversion: logits agree both ways
+(grouped-query attention, odd vocabulary 301, tied and untied output layer, q/k/v biases, Qwen3's per-head q/k norms
+and head_dim), greedy generation (KV cache or not) equals transformers', the tool picks the architecture by itself,
+and what megalite cannot compute is refused in one line naming the field.
 
 A random model of each architecture (local config, nothing downloaded) imported into megalite gives the same logits;
 a megalite model of that shape trained a few steps, exported, gives the same logits in transformers. Tolerance RTOL
@@ -12,18 +12,23 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
+import shutil
 
 import pytest
 import torch
 
+from megalite import load_pretrained
 from megalite.checkpoint import CheckpointError, open_checkpoint
 from megalite.checkpoint.convert import export_hf, hf_architecture, import_hf
-from megalite.checkpoint.hf_llama import QWEN2, check_exportable, model_config_from
+from megalite.checkpoint.hf_llama import LLAMA as LLAMA_ARCHITECTURE
+from megalite.checkpoint.hf_llama import QWEN2, QWEN3, check_exportable, model_config_from
 from megalite.config import ModelConfig
 
+from ..data.helpers import HF_VOCAB_SIZE, MULTILINGUAL
 from ..helpers import tiny_config
-from .helpers import (VOCAB, assert_export_matches, assert_greedy_matches, assert_import_matches, perturb_and_save,
-                      train_and_save)
+from .helpers import (RTOL, VOCAB, assert_export_matches, assert_greedy_matches, assert_import_matches,
+                      perturb_and_save, random_tokens, relative, train_and_save)
 from .test_tools import _tool
 
 transformers = pytest.importorskip("transformers")
@@ -37,7 +42,9 @@ ROPE_SCALING = {"use_rope_scaling": True, "rope_scaling_factor": 8.0,
                 "rope_scaling_original_max_position_embeddings": 16}
 # model_type -> (config class, model class)
 HF_CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
-              "mistral": ("MistralConfig", "MistralForCausalLM")}
+              "mistral": ("MistralConfig", "MistralForCausalLM"), "qwen3": ("Qwen3Config", "Qwen3ForCausalLM")}
+# A megalite Qwen3: per-head q/k norms and, as in Qwen3-32B, a head dimension other than hidden / heads (64 / 4).
+QWEN3_OPTIONS = {"qk_layernorm": True, "kv_channels": 32}
 
 
 def _hf_config(model_type: str = "llama", tie: bool = False, **overrides):
@@ -47,6 +54,10 @@ def _hf_config(model_type: str = "llama", tie: bool = False, **overrides):
                "eos_token_id": VOCAB - 1}
     if model_type == "mistral":
         options["sliding_window"] = None
+    if model_type == "qwen3":
+        # Qwen3Config's default head_dim is 128 whatever the hidden size; no end of document, which transformers'
+        # generate would stop at (megalite's does only at its tokenizer's, and these models have none)
+        options.update(head_dim=32, bos_token_id=None, eos_token_id=None)
     return getattr(transformers, HF_CLASSES[model_type][0])(**{**options, **overrides})
 
 
@@ -59,7 +70,9 @@ def _random_model(directory, model_type: str = "llama", tie: bool = False, **ove
 @pytest.mark.parametrize("model_type, tie, overrides", [
     ("llama", True, {}), ("llama", False, {"rope_scaling": LLAMA3_ROPE}), ("qwen2", True, {}), ("qwen2", False, {}),
     ("mistral", False, {}), ("mistral", True, {"sliding_window": 32}),   # a window as long as the context
-], ids=["llama-tied", "llama3-rope-scaling", "qwen2-tied", "qwen2", "mistral", "mistral-window-32"])
+    ("qwen3", False, {}), ("qwen3", True, {"head_dim": 16}),
+], ids=["llama-tied", "llama3-rope-scaling", "qwen2-tied", "qwen2", "mistral", "mistral-window-32", "qwen3",
+        "qwen3-tied-head-dim-16"])
 def test_import_gives_the_same_logits_and_generation(tmp_path, model_type, tie, overrides):
     hf = _random_model(tmp_path / "hf", model_type, tie, **overrides)
     model = assert_import_matches(hf, tmp_path / "hf", tmp_path / "ckpt", f"{model_type}, tied={tie}, {overrides}")
@@ -68,6 +81,7 @@ def test_import_gives_the_same_logits_and_generation(tmp_path, model_type, tie, 
         (2, 500000, not tie)
     assert imported.add_qkv_bias == (model_type == "qwen2") and imported.use_rope_scaling == bool(overrides.get(
         "rope_scaling"))
+    assert imported.qk_layernorm == (model_type == "qwen3")
     assert_greedy_matches(model, hf, [5, 17, 300, 2], 24)
 
 
@@ -77,7 +91,9 @@ def test_import_gives_the_same_logits_and_generation(tmp_path, model_type, tie, 
     ({"untie_embeddings_and_output_weights": False, "add_qkv_bias": True}, None, "Qwen2ForCausalLM"),
     ({"untie_embeddings_and_output_weights": True, "add_qkv_bias": True}, None, "Qwen2ForCausalLM"),
     ({"untie_embeddings_and_output_weights": True}, "MistralForCausalLM", "MistralForCausalLM"),
-], ids=["llama-tied", "llama3-rope-scaling", "qwen2-tied", "qwen2", "mistral"])
+    ({"untie_embeddings_and_output_weights": True, **QWEN3_OPTIONS}, None, "Qwen3ForCausalLM"),
+    ({"untie_embeddings_and_output_weights": False, "qk_layernorm": True}, None, "Qwen3ForCausalLM"),
+], ids=["llama-tied", "llama3-rope-scaling", "qwen2-tied", "qwen2", "mistral", "qwen3", "qwen3-tied-head-dim-16"])
 def test_export_gives_the_same_logits(tmp_path, options, architecture, expected):
     cfg = tiny_config(model={**LLAMA, **options}, data={"eval_interval": 0})
     train_and_save(cfg, tmp_path / "ckpt", 3)
@@ -88,6 +104,9 @@ def test_export_gives_the_same_logits(tmp_path, options, architecture, expected)
     assert (config["vocab_size"], config["num_key_value_heads"], config["tie_word_embeddings"]) == (VOCAB, 2, tie)
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
     assert rope.get("rope_type", "default") == ("llama3" if options.get("use_rope_scaling") else "default")
+    if expected == "Qwen3ForCausalLM":
+        assert (config["head_dim"], config["attention_bias"], config["use_sliding_window"]) == \
+            (options.get("kv_channels", 16), False, False)
 
 
 @pytest.mark.parametrize("model_type", ["llama", "mistral"])
@@ -142,7 +161,16 @@ def test_tool_picks_the_architecture_and_round_trips(tmp_path, capsys):
                                         "max_position_embeddings 32"),
     ("qwen2", {"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 1},
      "use_sliding_window with sliding_window 16 is not supported: it is shorter than max_position_embeddings 32"),
-])
+    ("qwen3", {"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 1},
+     "use_sliding_window with sliding_window 16 is not supported: it is shorter than max_position_embeddings 32"),
+    ("qwen3", {"use_sliding_window": True, "sliding_window": 16, "layer_types": ["sliding_attention", "full_attention"],
+               "max_window_layers": 2}, "use_sliding_window with sliding_window 16 is not supported"),
+    ("qwen3", {"attention_bias": True}, "attention_bias=True is not supported"),
+    ("qwen3", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}},
+     "rope scaling 'yarn' is not supported"),
+], ids=["llama-yarn", "llama-partial-rotary", "llama-attention-bias", "llama-mlp-bias", "llama-gelu",
+        "mistral-window", "qwen2-window", "qwen3-window", "qwen3-layer-types-window", "qwen3-attention-bias",
+        "qwen3-yarn"])
 def test_tool_refuses_what_megalite_would_compute_differently(tmp_path, capsys, model_type, overrides, message):
     _hf_config(model_type, **overrides).save_pretrained(tmp_path / "hf")   # refused on reading config.json
     convert = _tool("convert_checkpoint")
@@ -191,3 +219,60 @@ def test_export_picks_the_architecture_and_refuses_half_llamas():
             check_exportable(half)
     with pytest.raises(CheckpointError, match="add_qkv_bias=False \\(exports as LlamaForCausalLM or Mistral"):
         check_exportable(tiny_config(model=LLAMA).model, QWEN2)
+    qwen3 = tiny_config(model={**LLAMA, **QWEN3_OPTIONS}).model
+    assert hf_architecture(qwen3) == "Qwen3ForCausalLM"
+    check_exportable(qwen3, QWEN3)
+    for model, architecture, message in [
+            (qwen3, LLAMA_ARCHITECTURE, "qk_layernorm=True (exports as Qwen3ForCausalLM)"),
+            (qwen3, QWEN2, "qk_layernorm=True (exports as Qwen3ForCausalLM)"),
+            (tiny_config(model=LLAMA).model, QWEN3, "qk_layernorm=False (exports as LlamaForCausalLM, Mistral"),
+            (dataclasses.replace(qwen3, add_qkv_bias=True), QWEN3,
+             "add_qkv_bias=True (Qwen3ForCausalLM has no q/k/v biases)")]:
+        with pytest.raises(CheckpointError, match=re.escape(f"cannot export as {architecture.name}: model option "
+                                                            f"{message}")):
+            check_exportable(model, architecture)
+
+
+def test_qwen3_norms_map_both_ways_exactly(tmp_path):
+    """Perturbed q_norm, k_norm and layer norms (each its own scale) come back bit for bit from HF -> megalite -> HF,
+    and the export gives transformers' logits; the config's defaults (head_dim 128 whatever the hidden size) are
+    Qwen3's."""
+    hf = _random_model(tmp_path / "hf", "qwen3")
+    with torch.no_grad():   # norms far from one and from each other, so a swapped or dropped one shows in the logits
+        for layer in hf.model.layers:
+            layer.self_attn.q_norm.weight.mul_(2.0)
+            layer.self_attn.k_norm.weight.mul_(0.5)
+            layer.input_layernorm.weight.mul_(1.5)
+    hf.save_pretrained(tmp_path / "hf")
+    model = assert_import_matches(hf, tmp_path / "hf", tmp_path / "ckpt", "qwen3, scaled norms")
+    assert model.config.model.layernorm_epsilon == 1e-5   # rms_norm_eps, for the q/k norms too
+    exported = assert_export_matches(tmp_path / "ckpt", tmp_path / "out", "qwen3, scaled norms")
+    theirs, ours = hf.state_dict(), exported.state_dict()
+    assert sorted(ours) == sorted(theirs) and all(torch.equal(ours[k], theirs[k]) for k in theirs)
+    defaults = model_config_from({"model_type": "qwen3", "hidden_size": 64, "num_attention_heads": 4,
+                                  "num_key_value_heads": 2, "num_hidden_layers": 2})
+    assert (defaults.kv_channels, defaults.qk_layernorm, defaults.add_qkv_bias, defaults.num_query_groups,
+            defaults.rotary_base, defaults.layernorm_epsilon) == (128, True, False, 2, 10000, 1e-6)
+
+
+def test_qwen3_with_a_padded_vocabulary_and_its_tokenizer(tmp_path, hf_tokenizer_dir):
+    """Qwen3's embedding has more rows than its tokenizer has ids (151936 for 151669): the import keeps the
+    tokenizer's rows, whose logits are transformers'; the export carries the tokenizer for AutoTokenizer and
+    generates what transformers generates, stopping at the tokenizer's end of document."""
+    torch.manual_seed(8)
+    hf = perturb_and_save(transformers.Qwen3ForCausalLM(_hf_config("qwen3", vocab_size=HF_VOCAB_SIZE + 14)).eval(),
+                          tmp_path / "hf")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(hf_tokenizer_dir / name, tmp_path / "hf")
+    import_hf(tmp_path / "hf", tmp_path / "ckpt")
+    model = load_pretrained(tmp_path / "ckpt")
+    assert model.vocab_size == HF_VOCAB_SIZE and model.config.model.qk_layernorm
+    tokens = random_tokens(2, HF_VOCAB_SIZE)
+    with torch.no_grad():
+        assert relative(model(tokens), hf(tokens).logits[..., :HF_VOCAB_SIZE]) < RTOL
+    export_hf(tmp_path / "ckpt", tmp_path / "out")
+    ids = model.tokenizer().encode(MULTILINGUAL)
+    assert transformers.AutoTokenizer.from_pretrained(tmp_path / "out").encode(MULTILINGUAL) == ids
+    exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    assert type(exported).__name__ == "Qwen3ForCausalLM"
+    assert_greedy_matches(model, exported, ids[:6], 16)

@@ -3,6 +3,7 @@ a shape-only layout, for every config in configs/model at TP 1/2/4 and PP 1/2, p
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from pathlib import Path
@@ -72,6 +73,28 @@ def test_gpt_layers_are_12h2_plus_13h():
     h = model.hidden_size
     assert sum(t.full_numel for t in layer_tensors(model, 1, 0)) == 12 * h * h + 13 * h
     assert count_parameters(model).total == 354_823_168   # GPT-2 medium as Hugging Face counts it (unpadded)
+
+
+# Qwen3-32B's config.json as published on the Hugging Face hub (the keys that shape the model).
+QWEN3_32B = {"model_type": "qwen3", "num_hidden_layers": 64, "hidden_size": 5120, "num_attention_heads": 64,
+             "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": 25600, "vocab_size": 151936,
+             "max_position_embeddings": 40960, "rope_theta": 1000000, "rms_norm_eps": 1e-6,
+             "tie_word_embeddings": False, "attention_bias": False, "hidden_act": "silu", "use_sliding_window": False,
+             "sliding_window": None, "max_window_layers": 64}
+
+
+def test_qwen3_32b_counts_what_transformers_builds():
+    """configs/model/qwen3_32b.yaml is what importing the published config makes (bar the sequence length), and the
+    planner counts the parameters of transformers' Qwen3ForCausalLM built from that config (32.8B)."""
+    transformers = pytest.importorskip("transformers")
+    from megalite.checkpoint.hf_llama import model_config_from
+
+    model = load_model_config("qwen3_32b")
+    assert dataclasses.replace(model_config_from(QWEN3_32B), seq_length=model.seq_length) == model
+    with torch.device("meta"):
+        hf = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**QWEN3_32B))
+    hf_count = sum(p.numel() for p in hf.parameters())
+    assert count_parameters(model).total == hf_count and hf_count // 10**8 == 327
 
 
 def test_simulated_layout_registers_one_rank_s_groups_and_restores_the_previous():

@@ -4,7 +4,7 @@ and ``Qwen3ForCausalLM``: names, shapes and config.
 A megalite model with rotary positions, RMSNorm, SwiGLU and no biases (grouped-query attention or not) is a Llama;
 with ``--add-qkv-bias`` (biases on q, k and v only) a Qwen2; with ``--qk-layernorm`` (an RMSNorm over the head
 dimension shared by every head, on q and k before rotary embeddings: Qwen3's ``q_norm``/``k_norm``) a Qwen3; a
-Mistral is a Llama whose attention is not limited to a sliding window. Its canonical tensors are already in Hugging
+Mistral is a Llama whose attention may be limited to a sliding window. Its canonical tensors are already in Hugging
 Face's layout, so converting is renaming and cutting fused weights:
 
 - ``linear_qkv`` is [q_proj; k_proj; v_proj] stacked along the output dimension, q with heads x head_dim rows, k
@@ -17,10 +17,17 @@ Face's layout, so converting is renaming and cutting fused weights:
 - Canonical tensors carry no vocabulary padding, so the HF vocabulary is the tokenizer's.
 
 What megalite would compute differently is refused by name: other rope scalings (``linear``, ``dynamic``, ``yarn``,
-...), attention or MLP biases of Llama, an activation other than SiLU, a sliding window shorter than the context
-(Mistral's ``sliding_window``, Qwen2's and Qwen3's ``use_sliding_window`` with sliding layers). A ``head_dim`` other
-than hidden size / heads is megalite's ``--kv-channels`` (Llama, Mistral and Qwen3; Qwen2's config has no head_dim).
-HF's models have no hidden dropout: megalite's (training only) is not exported and is 0 on import.
+...), attention or MLP biases of Llama, an activation other than SiLU, Qwen3's sliding window shorter than the
+context. A ``head_dim`` other than hidden size / heads is megalite's ``--kv-channels`` (Llama, Mistral and Qwen3;
+Qwen2's config has no head_dim). HF's models have no hidden dropout: megalite's (training only) is not exported and
+is 0 on import.
+
+Sliding windows: HF's ``sliding_window`` W lets a query see itself and the W - 1 tokens before it, megalite's
+``--window-size W-1,0`` (Megatron's spelling). Mistral's window is every layer's; Qwen2's (``use_sliding_window``) is
+that of the layers its ``layer_types`` call ``sliding_attention`` (by default those from ``max_window_layers`` on),
+megalite's ``--window-attn-skip-freq`` pattern. A window as long as ``max_position_embeddings`` limits nothing and
+imports as none. A windowed model exports as Mistral (every layer windowed) or Qwen2 (global layers first, then
+windowed ones: what ``max_window_layers`` can say); Llama has no window.
 
 config.json is written by transformers' own config class (imported only then), so it is in the format the installed
 transformers reads (``rope_parameters`` from v5, ``rope_theta`` and ``rope_scaling`` before); importing reads plain
@@ -53,6 +60,7 @@ _MAPPED_FIELDS = {"num_layers", "hidden_size", "ffn_hidden_size", "num_attention
                   "rope_scaling_high_freq_factor", "rope_scaling_original_max_position_embeddings",
                   "group_query_attention", "num_query_groups", "add_qkv_bias", "kv_channels",   # HF's head_dim
                   "qk_layernorm",   # Qwen3's q_norm and k_norm
+                  "window_size", "window_attn_skip_freq",   # Mistral's sliding_window, Qwen2's layer types
                   *LLAMA_OPTIONS, "no_position_embedding"}   # no learned positions beside rope anyway
 
 # The config class's defaults, for config.json files that leave keys out (None: derived from other keys, or unset).
@@ -112,9 +120,11 @@ _LLAMA3_KEYS = {"factor": "rope_scaling_factor", "low_freq_factor": "rope_scalin
 
 def export_architecture(model: ModelConfig, name: Optional[str] = None) -> Architecture:
     """The family member a Llama-shaped model exports as: ``name`` if given, else Qwen3 with per-head q/k norms,
-    Qwen2 with q/k/v biases and Llama without either (a Mistral is the same network: ask for it by name)."""
+    Qwen2 with q/k/v biases, Mistral with a sliding window and Llama otherwise (an unwindowed Mistral is the same
+    network: ask for it by name)."""
     if name is None:
-        return QWEN3 if model.qk_layernorm else QWEN2 if model.add_qkv_bias else LLAMA
+        return (QWEN3 if model.qk_layernorm else QWEN2 if model.add_qkv_bias
+                else MISTRAL if model.window_size is not None else LLAMA)
     if name not in ARCHITECTURES:
         raise CheckpointError(f"unknown architecture {name!r} (a Llama-shaped model exports as "
                               f"{', '.join(ARCHITECTURES)})")
@@ -161,7 +171,26 @@ def check_exportable(model: ModelConfig, architecture: Architecture = LLAMA) -> 
     if architecture is QWEN2 and model.head_dim * model.num_attention_heads != model.hidden_size:
         raise CheckpointError(f"cannot export as {architecture.name}: kv_channels {model.head_dim} is not hidden size / "
                               f"heads (Qwen2's config has no head_dim; export as {LLAMA.name})")
+    _check_window_exportable(model, architecture)
     check_options_mapped(model, _MAPPED_FIELDS, architecture.name, "Llama")
+
+
+def _check_window_exportable(model: ModelConfig, architecture: Architecture) -> None:
+    """A sliding window is Mistral's in every layer, Qwen2's in the layers from max_window_layers on; Llama has none."""
+    windows = model.attention_windows()
+    if all(w is None for w in windows):
+        return
+    if architecture in (LLAMA, QWEN3):
+        raise CheckpointError(f"cannot export as {architecture.name}: it has no sliding window here (window_size "
+                              f"{model.window_size!r}); export as {MISTRAL.name} or {QWEN2.name}")
+    windowed = [w is not None for w in windows]
+    first = windowed.index(True)
+    if (architecture is MISTRAL and first > 0) or not all(windowed[first:]):
+        raise CheckpointError(
+            f"cannot export as {architecture.name}: window_attn_skip_freq {model.window_attn_skip_freq!r} makes "
+            f"layers {[i for i, w in enumerate(windowed) if not w]} global; " +
+            ("Mistral windows every layer" if architecture is MISTRAL else
+             "Qwen2's max_window_layers makes only the first layers global"))
 
 
 def to_hf(tensors: dict[str, torch.Tensor], model: ModelConfig,
@@ -262,23 +291,34 @@ def _rope(hf: dict[str, Any]) -> dict[str, Any]:
     return options
 
 
-def _check_attention_window(hf: dict[str, Any], architecture: Architecture) -> None:
-    """Refuse a sliding window shorter than the context: megalite attends to every earlier position."""
+def _attention_window(hf: dict[str, Any], architecture: Architecture) -> dict[str, Any]:
+    """megalite's window options of HF's sliding window (W: the query and the W - 1 tokens before it); none where the
+    window is as long as the context."""
     window = hf.get("sliding_window")
     if architecture in (QWEN2, QWEN3):
+        if not hf["use_sliding_window"]:
+            return {}
         layer_types = hf.get("layer_types") or [
             "sliding_attention" if i >= hf["max_window_layers"] else "full_attention"
             for i in range(hf["num_hidden_layers"])]
-        if not hf["use_sliding_window"] or "sliding_attention" not in layer_types:
-            return
-        setting = f"use_sliding_window with sliding_window {window}"
+        unknown = sorted(set(layer_types) - {"sliding_attention", "full_attention"})
+        if unknown:
+            raise CheckpointError(f"layer_types {unknown[0]!r} is not supported")
+        windowed = [kind == "sliding_attention" for kind in layer_types]
     elif architecture is MISTRAL:
-        setting = f"sliding_window {window}"
+        windowed = [True] * hf["num_hidden_layers"]
     else:
-        return
-    if window is not None and window < hf["max_position_embeddings"]:
-        raise CheckpointError(f"{setting} is not supported: it is shorter than max_position_embeddings "
-                              f"{hf['max_position_embeddings']} (megalite attends to the whole context)")
+        return {}
+    if window is None or window >= hf["max_position_embeddings"] or not any(windowed):
+        return {}
+    if architecture is QWEN3:   # its sliding layers are untested against transformers here
+        raise CheckpointError(f"use_sliding_window with sliding_window {window} is not supported: it is shorter than "
+                              f"max_position_embeddings {hf['max_position_embeddings']} (Qwen3's windows are not "
+                              f"converted)")
+    if window < 1:
+        raise CheckpointError(f"sliding_window {window} is not supported (a query sees at least itself)")
+    skip = None if all(windowed) else "[" + ",".join(str(int(w)) for w in windowed) + "]"
+    return {"window_size": f"{window - 1},0", "window_attn_skip_freq": skip}
 
 
 def model_config_from(hf: dict[str, Any]) -> ModelConfig:
@@ -295,7 +335,7 @@ def model_config_from(hf: dict[str, Any]) -> ModelConfig:
         if hf.get(key):
             raise CheckpointError(f"{key}={hf[key]} is not supported (megalite's {architecture.name} has no "
                                   f"biases there)")
-    _check_attention_window(hf, architecture)
+    window_options = _attention_window(hf, architecture)
     hidden, heads = hf["hidden_size"], hf["num_attention_heads"]
     # head_dim other than hidden / heads (as in Qwen3-32B): megalite's --kv-channels.
     kv_channels = hf["head_dim"] if hf["head_dim"] is not None and hf["head_dim"] * heads != hidden else None
@@ -313,7 +353,7 @@ def model_config_from(hf: dict[str, Any]) -> ModelConfig:
                        position_embedding_type="rope", normalization="RMSNorm", swiglu=True,
                        group_query_attention=grouped, num_query_groups=groups if grouped else 1,
                        disable_bias_linear=True, add_qkv_bias=architecture.qkv_bias, kv_channels=kv_channels,
-                       qk_layernorm=architecture.qk_norm, **rope)
+                       qk_layernorm=architecture.qk_norm, **window_options, **rope)
 
 
 def hf_config_from(model: ModelConfig, eod: int | None = None, dtype: torch.dtype = torch.float32,
@@ -332,12 +372,19 @@ def hf_config_from(model: ModelConfig, eod: int | None = None, dtype: torch.dtyp
                                                             for key, option in _LLAMA3_KEYS.items()}}
     if architecture is LLAMA:
         config.update(head_dim=model.head_dim, attention_bias=False, mlp_bias=False)
-    elif architecture is MISTRAL:
-        config.update(head_dim=model.head_dim, sliding_window=None)
     elif architecture is QWEN3:
         config.update(head_dim=model.head_dim, attention_bias=False, use_sliding_window=False, sliding_window=None)
     else:
-        config.update(use_sliding_window=False, sliding_window=None)
+        windows = model.attention_windows()
+        window = next((w + 1 for w in windows if w is not None), None)   # HF counts the query itself
+        if architecture is MISTRAL:
+            config.update(head_dim=model.head_dim, sliding_window=window)
+        elif window is None:
+            config.update(use_sliding_window=False, sliding_window=None)
+        else:
+            config.update(use_sliding_window=True, sliding_window=window,
+                          max_window_layers=next(i for i, w in enumerate(windows) if w is not None),
+                          layer_types=["full_attention" if w is None else "sliding_attention" for w in windows])
     return config
 
 

@@ -106,6 +106,14 @@ class ModelConfig:
     qk_layernorm: bool = option(
         False, "Normalize each attention head's query and key (the configured norm over the head dimension, before "
                "rotary embeddings), as Qwen3 and OLMo 2 do.")
+    window_size: Optional[str] = option(
+        None, "Sliding-window attention, Megatron's 'LEFT,RIGHT' (or '(LEFT,RIGHT)'), e.g. 4096,0: each query "
+              "attends to itself and the LEFT tokens before it (Hugging Face's sliding_window is LEFT + 1); RIGHT "
+              "must be 0 (causal). Default: no window, every earlier token.")
+    window_attn_skip_freq: Optional[str] = option(
+        None, "With --window-size, which layers attend globally instead: an integer N (layers N, 2N, ... counted "
+              "from 1) or a 0/1 pattern with one entry per layer, 1 windowed and 0 global, e.g. '[1,1,1,0]*2' "
+              "(Megatron's syntax). Default: every layer windowed.")
     recompute_granularity: Optional[str] = option(
         None, "Activation recompute: full (keep each recomputed group's input only, rerun it in backward) or "
               "selective (rerun only the attention core: softmax, dropout and the two attention products).",
@@ -243,6 +251,49 @@ class ModelConfig:
         if len(pattern) != self.num_layers:
             raise ConfigError(f"{FLAG.moe_layer_freq} {text!r} has {len(pattern)} entries for {FLAG.num_layers} "
                               f"{self.num_layers}")
+        return [v == 1 for v in pattern]
+
+    def attention_windows(self) -> list[Optional[int]]:
+        """Each layer's (by global index) attention window: the tokens before a query it attends to besides itself,
+        None for every earlier token (no --window-size, or a layer --window-attn-skip-freq makes global)."""
+        from megalite.config.flags import FLAG   # noqa: PLC0415 - flags import this module
+
+        if self.window_size is None:
+            if self.window_attn_skip_freq is not None:
+                raise ConfigError(f"{FLAG.window_attn_skip_freq} needs {FLAG.window_size}")
+            return [None] * self.num_layers
+        text = str(self.window_size).strip()   # also Megatron's stored tuple, (4096, 0)
+        try:
+            sides = [int(side) for side in text.strip("()").split(",")]
+        except ValueError:
+            sides = []
+        if len(sides) != 2:
+            raise ConfigError(f"{FLAG.window_size} {text!r} must be two integers LEFT,RIGHT, e.g. 4096,0")
+        left, right = sides
+        if left < 0 or right != 0:
+            raise ConfigError(f"{FLAG.window_size} {text!r}: attention is causal, so it takes LEFT >= 0 tokens "
+                              f"before each query and RIGHT 0 after it, e.g. {max(left, 0)},0")
+        return [left if windowed else None for windowed in self._windowed_layers()]
+
+    def _windowed_layers(self) -> list[bool]:
+        """--window-attn-skip-freq per layer (Megatron's is_layer_window_attention, layers counted from 1)."""
+        from megalite.config.flags import FLAG   # noqa: PLC0415 - flags import this module
+
+        if self.window_attn_skip_freq is None:
+            return [True] * self.num_layers
+        text = str(self.window_attn_skip_freq).strip()
+        if text.isdigit():
+            n = int(text)
+            if n < 1:
+                raise ConfigError(f"{FLAG.window_attn_skip_freq} must be >= 1, got {n}")
+            return [(i + 1) % n != 0 for i in range(self.num_layers)]
+        pattern = _layer_pattern(text)
+        if pattern is None or any(v not in (0, 1) for v in pattern):
+            raise ConfigError(f"{FLAG.window_attn_skip_freq} {text!r} must be an integer or a list of 0/1 (1: "
+                              f"windowed), e.g. 4 or [1,1,1,0]*2")
+        if len(pattern) != self.num_layers:
+            raise ConfigError(f"{FLAG.window_attn_skip_freq} {text!r} has {len(pattern)} entries for "
+                              f"{FLAG.num_layers} {self.num_layers}")
         return [v == 1 for v in pattern]
 
     @property

@@ -27,6 +27,11 @@ A :class:`~megalite.model.context_parallel.SequenceShard` says which tokens of t
 positions rotate q and k, packed documents mask the core (SDPA with a block-diagonal causal mask; the fused softmax
 knows the causal mask only), and under context parallelism the core attends over the other ranks' tokens too
 (megalite.model.context_parallel).
+
+A layer with a sliding window (``--window-size LEFT,0``, in the layers ``--window-attn-skip-freq`` leaves windowed)
+lets each query attend to itself and the LEFT tokens before it only: SDPA with a banded causal mask (and packed
+documents' mask), where the sequence is longer than the window; a window covering the sequence keeps the causal fast
+path. Context parallelism refuses a window (megalite.config.validate).
 """
 
 from __future__ import annotations
@@ -46,7 +51,7 @@ from megalite.kernels import DEFAULT_POLICY, KernelPolicy
 from megalite.kernels.fused import scaled_masked_softmax
 from megalite.kernels.policy import MASKED_SOFTMAX
 from megalite.model.context_parallel import SequenceShard, context_parallel_attention
-from megalite.model.kv_cache import LayerCache
+from megalite.model.kv_cache import LayerCache, causal_mask
 from megalite.model.norms import norm
 from megalite.model.rotary import RopeScaling, RotaryEmbedding
 from megalite.tensor_parallel import (ColumnParallelLinear, Fp8Recipe, RowParallelLinear, TensorParallelRNG,
@@ -64,9 +69,10 @@ def _head_norm(cfg: ModelConfig, kernels: KernelPolicy) -> nn.Module:
 
 class SelfAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, rng: TensorParallelRNG | None, sequence_parallel: bool = False,
-                 kernels: KernelPolicy = DEFAULT_POLICY):
+                 kernels: KernelPolicy = DEFAULT_POLICY, window: Optional[int] = None):
         super().__init__()
         self.kernels = kernels
+        self.window = window   # tokens before a query it attends to besides itself; None: all of them
         tp = parallel_state.get_tensor_model_parallel_world_size()
         heads, groups, head_dim = cfg.num_attention_heads, cfg.query_groups, cfg.head_dim
         self.heads, self.head_dim = heads // tp, head_dim
@@ -114,7 +120,7 @@ class SelfAttention(nn.Module):
             else:
                 q, k = self.rotary(q, k, offset=0 if cache is None else cache.offset)
         if cache is not None:
-            context = cache.attend(q, k, v)
+            context = cache.attend(q, k, v, self.window)
         elif self.recompute_core and self.training and torch.is_grad_enabled():
             context = recompute(lambda *qkv: self._attend(*qkv, shard), self.rng, q, k, v)
         else:
@@ -127,7 +133,12 @@ class SelfAttention(nn.Module):
         if shard is not None and shard.cp > 1:
             context = context_parallel_attention(q, k, v, shard, self._core)
         else:
-            context = self._core(q, k, v, None if shard is None else shard.whole_sequence_mask())
+            mask = None if shard is None else shard.whole_sequence_mask()
+            seq = q.shape[-2]
+            if self.window is not None and seq > self.window + 1:
+                band = causal_mask(seq, seq, self.window, q.device)
+                mask = band if mask is None else mask & band
+            context = self._core(q, k, v, mask)
         batch, _, seq, _ = context.shape
         return context.transpose(1, 2).reshape(batch, seq, self.heads * self.head_dim)
 

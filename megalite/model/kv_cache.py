@@ -6,13 +6,29 @@ prompt) fills positions 0 .. n-1, each later call appends its tokens after them;
 at ``cache.length``. Buffers are allocated on first use per layer, [batch, key/value heads, max_length, head dim] in
 the keys' dtype and device. Inference only (no dropout, no autograd through the cache), at any tensor-parallel size:
 each rank caches its own heads. Attention over the cache runs through scaled_dot_product_attention whatever the
-kernel policy (the fused masked softmax is square: every query sees only the keys up to its own position).
+kernel policy (the fused masked softmax is square: every query sees only the keys up to its own position). A layer
+with a sliding window (--window-size) attends over the last window + 1 cached positions only; the cache still keeps
+every position (the buffers are sized by ``max_length`` either way).
 """
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
+
+
+def causal_mask(queries: int, keys: int, window: Optional[int], device: torch.device) -> Optional[torch.Tensor]:
+    """Which of ``keys`` positions each query may attend to, the queries being the last ``queries`` of them: a
+    boolean [queries, keys] mask (True where allowed), the keys up to the query's own position and, with a sliding
+    ``window``, not before position - window (the query and the ``window`` tokens before it, Hugging Face's
+    ``sliding_window`` window + 1). None where every query sees every key."""
+    offset = keys - queries   # query i is at position offset + i
+    if queries == 1 and (window is None or keys <= window + 1):
+        return None
+    mask = torch.ones(queries, keys, dtype=torch.bool, device=device).tril(offset)
+    return mask if window is None else mask.triu(offset - window)
 
 
 class KVCache:
@@ -53,13 +69,17 @@ class LayerCache:
     def offset(self) -> int:
         return self.cache.length
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               window: Optional[int] = None) -> torch.Tensor:
         """Store the new k and v, then causal attention of the new queries [batch, heads, new, d] (the last
-        positions) over every cached key; heads merged: [batch, new, heads x d]."""
+        positions) over the cached keys, with a sliding ``window`` over its last ``window`` + 1 positions only;
+        heads merged: [batch, new, heads x d]."""
         keys, values = self.cache.store(self.index, k, v)
         new, total = q.shape[-2], keys.shape[-2]
-        # Query i (position total - new + i) sees keys 0 .. total - new + i; one new token sees them all.
-        mask = None if new == 1 else torch.ones(new, total, dtype=torch.bool, device=q.device).tril(total - new)
+        if window is not None:   # keys before the first new query's window are seen by no query
+            first = max(total - new - window, 0)
+            keys, values = keys[..., first:, :], values[..., first:, :]
+        mask = causal_mask(new, keys.shape[-2], window, q.device)
         context = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
                                                  enable_gqa=keys.shape[1] != q.shape[1])
         batch, heads, _, head_dim = context.shape

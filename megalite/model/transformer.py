@@ -29,7 +29,8 @@ class TransformerLayer(nn.Module):
                  kernels: KernelPolicy = DEFAULT_POLICY, layer_number: int = 0):
         super().__init__()
         self.input_norm = norm(cfg, sequence_parallel, kernels)
-        self.self_attention = SelfAttention(cfg, rng, sequence_parallel, kernels)
+        window = None if cfg.window_size is None else cfg.attention_windows()[layer_number]   # --window-size
+        self.self_attention = SelfAttention(cfg, rng, sequence_parallel, kernels, window)
         self.pre_mlp_norm = norm(cfg, sequence_parallel, kernels)
         # layer_number (global): whether --moe-layer-freq makes this an MoE layer
         moe = cfg.num_experts is not None and cfg.moe_layers()[layer_number]

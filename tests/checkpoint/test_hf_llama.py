@@ -22,7 +22,7 @@ from megalite import load_pretrained
 from megalite.checkpoint import CheckpointError, open_checkpoint
 from megalite.checkpoint.convert import export_hf, hf_architecture, import_hf
 from megalite.checkpoint.hf_llama import LLAMA as LLAMA_ARCHITECTURE
-from megalite.checkpoint.hf_llama import QWEN2, QWEN3, check_exportable, model_config_from
+from megalite.checkpoint.hf_llama import MISTRAL, QWEN2, QWEN3, check_exportable, model_config_from
 from megalite.config import ModelConfig
 
 from ..data.helpers import HF_VOCAB_SIZE, MULTILINGUAL
@@ -71,8 +71,10 @@ def _random_model(directory, model_type: str = "llama", tie: bool = False, **ove
     ("llama", True, {}), ("llama", False, {"rope_scaling": LLAMA3_ROPE}), ("qwen2", True, {}), ("qwen2", False, {}),
     ("mistral", False, {}), ("mistral", True, {"sliding_window": 32}),   # a window as long as the context
     ("qwen3", False, {}), ("qwen3", True, {"head_dim": 16}),
+    ("mistral", False, {"sliding_window": 8}),   # the query and 7 before it, of 32 tokens
+    ("qwen2", False, {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1}),   # layer 1 only
 ], ids=["llama-tied", "llama3-rope-scaling", "qwen2-tied", "qwen2", "mistral", "mistral-window-32", "qwen3",
-        "qwen3-tied-head-dim-16"])
+        "qwen3-tied-head-dim-16", "mistral-window-8", "qwen2-window-8-from-layer-1"])
 def test_import_gives_the_same_logits_and_generation(tmp_path, model_type, tie, overrides):
     hf = _random_model(tmp_path / "hf", model_type, tie, **overrides)
     model = assert_import_matches(hf, tmp_path / "hf", tmp_path / "ckpt", f"{model_type}, tied={tie}, {overrides}")
@@ -82,7 +84,12 @@ def test_import_gives_the_same_logits_and_generation(tmp_path, model_type, tie, 
     assert imported.add_qkv_bias == (model_type == "qwen2") and imported.use_rope_scaling == bool(overrides.get(
         "rope_scaling"))
     assert imported.qk_layernorm == (model_type == "qwen3")
-    assert_greedy_matches(model, hf, [5, 17, 300, 2], 24)
+    window = overrides.get("sliding_window", 32) < 32 and {"window_size": "7,0", "window_attn_skip_freq": None}
+    if window and model_type == "qwen2":
+        window["window_attn_skip_freq"] = "[0,1]"
+    assert (imported.window_size, imported.window_attn_skip_freq) == ((window or {}).get("window_size"),
+                                                                      (window or {}).get("window_attn_skip_freq"))
+    assert_greedy_matches(model, hf, [5, 17, 300, 2], 24)   # 28 tokens: windows slide past the prompt
 
 
 @pytest.mark.parametrize("options, architecture, expected", [
@@ -93,7 +100,11 @@ def test_import_gives_the_same_logits_and_generation(tmp_path, model_type, tie, 
     ({"untie_embeddings_and_output_weights": True}, "MistralForCausalLM", "MistralForCausalLM"),
     ({"untie_embeddings_and_output_weights": True, **QWEN3_OPTIONS}, None, "Qwen3ForCausalLM"),
     ({"untie_embeddings_and_output_weights": False, "qk_layernorm": True}, None, "Qwen3ForCausalLM"),
-], ids=["llama-tied", "llama3-rope-scaling", "qwen2-tied", "qwen2", "mistral", "qwen3", "qwen3-tied-head-dim-16"])
+    ({"untie_embeddings_and_output_weights": True, "window_size": "(7, 0)"}, None, "MistralForCausalLM"),
+    ({"untie_embeddings_and_output_weights": False, "add_qkv_bias": True, "window_size": "7,0",
+      "window_attn_skip_freq": "[0,1]"}, None, "Qwen2ForCausalLM"),
+], ids=["llama-tied", "llama3-rope-scaling", "qwen2-tied", "qwen2", "mistral", "qwen3", "qwen3-tied-head-dim-16",
+        "mistral-window-8", "qwen2-window-8-layer-1"])
 def test_export_gives_the_same_logits(tmp_path, options, architecture, expected):
     cfg = tiny_config(model={**LLAMA, **options}, data={"eval_interval": 0})
     train_and_save(cfg, tmp_path / "ckpt", 3)
@@ -107,6 +118,10 @@ def test_export_gives_the_same_logits(tmp_path, options, architecture, expected)
     if expected == "Qwen3ForCausalLM":
         assert (config["head_dim"], config["attention_bias"], config["use_sliding_window"]) == \
             (options.get("kv_channels", 16), False, False)
+    window = 8 if "window_size" in options else None   # HF's sliding_window counts the query itself
+    assert (config.get("sliding_window"), getattr(hf.config, "sliding_window", None)) == (window, window)
+    if "window_attn_skip_freq" in options:
+        assert (hf.config.max_window_layers, hf.config.layer_types) == (1, ["full_attention", "sliding_attention"])
 
 
 @pytest.mark.parametrize("model_type", ["llama", "mistral"])
@@ -157,10 +172,8 @@ def test_tool_picks_the_architecture_and_round_trips(tmp_path, capsys):
     ("llama", {"attention_bias": True}, "attention_bias=True is not supported"),
     ("llama", {"mlp_bias": True}, "mlp_bias=True is not supported"),
     ("llama", {"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
-    ("mistral", {"sliding_window": 16}, "sliding_window 16 is not supported: it is shorter than "
-                                        "max_position_embeddings 32"),
-    ("qwen2", {"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 1},
-     "use_sliding_window with sliding_window 16 is not supported: it is shorter than max_position_embeddings 32"),
+    ("qwen2", {"use_sliding_window": True, "sliding_window": 16, "layer_types": ["chunked_attention"] * 2},
+     "layer_types 'chunked_attention' is not supported"),
     ("qwen3", {"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 1},
      "use_sliding_window with sliding_window 16 is not supported: it is shorter than max_position_embeddings 32"),
     ("qwen3", {"use_sliding_window": True, "sliding_window": 16, "layer_types": ["sliding_attention", "full_attention"],
@@ -169,8 +182,7 @@ def test_tool_picks_the_architecture_and_round_trips(tmp_path, capsys):
     ("qwen3", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}},
      "rope scaling 'yarn' is not supported"),
 ], ids=["llama-yarn", "llama-partial-rotary", "llama-attention-bias", "llama-mlp-bias", "llama-gelu",
-        "mistral-window", "qwen2-window", "qwen3-window", "qwen3-layer-types-window", "qwen3-attention-bias",
-        "qwen3-yarn"])
+        "qwen2-layer-types", "qwen3-window", "qwen3-layer-types-window", "qwen3-attention-bias", "qwen3-yarn"])
 def test_tool_refuses_what_megalite_would_compute_differently(tmp_path, capsys, model_type, overrides, message):
     _hf_config(model_type, **overrides).save_pretrained(tmp_path / "hf")   # refused on reading config.json
     convert = _tool("convert_checkpoint")
@@ -193,16 +205,16 @@ def test_config_formats_and_windows_that_cover_the_context():
         model_config_from({**legacy, "rope_scaling": {"type": "linear", "factor": 2.0}})
     with pytest.raises(CheckpointError, match="rope scaling 'llama3' without low_freq_factor"):
         model_config_from({**legacy, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}})
-    # Mistral's default window (4096) is refused for its default context, an explicit null is no window; Qwen2's
-    # window applies only with use_sliding_window, from layer max_window_layers on.
+    # Mistral's default window (4096) is W - 1 = 4095 tokens before each query in its default context, an explicit
+    # null is no window; Qwen2's window applies only with use_sliding_window, from layer max_window_layers on.
     mistral = {"model_type": "mistral", "hidden_size": 64, "num_attention_heads": 4}
-    with pytest.raises(CheckpointError, match="sliding_window 4096 is not supported"):
-        model_config_from(mistral)
-    assert model_config_from({**mistral, "sliding_window": None}).num_query_groups == 8
+    assert (model_config_from(mistral).window_size, model_config_from(mistral).window_attn_skip_freq) == ("4095,0", None)
+    assert model_config_from({**mistral, "sliding_window": None}).window_size is None
     qwen2 = {"model_type": "qwen2", "hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2,
              "max_position_embeddings": 64, "use_sliding_window": True, "sliding_window": 16}
-    assert model_config_from({**qwen2, "max_window_layers": 2}).add_qkv_bias   # no layer slides
-    assert model_config_from({**qwen2, "use_sliding_window": False}).add_qkv_bias
+    assert model_config_from({**qwen2, "max_window_layers": 2}).window_size is None   # no layer slides
+    assert model_config_from({**qwen2, "use_sliding_window": False}).window_size is None
+    assert model_config_from({**qwen2, "max_window_layers": 0}).attention_windows() == [15, 15]
 
 
 def test_export_picks_the_architecture_and_refuses_half_llamas():
@@ -231,6 +243,17 @@ def test_export_picks_the_architecture_and_refuses_half_llamas():
         with pytest.raises(CheckpointError, match=re.escape(f"cannot export as {architecture.name}: model option "
                                                             f"{message}")):
             check_exportable(model, architecture)
+    # A window exports as Mistral (every layer) or Qwen2 (global layers first); Llama has none.
+    windowed = tiny_config(model={**LLAMA, "window_size": "7,0"}).model
+    assert hf_architecture(windowed) == "MistralForCausalLM"
+    with pytest.raises(CheckpointError, match="cannot export as LlamaForCausalLM: it has no sliding window"):
+        check_exportable(windowed, LLAMA_ARCHITECTURE)
+    with pytest.raises(CheckpointError, match="cannot export as Qwen3ForCausalLM: it has no sliding window"):
+        check_exportable(dataclasses.replace(windowed, qk_layernorm=True), QWEN3)
+    with pytest.raises(CheckpointError, match=r"skip_freq '2' makes layers \[1\] global; Mistral windows every"):
+        check_exportable(dataclasses.replace(windowed, window_attn_skip_freq="2"), MISTRAL)
+    with pytest.raises(CheckpointError, match=r"'\[1,0\]' makes layers \[1\] global; Qwen2's max_window_layers"):
+        check_exportable(dataclasses.replace(windowed, add_qkv_bias=True, window_attn_skip_freq="[1,0]"), QWEN2)
 
 
 def test_qwen3_norms_map_both_ways_exactly(tmp_path):

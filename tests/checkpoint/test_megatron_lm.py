@@ -136,6 +136,15 @@ def test_what_megalite_cannot_compute_is_refused_by_its_flag(megatron_saves, tmp
     assert not (tmp_path / "out").exists()
 
 
+def test_a_sliding_window_is_not_exported_to_megatron():
+    """Megatron's window is refused on import (above), and megalite's on export."""
+    from megalite.config.dims import ParallelDims   # noqa: PLC0415
+
+    with pytest.raises(CheckpointError, match="window_size='7,0': megalite exports no sliding window to Megatron-LM"):
+        megatron_lm_args.megatron_args(ModelConfig(window_size="7,0"), ParallelDims(1), None, iteration=1,
+                                       consumed_samples=0, ckpt_format="torch", dtype=torch.float32)
+
+
 def test_a_missing_or_misshaped_tensor_is_named(megatron_saves, tmp_path):
     source = tmp_path / "cut"
     shutil.copytree(megatron_saves["llama"][1]["torch"], source)

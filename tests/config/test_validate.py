@@ -166,6 +166,20 @@ def test_tiny_config_is_valid_on_several_world_sizes():
                  training={"bf16": True}), 3,
      "--fp8-param-gather with --zero-stage 3 needs each FP8 weight's rows to split evenly over the 3 data-parallel "
      "ranks: the MLP's first 256 rows / TP 1 = 256 does not"),
+    (tiny_config(model={"window_size": "4096"}), 1, "--window-size '4096' must be two integers LEFT,RIGHT, e.g. 4096,0"),
+    (tiny_config(model={"window_size": "(8, 8)"}), 1,
+     "--window-size '(8, 8)': attention is causal, so it takes LEFT >= 0 tokens before each query and RIGHT 0"),
+    (tiny_config(model={"window_size": "-1,0"}), 1, "--window-size '-1,0': attention is causal"),
+    (tiny_config(model={"window_attn_skip_freq": "2"}), 1, "--window-attn-skip-freq needs --window-size"),
+    (tiny_config(model={"window_size": "8,0", "window_attn_skip_freq": "0"}), 1,
+     "--window-attn-skip-freq must be >= 1, got 0"),
+    (tiny_config(model={"window_size": "8,0", "window_attn_skip_freq": "[1,0,1]"}), 1,
+     "--window-attn-skip-freq '[1,0,1]' has 3 entries for --num-layers 2"),
+    (tiny_config(model={"window_size": "8,0", "window_attn_skip_freq": "[1,2]"}), 1,
+     "--window-attn-skip-freq '[1,2]' must be an integer or a list of 0/1 (1: windowed)"),
+    (tiny_config(model={"window_size": "8,0"}, parallel={"context_parallel_size": 2}), 2,
+     "--window-size is not supported with --context-parallel-size 2 (the context-parallel attention applies no "
+     "window)"),
 ])
 def test_bad_values_name_the_numbers(cfg, world, message):
     with pytest.raises(ConfigError) as error:
@@ -226,6 +240,12 @@ def test_architecture_and_memory_options_combine_with_parallel_layouts():
     validate(tiny_config(tp=2, pp=2, model={"num_layers": 4, "recompute_granularity": "full",
                                             "recompute_method": "uniform", "recompute_num_layers": 2}), 4)
     validate(tiny_config(model={"recompute_granularity": "selective"}), 1)
+    # Megatron's spellings of a window and its skip pattern (layers counted from 1; 1 windowed, 0 global).
+    for window, skip, windows in [("4,0", None, [4, 4]), ("(4, 0)", "2", [4, None]), ("4,0", "[0,1]", [None, 4]),
+                                  ("0,0", "([1]*2)", [0, 0])]:
+        model = tiny_config(model={"window_size": window, "window_attn_skip_freq": skip}).model
+        assert model.attention_windows() == windows
+    validate(tiny_config(tp=2, pp=2, model={"window_size": "4,0", "window_attn_skip_freq": "2"}), 4)
 
 
 @pytest.mark.parametrize("section, field, flag", [

@@ -6,7 +6,9 @@ within 1e-5):
 
 - Llama-like (rotary positions, RMSNorm, SwiGLU, grouped-query attention with 2 key/value heads, no biases, untied
   output layer) at TP=2 x PP=2: one key/value head per TP rank;
-- the same with sequence parallelism and selective recompute at TP=2 x PP=2: pipeline stages send sequence shards;
+- the same with a sliding window (each query and the 7 tokens before it, of 32) in layers 1, 3 and 4 (layer 2
+  global: a 0/1 skip pattern), sequence parallelism and selective recompute at TP=2 x PP=2: pipeline stages send
+  sequence shards, and the recomputed core rebuilds the windowed mask;
 - GPT-2-style with the tanh GeLU, sequence parallelism and full recompute (block) at TP=2 x DP=2 with ZeRO-2,
   overlapped, small buckets: the sequence-parallel gradients (norms, biases, position table) are summed over TP on DP
   shards;
@@ -36,6 +38,7 @@ SP = {"sequence_parallel": True}
 FULL_BLOCK = {"recompute_granularity": "full", "recompute_method": "block", "recompute_num_layers": 1}
 FULL_UNIFORM = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 2}
 SELECTIVE = {"recompute_granularity": "selective"}
+WINDOW = {"window_size": "7,0", "window_attn_skip_freq": "[1,0,1,1]"}
 ZERO2 = {"use_distributed_optimizer": True, "zero_stage": 2, "overlap_grad_reduce": True, "ddp_bucket_size": 4000}
 QWEN2_ROPE_SCALING = {"add_qkv_bias": True, "use_rope_scaling": True, "rope_scaling_factor": 4.0,
                       "rope_scaling_original_max_position_embeddings": 16}
@@ -43,7 +46,8 @@ QWEN2_ROPE_SCALING = {"add_qkv_bias": True, "use_rope_scaling": True, "rope_scal
 
 @pytest.mark.parametrize("label, tp, pp, model, parallel, optimizer", [
     ("llama-like TP=2 x PP=2", 2, 2, LLAMA, {}, {}),
-    ("llama-like + sequence parallel + selective recompute TP=2 x PP=2", 2, 2, {**LLAMA, **SELECTIVE}, SP, {}),
+    ("llama-like + sliding window + sequence parallel + selective recompute TP=2 x PP=2", 2, 2,
+     {**LLAMA, **SELECTIVE, **WINDOW}, SP, {}),
     ("GPT + tanh GeLU + sequence parallel + full block recompute TP=2 x DP=2 ZeRO-2", 2, 1,
      {**FULL_BLOCK, "openai_gelu": True}, SP, ZERO2),
     ("llama-like + q/k/v biases + rope scaling (key/value heads split over 2 ranks) + sequence parallel + full "

@@ -128,6 +128,9 @@ def megatron_args(model: ModelConfig, dims: ParallelDims, virtual_stages: Option
         if getattr(model, option) != default:
             raise CheckpointError(f"model option {option}={getattr(model, option)!r}: Megatron's rope scaling fixes "
                                   f"it at {default!r}")
+    if model.window_size is not None:   # as the import refuses Megatron's (UNSUPPORTED)
+        raise CheckpointError(f"model option window_size={model.window_size!r}: megalite exports no sliding window "
+                              f"to Megatron-LM")
     values: dict[str, Any] = {}
     for option in (*MODEL_DEFINING, *CARRIED):
         if option in MEGALITE_ONLY:

@@ -12,15 +12,15 @@ Face's layout, so converting is renaming and cutting fused weights:
   parallelism splits each block separately, so the canonical tensor is the plain stack); Qwen2's biases likewise.
 - ``linear_fc1`` is [gate_proj; up_proj]; ``linear_proj`` is o_proj, ``linear_fc2`` down_proj; no transposes.
 - Rotary embeddings use the rotate-half convention of HF's Llama, whose q_proj/k_proj rows are already permuted for
-  it (Meta's original checkpoints are not): no permutation either way. Llama 3.1's rope scaling (``rope_type``
-  ``llama3``) maps onto ``--use-rope-scaling`` and its factors.
+  it (Meta's original checkpoints are not): no permutation either way. Rope scalings (``rope_type`` ``llama3``,
+  ``linear``, ``yarn``) map onto ``--use-rope-scaling``, ``--rope-scaling-type`` and their parameters.
 - Canonical tensors carry no vocabulary padding, so the HF vocabulary is the tokenizer's.
 
-What megalite would compute differently is refused by name: other rope scalings (``linear``, ``dynamic``, ``yarn``,
-...), attention or MLP biases of Llama, an activation other than SiLU, Qwen3's sliding window shorter than the
-context. A ``head_dim`` other than hidden size / heads is megalite's ``--kv-channels`` (Llama, Mistral and Qwen3;
-Qwen2's config has no head_dim). HF's models have no hidden dropout: megalite's (training only) is not exported and
-is 0 on import.
+What megalite would compute differently is refused by name: other rope scalings (``dynamic``, ``longrope``, ...,
+and yarn's ``truncate: false``), attention or MLP biases of Llama, an activation other than SiLU, Qwen3's sliding
+window shorter than the context. A ``head_dim`` other than hidden size / heads is megalite's ``--kv-channels``
+(Llama, Mistral and Qwen3; Qwen2's config has no head_dim). HF's models have no hidden dropout: megalite's (training
+only) is not exported and is 0 on import.
 
 Sliding windows: HF's ``sliding_window`` W lets a query see itself and the W - 1 tokens before it, megalite's
 ``--window-size W-1,0`` (Megatron's spelling). Mistral's window is every layer's; Qwen2's (``use_sliding_window``) is
@@ -58,6 +58,8 @@ _MAPPED_FIELDS = {"num_layers", "hidden_size", "ffn_hidden_size", "num_attention
                   "vocab_size", "layernorm_epsilon", "untie_embeddings_and_output_weights", "rotary_base",
                   "use_rope_scaling", "rope_scaling_factor", "rope_scaling_low_freq_factor",
                   "rope_scaling_high_freq_factor", "rope_scaling_original_max_position_embeddings",
+                  "rope_scaling_type", "beta_fast", "beta_slow", "mscale", "mscale_all_dim",
+                  "rope_scaling_attention_factor",
                   "group_query_attention", "num_query_groups", "add_qkv_bias", "kv_channels",   # HF's head_dim
                   "qk_layernorm",   # Qwen3's q_norm and k_norm
                   "window_size", "window_attn_skip_freq",   # Mistral's sliding_window, Qwen2's layer types
@@ -116,6 +118,10 @@ _HF_BUFFERS = re.compile(r"model\.(layers\.\d+\.self_attn\.)?rotary_emb\.inv_fre
 _LLAMA3_KEYS = {"factor": "rope_scaling_factor", "low_freq_factor": "rope_scaling_low_freq_factor",
                 "high_freq_factor": "rope_scaling_high_freq_factor",
                 "original_max_position_embeddings": "rope_scaling_original_max_position_embeddings"}
+# The keys of HF's yarn rope parameters that map one to one (None in HF meaning the default), and megalite's options.
+_YARN_KEYS = {"factor": "rope_scaling_factor",
+              "original_max_position_embeddings": "rope_scaling_original_max_position_embeddings",
+              "beta_fast": "beta_fast", "beta_slow": "beta_slow", "attention_factor": "rope_scaling_attention_factor"}
 
 
 def export_architecture(model: ModelConfig, name: Optional[str] = None) -> Architecture:
@@ -266,28 +272,56 @@ def _check_shapes(tensors: dict[str, torch.Tensor], model: ModelConfig, what: st
 
 
 def _rope(hf: dict[str, Any]) -> dict[str, Any]:
-    """The rotary options (base, llama3 scaling) of either config format, refusing other rope scalings."""
+    """The rotary options (base, rope scaling) of either config format, refusing other rope scalings."""
     rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})   # v5 / before v5
     kind = rope.pop("rope_type", rope.pop("type", "default"))
-    if kind not in ("default", "llama3"):
+    if kind not in ("default", "llama3", "linear", "yarn"):
         raise CheckpointError(f"rope scaling {kind!r} is not supported (megalite computes plain rotary embeddings "
-                              f"or Llama 3's scaling): rope_scaling/rope_parameters must be unset or of rope_type "
-                              f"'default' or 'llama3'")
+                              f"or the llama3, linear and yarn scalings): rope_scaling/rope_parameters must be unset "
+                              f"or of rope_type 'default', 'llama3', 'linear' or 'yarn'")
     theta = rope.pop("rope_theta", None) or hf["rope_theta"]
     if float(theta) != int(theta):
         raise CheckpointError(f"rope_theta {theta} is not supported (megalite's rotary base is an integer)")
     options: dict[str, Any] = {"rotary_base": int(theta)}
+    if kind != "default":
+        options.update(use_rope_scaling=True, rope_scaling_type=kind)
+        if rope.get("factor") is None:
+            raise CheckpointError(f"rope scaling {kind!r} without factor")
     if kind == "llama3":
         missing = [key for key in _LLAMA3_KEYS if rope.get(key) is None]
         if missing:
             raise CheckpointError(f"rope scaling 'llama3' without {missing[0]}")
-        options.update(use_rope_scaling=True, **{option: rope.pop(key) for key, option in _LLAMA3_KEYS.items()})
+        options.update({option: rope.pop(key) for key, option in _LLAMA3_KEYS.items()})
+    elif kind == "linear":
+        options["rope_scaling_factor"] = rope.pop("factor")
+    elif kind == "yarn":
+        options.update(_yarn(hf, rope))
+    if "rope_scaling_original_max_position_embeddings" in options:
         options["rope_scaling_original_max_position_embeddings"] = int(
             options["rope_scaling_original_max_position_embeddings"])
     unknown = sorted(key for key, value in rope.items() if value is not None and key not in _LLAMA3_KEYS)
     if unknown:
         raise CheckpointError(f"rope parameter {unknown[0]}={rope[unknown[0]]!r} is not supported (rope_type "
                               f"{kind!r})")
+    return options
+
+
+def _yarn(hf: dict[str, Any], rope: dict[str, Any]) -> dict[str, Any]:
+    """megalite's options of HF's yarn parameters, popped from ``rope``: as transformers v5 reads them (the original
+    context the config's own key, else the rope parameter's, else max_position_embeddings; beta_fast and beta_slow 32
+    and 1 when unset or 0; mscale and mscale_all_dim used only together)."""
+    if rope.pop("truncate", True) is not True:
+        raise CheckpointError("rope parameter truncate=False is not supported (megalite's yarn rounds the correction "
+                              "range outwards, as Megatron's does)")
+    options = {option: rope.pop(key, None) for key, option in _YARN_KEYS.items()}
+    options["rope_scaling_original_max_position_embeddings"] = (
+        hf.get("original_max_position_embeddings") or options["rope_scaling_original_max_position_embeddings"]
+        or hf["max_position_embeddings"])
+    options["beta_fast"] = options["beta_fast"] or 32.0
+    options["beta_slow"] = options["beta_slow"] or 1.0
+    mscale, mscale_all_dim = rope.pop("mscale", None), rope.pop("mscale_all_dim", None)
+    if mscale and mscale_all_dim:   # alone, transformers ignores either
+        options.update(mscale=mscale, mscale_all_dim=mscale_all_dim)
     return options
 
 
@@ -368,8 +402,7 @@ def hf_config_from(model: ModelConfig, eod: int | None = None, dtype: torch.dtyp
               "rope_theta": float(model.rotary_base), "attention_dropout": model.attention_dropout,
               "bos_token_id": eod, "eos_token_id": eod, "dtype": str(dtype).removeprefix("torch.")}
     if model.use_rope_scaling:
-        config["rope_scaling"] = {"rope_type": "llama3", **{key: getattr(model, option)
-                                                            for key, option in _LLAMA3_KEYS.items()}}
+        config["rope_scaling"] = _rope_scaling(model)
     if architecture is LLAMA:
         config.update(head_dim=model.head_dim, attention_bias=False, mlp_bias=False)
     elif architecture is QWEN3:
@@ -386,6 +419,20 @@ def hf_config_from(model: ModelConfig, eod: int | None = None, dtype: torch.dtyp
                           max_window_layers=next(i for i, w in enumerate(windows) if w is not None),
                           layer_types=["full_attention" if w is None else "sliding_attention" for w in windows])
     return config
+
+
+def _rope_scaling(model: ModelConfig) -> dict[str, Any]:
+    """HF's rope parameters of a model with --use-rope-scaling."""
+    kind = model.rope_scaling_type
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": model.rope_scaling_factor}
+    if kind == "llama3":
+        return {"rope_type": "llama3", **{key: getattr(model, option) for key, option in _LLAMA3_KEYS.items()}}
+    rope = {"rope_type": "yarn", **{key: getattr(model, option) for key, option in _YARN_KEYS.items()
+                                    if getattr(model, option) is not None}}
+    if model.mscale_all_dim:   # validation: mscale is 1 otherwise, and unused
+        rope.update(mscale=model.mscale, mscale_all_dim=model.mscale_all_dim)
+    return rope
 
 
 def write_hf_config(model: ModelConfig, directory: str | os.PathLike, eod: int | None = None,

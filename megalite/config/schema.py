@@ -80,17 +80,38 @@ class ModelConfig:
         None, "Head dimension of queries, keys and values; default hidden size / attention heads (Qwen3 and Gemma use "
               "another: the attention projections are then heads x this wide).")
     use_rope_scaling: bool = option(
-        False, "With rope: Llama 3.1's rope scaling (Hugging Face rope_type llama3): frequencies whose wavelength "
-               "exceeds the original context / the low-frequency factor are divided by --rope-scaling-factor, those "
-               "below it / the high-frequency factor kept, those between interpolated smoothly.")
-    rope_scaling_factor: float = option(8.0, "With --use-rope-scaling: divisor of the low frequencies (Llama 3.1: 8, "
-                                             "Llama 3.2: 32).")
-    rope_scaling_low_freq_factor: float = option(1.0, "With --use-rope-scaling: the low-frequency factor (Llama 3: 1).")
+        False, "With rope: scale the rotary frequencies for a context longer than the one pretrained at, as "
+               "--rope-scaling-type says (by default Llama 3.1's scaling, the meaning of Megatron's flag).")
+    rope_scaling_type: str = option(
+        "llama3", "With --use-rope-scaling, Hugging Face's rope_type: llama3 (Llama 3.1: frequencies whose "
+                  "wavelength exceeds the original context / the low-frequency factor are divided by "
+                  "--rope-scaling-factor, those below it / the high-frequency factor kept, those between "
+                  "interpolated smoothly), linear (every frequency divided by the factor: positions / factor, "
+                  "Megatron's --rotary-seq-len-interpolation-factor) or yarn (YaRN: frequencies making more than "
+                  "--beta-fast rotations over the original context kept, fewer than --beta-slow divided by the "
+                  "factor, a linear ramp between; cos and sin multiplied by the attention factor). Dynamic NTK "
+                  "scaling, which changes with the sequence length, is not supported.")
+    rope_scaling_factor: float = option(
+        8.0, "With --use-rope-scaling: the context extension factor, divisor of the scaled frequencies (Llama 3.1: "
+             "8, Llama 3.2: 32).")
+    rope_scaling_low_freq_factor: float = option(1.0, "With llama3 rope scaling: the low-frequency factor (Llama 3: "
+                                                      "1).")
     rope_scaling_high_freq_factor: float = option(
-        4.0, "With --use-rope-scaling: the high-frequency factor (Llama 3: 4).")
+        4.0, "With llama3 rope scaling: the high-frequency factor (Llama 3: 4).")
     rope_scaling_original_max_position_embeddings: int = option(
-        8192, "With --use-rope-scaling: the context length the model was pretrained at before scaling (Llama 3: "
-              "8192).")
+        8192, "With llama3 or yarn rope scaling: the context length the model was pretrained at before scaling "
+              "(Llama 3: 8192).")
+    beta_fast: float = option(32.0, "With yarn rope scaling: frequencies making more rotations than this over the "
+                                    "original context are kept (Hugging Face's and Megatron's beta_fast).")
+    beta_slow: float = option(1.0, "With yarn rope scaling: frequencies making fewer rotations than this over the "
+                                   "original context are divided by the factor (beta_slow).")
+    mscale: float = option(
+        1.0, "With yarn rope scaling and --mscale-all-dim: the attention factor is (0.1 mscale ln factor + 1) / "
+             "(0.1 mscale_all_dim ln factor + 1) (DeepSeek's; Megatron's flag); without, 0.1 ln factor + 1.")
+    mscale_all_dim: float = option(0.0, "With yarn rope scaling: see --mscale (0: unused).")
+    rope_scaling_attention_factor: Optional[float] = option(
+        None, "With yarn rope scaling: the factor cos and sin are multiplied by (Hugging Face's attention_factor); "
+              "default derived from the factor, --mscale and --mscale-all-dim.")
     normalization: str = option("LayerNorm", "LayerNorm or RMSNorm (a learned scale only: no bias, no centering).")
     swiglu: bool = option(
         False, "SwiGLU MLP: down(silu(gate(x)) * up(x)), gate and up each of --ffn-hidden-size (Llama's MLP).")

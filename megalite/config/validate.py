@@ -214,15 +214,33 @@ def _check_architecture(cfg: MegaliteConfig) -> None:
              f"rope rotates channel pairs: it needs an even number of rotated channels, got head dimension "
              f"{m.head_dim} x {FLAG.rotary_percent} {m.rotary_percent:g} = {m.rotary_dim}")
     _at_least(1, [("rotary_base", m.rotary_base)])
+    _require(m.rope_scaling_type != "dynamic",
+             f"{FLAG.rope_scaling_type} dynamic is not supported: dynamic NTK scaling changes the frequencies "
+             f"with the length of the sequence generated, which training does not do")
+    _require(m.use_rope_scaling or m.rope_scaling_type == "llama3",
+             f"{FLAG.rope_scaling_type} {m.rope_scaling_type} needs {FLAG.use_rope_scaling}")
     if m.use_rope_scaling:
         _require(m.position_embedding_type == "rope",
                  f"{FLAG.use_rope_scaling} needs {FLAG.position_embedding_type} rope")
+        _one_of("rope_scaling_type", m.rope_scaling_type, ("llama3", "linear", "yarn"))
         _require(m.rope_scaling_factor >= 1, f"{FLAG.rope_scaling_factor} must be >= 1, got {m.rope_scaling_factor}")
-        _require(0 < m.rope_scaling_low_freq_factor < m.rope_scaling_high_freq_factor,
+        low, high = m.rope_scaling_low_freq_factor, m.rope_scaling_high_freq_factor
+        _require(m.rope_scaling_type != "llama3" or 0 < low < high,
                  f"need 0 < {FLAG.rope_scaling_low_freq_factor} < {FLAG.rope_scaling_high_freq_factor}, got "
-                 f"{m.rope_scaling_low_freq_factor} and {m.rope_scaling_high_freq_factor}")
+                 f"{low} and {high}")
         _at_least(1, [("rope_scaling_original_max_position_embeddings",
                        m.rope_scaling_original_max_position_embeddings)])
+    if m.use_rope_scaling and m.rope_scaling_type == "yarn":
+        _require(0 < m.beta_slow < m.beta_fast,
+                 f"need 0 < {FLAG.beta_slow} < {FLAG.beta_fast}, got {m.beta_slow} and {m.beta_fast}")
+        _require(m.mscale > 0 and m.mscale_all_dim >= 0,
+                 f"need {FLAG.mscale} > 0 and {FLAG.mscale_all_dim} >= 0, got {m.mscale} and {m.mscale_all_dim}")
+        # Hugging Face ignores mscale without mscale_all_dim, Megatron does not: allow only where both agree.
+        _require(m.mscale_all_dim > 0 or m.mscale == 1,
+                 f"{FLAG.mscale} {m.mscale} needs {FLAG.mscale_all_dim} (without it the attention factor is "
+                 f"0.1 ln factor + 1)")
+        _require(m.rope_scaling_attention_factor is None or m.rope_scaling_attention_factor > 0,
+                 f"{FLAG.rope_scaling_attention_factor} must be > 0, got {m.rope_scaling_attention_factor}")
     _require(not m.openai_gelu or not m.swiglu, f"{FLAG.openai_gelu} is for the GeLU MLP, not {FLAG.swiglu}")
     _one_of("normalization", m.normalization, ("LayerNorm", "RMSNorm"))
     if m.group_query_attention:

@@ -53,7 +53,7 @@ from megalite.kernels.policy import MASKED_SOFTMAX
 from megalite.model.context_parallel import SequenceShard, context_parallel_attention
 from megalite.model.kv_cache import LayerCache, causal_mask
 from megalite.model.norms import norm
-from megalite.model.rotary import RopeScaling, RotaryEmbedding
+from megalite.model.rotary import RotaryEmbedding, rope_scaling
 from megalite.tensor_parallel import (ColumnParallelLinear, Fp8Recipe, RowParallelLinear, TensorParallelRNG,
                                       all_gather_over, mark_sequence_parallel, recompute)
 
@@ -82,7 +82,7 @@ class SelfAttention(nn.Module):
         self.dropout = cfg.attention_dropout
         self.rng = rng
         self.recompute_core = cfg.recompute_granularity == "selective"
-        self.rotary = (RotaryEmbedding(cfg.rotary_dim, cfg.rotary_base, kernels, RopeScaling.of(cfg))
+        self.rotary = (RotaryEmbedding(cfg.rotary_dim, cfg.rotary_base, kernels, rope_scaling(cfg))
                        if cfg.position_embedding_type == "rope" else None)
         self.q_layernorm = self.k_layernorm = None
         if cfg.qk_layernorm:   # one norm over the head dimension, shared by every head

@@ -4,11 +4,19 @@ Channel i of a head is paired with channel i + d/2 (not with its neighbour, the 
 pair is rotated by position x frequency_i, frequency_i = base^(-2i/d). Weights converted from Hugging Face Llama
 checkpoints, whose q_proj/k_proj rows are already permuted for this convention, need no permutation.
 
-Llama 3.1's rope scaling (``--use-rope-scaling``; Hugging Face's rope type ``llama3``) stretches the long wavelengths
-to a longer context: a frequency whose wavelength 2 pi / f exceeds original_context / low_freq_factor is divided by
-the factor, one shorter than original_context / high_freq_factor is kept, and those between are interpolated,
-f' = (1 - a) f / factor + a f with a = (original_context / wavelength - low) / (high - low). Computed with the same
-fp32 operations as Hugging Face's, so imported Llama 3.1/3.2 models give the same logits.
+Rope scaling (``--use-rope-scaling``, Hugging Face's rope types) adapts the frequencies to a longer context, each
+computed with the same fp32 operations as Hugging Face's ``ROPE_INIT_FUNCTIONS``, so imported models give the same
+logits:
+
+- ``llama3`` (Llama 3.1) stretches the long wavelengths: a frequency whose wavelength 2 pi / f exceeds
+  original_context / low_freq_factor is divided by the factor, one shorter than original_context / high_freq_factor is
+  kept, and those between are interpolated, f' = (1 - a) f / factor + a f with a = (original_context / wavelength -
+  low) / (high - low).
+- ``linear`` divides every frequency by the factor (position interpolation: positions / factor).
+- ``yarn`` (Peng et al. 2023) keeps the frequencies that turn more than beta_fast times over the original context,
+  divides by the factor those that turn fewer than beta_slow times, and ramps linearly (in the channel index, the
+  bounds rounded outwards) between; cos and sin are multiplied by the attention factor (0.1 ln factor + 1 unless
+  set, or DeepSeek's mscale ratio), which scales the attention logits by its square.
 
 No parameters: cos and sin are computed in fp32 (as Hugging Face and Megatron do, so converted models give the same
 logits) for the longest sequence seen so far per device and cached on the module as plain attributes, not buffers: they
@@ -27,7 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 from torch import nn
@@ -37,23 +45,22 @@ from megalite.kernels import DEFAULT_POLICY, KernelPolicy, fused
 from megalite.kernels.policy import ROPE
 
 
+def plain_frequencies(head_dim: int, base: int) -> torch.Tensor:
+    """The head_dim / 2 rotation frequencies base^(-2i/d), fp32."""
+    return 1.0 / base ** (torch.arange(0, head_dim, 2).float() / head_dim)
+
+
 @dataclasses.dataclass(frozen=True)
-class RopeScaling:
+class Llama3Scaling:
     """Llama 3.1's frequency scaling (Hugging Face ``rope_type: llama3``)."""
     factor: float
     low_freq_factor: float
     high_freq_factor: float
     original_max_positions: int
+    attention_factor = 1.0
 
-    @classmethod
-    def of(cls, cfg: ModelConfig) -> Optional[RopeScaling]:
-        """The model's rope scaling, None without --use-rope-scaling."""
-        if not cfg.use_rope_scaling:
-            return None
-        return cls(cfg.rope_scaling_factor, cfg.rope_scaling_low_freq_factor, cfg.rope_scaling_high_freq_factor,
-                   cfg.rope_scaling_original_max_position_embeddings)
-
-    def apply(self, inv_freq: torch.Tensor) -> torch.Tensor:
+    def frequencies(self, head_dim: int, base: int) -> torch.Tensor:
+        inv_freq = plain_frequencies(head_dim, base)
         low_freq_wavelength = self.original_max_positions / self.low_freq_factor
         high_freq_wavelength = self.original_max_positions / self.high_freq_factor
         wavelength = 2 * math.pi / inv_freq
@@ -65,10 +72,72 @@ class RopeScaling:
         return torch.where(between, smoothed, scaled)
 
 
+@dataclasses.dataclass(frozen=True)
+class LinearScaling:
+    """Position interpolation (Hugging Face ``rope_type: linear``): every frequency divided by the factor."""
+    factor: float
+    attention_factor = 1.0
+
+    def frequencies(self, head_dim: int, base: int) -> torch.Tensor:
+        return plain_frequencies(head_dim, base) / self.factor
+
+
+@dataclasses.dataclass(frozen=True)
+class YarnScaling:
+    """YaRN (Hugging Face ``rope_type: yarn``; Megatron's YarnRotaryEmbedding)."""
+    factor: float
+    original_max_positions: int
+    beta_fast: float
+    beta_slow: float
+    mscale: float
+    mscale_all_dim: float
+    attention_factor_override: Optional[float] = None
+
+    @property
+    def attention_factor(self) -> float:
+        """What cos and sin are multiplied by."""
+        if self.attention_factor_override is not None:
+            return self.attention_factor_override
+
+        def concentration(mscale: float) -> float:
+            return 1.0 if self.factor <= 1 else 0.1 * mscale * math.log(self.factor) + 1.0
+        if self.mscale and self.mscale_all_dim:
+            return float(concentration(self.mscale) / concentration(self.mscale_all_dim))
+        return concentration(1)
+
+    def frequencies(self, head_dim: int, base: int) -> torch.Tensor:
+        def channel(rotations: float) -> float:
+            """The (fractional) channel pair whose frequency turns ``rotations`` times over the original context."""
+            return head_dim * math.log(self.original_max_positions / (rotations * 2 * math.pi)) / (2 * math.log(base))
+        low = max(math.floor(channel(self.beta_fast)), 0)
+        high = min(math.ceil(channel(self.beta_slow)), head_dim - 1)
+        if low == high:
+            high += 0.001   # as Hugging Face: no division by zero
+        ramp = torch.clamp((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+        kept = 1 - ramp
+        wavelength_scale = base ** (torch.arange(0, head_dim, 2).float() / head_dim)
+        return 1.0 / (self.factor * wavelength_scale) * (1 - kept) + 1.0 / wavelength_scale * kept
+
+
+RopeScaling = Union[Llama3Scaling, LinearScaling, YarnScaling]
+
+
+def rope_scaling(cfg: ModelConfig) -> Optional[RopeScaling]:
+    """The model's rope scaling, None without --use-rope-scaling."""
+    if not cfg.use_rope_scaling:
+        return None
+    if cfg.rope_scaling_type == "linear":
+        return LinearScaling(cfg.rope_scaling_factor)
+    if cfg.rope_scaling_type == "yarn":
+        return YarnScaling(cfg.rope_scaling_factor, cfg.rope_scaling_original_max_position_embeddings, cfg.beta_fast,
+                           cfg.beta_slow, cfg.mscale, cfg.mscale_all_dim, cfg.rope_scaling_attention_factor)
+    return Llama3Scaling(cfg.rope_scaling_factor, cfg.rope_scaling_low_freq_factor, cfg.rope_scaling_high_freq_factor,
+                         cfg.rope_scaling_original_max_position_embeddings)
+
+
 def inverse_frequencies(head_dim: int, base: int, scaling: Optional[RopeScaling] = None) -> torch.Tensor:
     """The head_dim / 2 rotation frequencies base^(-2i/d), fp32, scaled when ``scaling`` is given."""
-    inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2).float() / head_dim)
-    return inv_freq if scaling is None else scaling.apply(inv_freq)
+    return plain_frequencies(head_dim, base) if scaling is None else scaling.frequencies(head_dim, base)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -91,7 +160,9 @@ class RotaryEmbedding(nn.Module):
             angles = torch.outer(torch.arange(end).float(), inverse_frequencies(self.head_dim, self.base,
                                                                                  self.scaling))
             angles = torch.cat([angles, angles], dim=-1)
-            self._cache[device] = (angles.cos().to(device), angles.sin().to(device))
+            scale = 1.0 if self.scaling is None else self.scaling.attention_factor
+            cos, sin = (angles.cos(), angles.sin()) if scale == 1 else (angles.cos() * scale, angles.sin() * scale)
+            self._cache[device] = (cos.to(device), sin.to(device))
         cos, sin = self._cache[device]
         return cos[offset:end], sin[offset:end]
 

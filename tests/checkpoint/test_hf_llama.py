@@ -24,6 +24,7 @@ from megalite.checkpoint.convert import export_hf, hf_architecture, import_hf
 from megalite.checkpoint.hf_llama import LLAMA as LLAMA_ARCHITECTURE
 from megalite.checkpoint.hf_llama import MISTRAL, QWEN2, QWEN3, check_exportable, model_config_from
 from megalite.config import ModelConfig
+from megalite.model.rotary import rope_scaling
 
 from ..data.helpers import HF_VOCAB_SIZE, MULTILINGUAL
 from ..helpers import tiny_config
@@ -40,6 +41,13 @@ LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "hi
                "original_max_position_embeddings": 16}
 ROPE_SCALING = {"use_rope_scaling": True, "rope_scaling_factor": 8.0,
                 "rope_scaling_original_max_position_embeddings": 16}
+# YaRN over 32 tokens from an original 8: a ramp over channels 1 to 3 of 8, DeepSeek's mscale ratio (1.05); linear.
+YARN_ROPE = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8, "beta_fast": 4.0,
+             "beta_slow": 0.5, "mscale": 1.5, "mscale_all_dim": 1.0}
+LINEAR_ROPE = {"rope_type": "linear", "factor": 2.5}
+YARN_SCALING = {"use_rope_scaling": True, "rope_scaling_type": "yarn", "rope_scaling_factor": 4.0,
+                "rope_scaling_original_max_position_embeddings": 8, "beta_fast": 4.0, "beta_slow": 0.5}
+LINEAR_SCALING = {"use_rope_scaling": True, "rope_scaling_type": "linear", "rope_scaling_factor": 2.5}
 # model_type -> (config class, model class)
 HF_CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
               "mistral": ("MistralConfig", "MistralForCausalLM"), "qwen3": ("Qwen3Config", "Qwen3ForCausalLM")}
@@ -73,8 +81,12 @@ def _random_model(directory, model_type: str = "llama", tie: bool = False, **ove
     ("qwen3", False, {}), ("qwen3", True, {"head_dim": 16}),
     ("mistral", False, {"sliding_window": 8}),   # the query and 7 before it, of 32 tokens
     ("qwen2", False, {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1}),   # layer 1 only
+    ("llama", False, {"rope_scaling": YARN_ROPE}), ("qwen2", False, {"rope_scaling": LINEAR_ROPE}),
+    ("qwen3", False, {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8}}),
+    ("mistral", False, {"rope_scaling": LINEAR_ROPE}),
 ], ids=["llama-tied", "llama3-rope-scaling", "qwen2-tied", "qwen2", "mistral", "mistral-window-32", "qwen3",
-        "qwen3-tied-head-dim-16", "mistral-window-8", "qwen2-window-8-from-layer-1"])
+        "qwen3-tied-head-dim-16", "mistral-window-8", "qwen2-window-8-from-layer-1", "llama-yarn-mscale",
+        "qwen2-linear", "qwen3-yarn", "mistral-linear"])
 def test_import_gives_the_same_logits_and_generation(tmp_path, model_type, tie, overrides):
     hf = _random_model(tmp_path / "hf", model_type, tie, **overrides)
     model = assert_import_matches(hf, tmp_path / "hf", tmp_path / "ckpt", f"{model_type}, tied={tie}, {overrides}")
@@ -84,6 +96,13 @@ def test_import_gives_the_same_logits_and_generation(tmp_path, model_type, tie, 
     assert imported.add_qkv_bias == (model_type == "qwen2") and imported.use_rope_scaling == bool(overrides.get(
         "rope_scaling"))
     assert imported.qk_layernorm == (model_type == "qwen3")
+    kind = overrides.get("rope_scaling", {}).get("rope_type", "llama3")
+    assert imported.rope_scaling_type == kind
+    if kind == "yarn":   # each parameter as transformers reads it: mscale and mscale_all_dim only together
+        attention = hf.model.rotary_emb.attention_scaling
+        assert attention != 1 and attention == rope_scaling(imported).attention_factor
+        assert (imported.beta_fast, imported.beta_slow, imported.mscale) == (
+            (4.0, 0.5, 1.5) if model_type == "llama" else (32.0, 1.0, 1.0))
     window = overrides.get("sliding_window", 32) < 32 and {"window_size": "7,0", "window_attn_skip_freq": None}
     if window and model_type == "qwen2":
         window["window_attn_skip_freq"] = "[0,1]"
@@ -103,8 +122,16 @@ def test_import_gives_the_same_logits_and_generation(tmp_path, model_type, tie, 
     ({"untie_embeddings_and_output_weights": True, "window_size": "(7, 0)"}, None, "MistralForCausalLM"),
     ({"untie_embeddings_and_output_weights": False, "add_qkv_bias": True, "window_size": "7,0",
       "window_attn_skip_freq": "[0,1]"}, None, "Qwen2ForCausalLM"),
+    ({"untie_embeddings_and_output_weights": True, **YARN_SCALING, "mscale": 0.8, "mscale_all_dim": 0.5}, None,
+     "LlamaForCausalLM"),
+    ({"untie_embeddings_and_output_weights": False, **YARN_SCALING, "rope_scaling_attention_factor": 1.3,
+      **QWEN3_OPTIONS}, None, "Qwen3ForCausalLM"),
+    ({"untie_embeddings_and_output_weights": True, **LINEAR_SCALING, "add_qkv_bias": True}, None,
+     "Qwen2ForCausalLM"),
+    ({"untie_embeddings_and_output_weights": True, **LINEAR_SCALING}, "MistralForCausalLM", "MistralForCausalLM"),
 ], ids=["llama-tied", "llama3-rope-scaling", "qwen2-tied", "qwen2", "mistral", "qwen3", "qwen3-tied-head-dim-16",
-        "mistral-window-8", "qwen2-window-8-layer-1"])
+        "mistral-window-8", "qwen2-window-8-layer-1", "llama-yarn-mscale", "qwen3-yarn-attention-factor",
+        "qwen2-linear", "mistral-linear"])
 def test_export_gives_the_same_logits(tmp_path, options, architecture, expected):
     cfg = tiny_config(model={**LLAMA, **options}, data={"eval_interval": 0})
     train_and_save(cfg, tmp_path / "ckpt", 3)
@@ -114,7 +141,12 @@ def test_export_gives_the_same_logits(tmp_path, options, architecture, expected)
     tie = not options["untie_embeddings_and_output_weights"]
     assert (config["vocab_size"], config["num_key_value_heads"], config["tie_word_embeddings"]) == (VOCAB, 2, tie)
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
-    assert rope.get("rope_type", "default") == ("llama3" if options.get("use_rope_scaling") else "default")
+    assert rope.get("rope_type", "default") == (options.get("rope_scaling_type", "llama3")
+                                                if options.get("use_rope_scaling") else "default")
+    if options.get("use_rope_scaling"):   # and back: the same options
+        reimported = model_config_from(config)
+        assert {k: getattr(reimported, k) for k in options if "rope" in k or "scale" in k or "beta" in k} == \
+            {k: v for k, v in options.items() if "rope" in k or "scale" in k or "beta" in k}
     if expected == "Qwen3ForCausalLM":
         assert (config["head_dim"], config["attention_bias"], config["use_sliding_window"]) == \
             (options.get("kv_channels", 16), False, False)
@@ -165,8 +197,8 @@ def test_tool_picks_the_architecture_and_round_trips(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("model_type, overrides, message", [
-    ("llama", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}},
-     "rope scaling 'yarn' is not supported"),
+    ("llama", {"rope_scaling": {"rope_type": "dynamic", "factor": 4.0}}, "rope scaling 'dynamic' is not supported"),
+    ("llama", {"rope_scaling": {**YARN_ROPE, "truncate": False}}, "rope parameter truncate=False is not supported"),
     ("llama", {"rope_scaling": {**LLAMA3_ROPE, "partial_rotary_factor": 0.5}},
      "rope parameter partial_rotary_factor=0.5 is not supported"),
     ("llama", {"attention_bias": True}, "attention_bias=True is not supported"),
@@ -179,10 +211,10 @@ def test_tool_picks_the_architecture_and_round_trips(tmp_path, capsys):
     ("qwen3", {"use_sliding_window": True, "sliding_window": 16, "layer_types": ["sliding_attention", "full_attention"],
                "max_window_layers": 2}, "use_sliding_window with sliding_window 16 is not supported"),
     ("qwen3", {"attention_bias": True}, "attention_bias=True is not supported"),
-    ("qwen3", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}},
-     "rope scaling 'yarn' is not supported"),
-], ids=["llama-yarn", "llama-partial-rotary", "llama-attention-bias", "llama-mlp-bias", "llama-gelu",
-        "qwen2-layer-types", "qwen3-window", "qwen3-layer-types-window", "qwen3-attention-bias", "qwen3-yarn"])
+    ("qwen3", {"rope_scaling": {"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8,
+                                "original_max_position_embeddings": 16}}, "rope scaling 'longrope' is not supported"),
+], ids=["llama-dynamic", "llama-yarn-no-truncate", "llama-partial-rotary", "llama-attention-bias", "llama-mlp-bias", "llama-gelu",
+        "qwen2-layer-types", "qwen3-window", "qwen3-layer-types-window", "qwen3-attention-bias", "qwen3-longrope"])
 def test_tool_refuses_what_megalite_would_compute_differently(tmp_path, capsys, model_type, overrides, message):
     _hf_config(model_type, **overrides).save_pretrained(tmp_path / "hf")   # refused on reading config.json
     convert = _tool("convert_checkpoint")
@@ -201,8 +233,19 @@ def test_config_formats_and_windows_that_cover_the_context():
     scaled = model_config_from({**legacy, "rope_scaling": {**LLAMA3_ROPE, "factor": 32.0}})
     assert (scaled.use_rope_scaling, scaled.rope_scaling_factor,
             scaled.rope_scaling_original_max_position_embeddings) == (True, 32.0, 16)
-    with pytest.raises(CheckpointError, match="rope scaling 'linear'"):
-        model_config_from({**legacy, "rope_scaling": {"type": "linear", "factor": 2.0}})
+    linear = model_config_from({**legacy, "rope_scaling": {"type": "linear", "factor": 2.0}})
+    assert (linear.use_rope_scaling, linear.rope_scaling_type, linear.rope_scaling_factor) == (True, "linear", 2.0)
+    # yarn's original context: the config's own key first (Phi-3 style), then the rope parameter's, then the context
+    yarn = {"rope_type": "yarn", "factor": 4.0, "mscale": 2.0}   # mscale alone: transformers ignores it
+    assert (model_config_from({**current, "max_position_embeddings": 64, "rope_parameters": {
+        **current["rope_parameters"], **yarn}}).rope_scaling_original_max_position_embeddings,
+            model_config_from({**legacy, "rope_scaling": {**yarn, "original_max_position_embeddings": 16},
+                               "original_max_position_embeddings": 8}).rope_scaling_original_max_position_embeddings,
+            model_config_from({**legacy, "rope_scaling": yarn}).mscale) == (64, 8, 1.0)
+    with pytest.raises(CheckpointError, match="rope scaling 'dynamic' is not supported"):
+        model_config_from({**legacy, "rope_scaling": {"type": "dynamic", "factor": 2.0}})
+    with pytest.raises(CheckpointError, match="rope scaling 'yarn' without factor"):
+        model_config_from({**legacy, "rope_scaling": {"rope_type": "yarn"}})
     with pytest.raises(CheckpointError, match="rope scaling 'llama3' without low_freq_factor"):
         model_config_from({**legacy, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}})
     # Mistral's default window (4096) is W - 1 = 4095 tokens before each query in its default context, an explicit

@@ -145,6 +145,18 @@ def test_a_sliding_window_is_not_exported_to_megatron():
                                        consumed_samples=0, ckpt_format="torch", dtype=torch.float32)
 
 
+@pytest.mark.parametrize("kind", ["linear", "yarn"])
+def test_linear_and_yarn_rope_scaling_are_not_exported_to_megatron(kind):
+    """Megatron's GPT scales rope as Llama 3 only (its YaRN is multi-latent attention's)."""
+    from megalite.config.dims import ParallelDims   # noqa: PLC0415
+
+    model = ModelConfig(position_embedding_type="rope", use_rope_scaling=True, rope_scaling_type=kind)
+    with pytest.raises(CheckpointError, match=f"rope_scaling_type='{kind}': Megatron's rope scaling fixes it at "
+                                              f"'llama3'"):
+        megatron_lm_args.megatron_args(model, ParallelDims(1), None, iteration=1, consumed_samples=0,
+                                       ckpt_format="torch", dtype=torch.float32)
+
+
 def test_a_missing_or_misshaped_tensor_is_named(megatron_saves, tmp_path):
     source = tmp_path / "cut"
     shutil.copytree(megatron_saves["llama"][1]["torch"], source)

@@ -1,13 +1,19 @@
-"""Rotary embeddings: the rotate-half pairing (channel i with i + d/2), relative positions, no state; Llama 3's
-frequency scaling; positions after an offset (generation with a KV cache)."""
+"""Rotary embeddings: the rotate-half pairing (channel i with i + d/2), relative positions, no state; Llama 3's,
+linear and YaRN frequency scaling (equal to transformers' bit for bit); positions after an offset (generation with a
+KV cache)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
+import pytest
 import torch
 
-from megalite.model.rotary import RopeScaling, RotaryEmbedding, inverse_frequencies
+from megalite.model.rotary import (LinearScaling, Llama3Scaling, RotaryEmbedding, YarnScaling, inverse_frequencies,
+                                   rope_scaling)
+
+from ..helpers import tiny_config
 
 
 def test_rotate_half_pairs_channel_i_with_i_plus_half():
@@ -44,7 +50,7 @@ def test_no_parameters_and_nothing_in_the_state_dict():
 def test_llama3_scaling_keeps_high_divides_low_and_blends_between():
     """Llama 3.2's factors (32, 1, 4, 8192) at head dimension 64: every regime occurs; equal to Hugging Face's
     llama3 rope bit for bit when transformers is installed."""
-    scaling = RopeScaling(32.0, 1.0, 4.0, 8192)
+    scaling = Llama3Scaling(32.0, 1.0, 4.0, 8192)
     plain, scaled = inverse_frequencies(64, 500000), inverse_frequencies(64, 500000, scaling)
     wavelength = 2 * math.pi / plain.double()
     high, low = wavelength < 8192 / 4, wavelength > 8192 / 1
@@ -66,8 +72,69 @@ def test_llama3_scaling_keeps_high_divides_low_and_blends_between():
 
 
 def test_an_offset_rotates_the_later_positions():
-    rope = RotaryEmbedding(16, 10000, scaling=RopeScaling(8.0, 1.0, 4.0, 4))
+    rope = RotaryEmbedding(16, 10000, scaling=Llama3Scaling(8.0, 1.0, 4.0, 4))
     q = torch.randn(1, 2, 10, 16)
     whole, _ = rope(q, q)
     later, _ = rope(q[:, :, 6:], q[:, :, 6:], offset=6)
     assert torch.equal(later, whole[:, :, 6:])
+
+
+# (head dim, base, factor, original context, beta_fast, beta_slow, mscale, mscale_all_dim, attention_factor)
+YARN_CASES = [(64, 10000, 4.0, 2048, 32.0, 1.0, 1.0, 0.0, None),    # Qwen2.5's: attention factor 0.1 ln 4 + 1
+              (128, 1000000, 40.0, 4096, 32.0, 1.0, 1.0, 1.0, None),   # DeepSeek-V3's mscale ratio (here 1)
+              (32, 10000, 2.5, 64, 16.0, 2.0, 1.2, 0.8, None),   # a ratio other than 1; a ramp over a few channels
+              (16, 500000, 8.0, 16, 32.0, 1.0, 1.0, 0.0, 0.9)]   # attention factor given; every channel ramped
+
+
+@pytest.mark.parametrize("head_dim, base, factor, original, beta_fast, beta_slow, mscale, mscale_all_dim, attention",
+                         YARN_CASES)
+def test_yarn_equals_transformers(head_dim, base, factor, original, beta_fast, beta_slow, mscale, mscale_all_dim,
+                                  attention):
+    """Frequencies and attention factor bit for bit those of transformers' yarn init function; the frequencies
+    between the kept (beta_fast) and the divided (beta_slow) ones."""
+    scaling = YarnScaling(factor, original, beta_fast, beta_slow, mscale, mscale_all_dim, attention)
+    plain, scaled = inverse_frequencies(head_dim, base), inverse_frequencies(head_dim, base, scaling)
+    assert torch.all(scaled <= plain) and torch.all(scaled >= plain / factor * (1 - 1e-6))
+    rotations = original * plain.double() / (2 * math.pi)
+    assert torch.equal(scaled[rotations > beta_fast * 2], plain[rotations > beta_fast * 2])
+    transformers = pytest.importorskip("transformers")
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    rope = {"rope_type": "yarn", "rope_theta": float(base), "factor": factor,
+            "original_max_position_embeddings": original, "beta_fast": beta_fast, "beta_slow": beta_slow}
+    if mscale_all_dim:
+        rope.update(mscale=mscale, mscale_all_dim=mscale_all_dim)
+    if attention is not None:
+        rope["attention_factor"] = attention
+    config = transformers.LlamaConfig(hidden_size=head_dim * 4, num_attention_heads=4, rope_parameters=rope,
+                                      max_position_embeddings=int(original * factor))
+    inv_freq, attention_factor = ROPE_INIT_FUNCTIONS["yarn"](config, "cpu")
+    assert torch.equal(scaled, inv_freq) and scaling.attention_factor == attention_factor
+    assert attention_factor != 1 or mscale_all_dim   # the cases exercise the factor
+
+
+@pytest.mark.parametrize("head_dim, base, factor", [(64, 10000, 2.0), (16, 500000, 3.0), (128, 1000000, 7.5)])
+def test_linear_scaling_equals_transformers(head_dim, base, factor):
+    scaled = inverse_frequencies(head_dim, base, LinearScaling(factor))
+    torch.testing.assert_close(scaled, inverse_frequencies(head_dim, base) / factor, rtol=0, atol=0)
+    transformers = pytest.importorskip("transformers")
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    config = transformers.LlamaConfig(hidden_size=head_dim * 4, num_attention_heads=4, rope_parameters={
+        "rope_type": "linear", "rope_theta": float(base), "factor": factor})
+    assert torch.equal(scaled, ROPE_INIT_FUNCTIONS["linear"](config, "cpu")[0])
+
+
+def test_yarn_attention_factor_scales_cos_and_sin_and_options_pick_the_scaling():
+    """cos and sin carry the attention factor (q.k scaled by its square), as transformers' rotary embedding does;
+    --rope-scaling-type picks the scaling, llama3 when unset (configs saved before the option)."""
+    yarn = YarnScaling(4.0, 16, 32.0, 1.0, 1.0, 0.0)
+    plain = RotaryEmbedding(16, 10000, scaling=dataclasses.replace(yarn, attention_factor_override=1.0))
+    scaled = RotaryEmbedding(16, 10000, scaling=yarn)
+    cos, sin = scaled.cos_sin(8, torch.device("cpu"))
+    assert torch.equal(cos, plain.cos_sin(8, torch.device("cpu"))[0] * (0.1 * math.log(4) + 1))
+    assert torch.equal(sin, plain.cos_sin(8, torch.device("cpu"))[1] * (0.1 * math.log(4) + 1))
+    rope = {"position_embedding_type": "rope", "use_rope_scaling": True}
+    assert isinstance(rope_scaling(tiny_config(model=rope).model), Llama3Scaling)
+    assert rope_scaling(tiny_config(model={**rope, "rope_scaling_type": "linear"}).model) == LinearScaling(8.0)
+    assert rope_scaling(tiny_config(model={**rope, "rope_scaling_type": "yarn", "beta_fast": 16.0}).model) == \
+        YarnScaling(8.0, 8192, 16.0, 1.0, 1.0, 0.0, None)
+    assert rope_scaling(tiny_config(model={"position_embedding_type": "rope"}).model) is None

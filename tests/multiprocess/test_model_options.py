@@ -40,12 +40,14 @@ FULL_UNIFORM = {"recompute_granularity": "full", "recompute_method": "uniform", 
 SELECTIVE = {"recompute_granularity": "selective"}
 WINDOW = {"window_size": "7,0", "window_attn_skip_freq": "[1,0,1,1]"}
 ZERO2 = {"use_distributed_optimizer": True, "zero_stage": 2, "overlap_grad_reduce": True, "ddp_bucket_size": 4000}
+YARN = {"use_rope_scaling": True, "rope_scaling_type": "yarn", "rope_scaling_factor": 4.0,
+        "rope_scaling_original_max_position_embeddings": 8, "beta_fast": 4.0, "beta_slow": 0.5}
 QWEN2_ROPE_SCALING = {"add_qkv_bias": True, "use_rope_scaling": True, "rope_scaling_factor": 4.0,
                       "rope_scaling_original_max_position_embeddings": 16}
 
 
 @pytest.mark.parametrize("label, tp, pp, model, parallel, optimizer", [
-    ("llama-like TP=2 x PP=2", 2, 2, LLAMA, {}, {}),
+    ("llama-like + yarn rope scaling TP=2 x PP=2", 2, 2, {**LLAMA, **YARN}, {}, {}),
     ("llama-like + sliding window + sequence parallel + selective recompute TP=2 x PP=2", 2, 2,
      {**LLAMA, **SELECTIVE, **WINDOW}, SP, {}),
     ("GPT + tanh GeLU + sequence parallel + full block recompute TP=2 x DP=2 ZeRO-2", 2, 1,

@@ -32,9 +32,11 @@ RENAMED = {"layernorm_epsilon": ("layernorm_epsilon", "norm_epsilon"),
 # megalite option -> Megatron's attribute holding its negation (Megatron's --disable-bias-linear and
 # --no-position-embedding store False into these).
 NEGATED = {"disable_bias_linear": "add_bias_linear", "no_position_embedding": "add_position_embedding"}
-# Model options megalite has and Megatron does not (Megatron fixes them at these values in its rope scaling).
+# Model options megalite has and Megatron does not (Megatron fixes them at these values in its rope scaling; its
+# GPT has no linear or yarn scaling: YaRN is for multi-latent attention only).
 MEGALITE_ONLY = ("rope_scaling_low_freq_factor", "rope_scaling_high_freq_factor",
-                 "rope_scaling_original_max_position_embeddings")
+                 "rope_scaling_original_max_position_embeddings", "rope_scaling_type", "beta_fast", "beta_slow",
+                 "rope_scaling_attention_factor")
 # Options read besides the model-defining ones: the sample length and vocabulary padding a resumed run keeps.
 CARRIED = ("seq_length", "make_vocab_size_divisible_by")
 

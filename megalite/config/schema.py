@@ -259,19 +259,25 @@ class ModelConfig:
             return [False] * self.num_layers
         from megalite.config.flags import FLAG   # noqa: PLC0415 - flags import this module
 
-        text = str(self.moe_layer_freq).strip()
+        return self._per_layer(FLAG.moe_layer_freq, self.moe_layer_freq, lambda i, k: i % k == 0,
+                               ", e.g. [0,1,1,1] or ([0]+[1]*3)*2")
+
+    def _per_layer(self, flag: str, value, every, example: str) -> list[bool]:
+        """A per-layer switch given as an integer k (``every(i, k)`` for layer i) or a 0/1 pattern with one entry
+        per layer (Megatron's list syntax, evaluated without eval)."""
+        from megalite.config.flags import FLAG   # noqa: PLC0415 - flags import this module
+
+        text = str(value).strip()
         if text.isdigit():
             k = int(text)
             if k < 1:
-                raise ConfigError(f"{FLAG.moe_layer_freq} must be >= 1, got {k}")
-            return [i % k == 0 for i in range(self.num_layers)]
+                raise ConfigError(f"{flag} must be >= 1, got {k}")
+            return [every(i, k) for i in range(self.num_layers)]
         pattern = _layer_pattern(text)
         if pattern is None or any(v not in (0, 1) for v in pattern):
-            raise ConfigError(f"{FLAG.moe_layer_freq} {text!r} must be an integer or a list of 0/1, e.g. [0,1,1,1] "
-                              f"or ([0]+[1]*3)*2")
+            raise ConfigError(f"{flag} {text!r} must be an integer or a list of 0/1{example}")
         if len(pattern) != self.num_layers:
-            raise ConfigError(f"{FLAG.moe_layer_freq} {text!r} has {len(pattern)} entries for {FLAG.num_layers} "
-                              f"{self.num_layers}")
+            raise ConfigError(f"{flag} {text!r} has {len(pattern)} entries for {FLAG.num_layers} {self.num_layers}")
         return [v == 1 for v in pattern]
 
     def attention_windows(self) -> list[Optional[int]]:
@@ -302,20 +308,8 @@ class ModelConfig:
 
         if self.window_attn_skip_freq is None:
             return [True] * self.num_layers
-        text = str(self.window_attn_skip_freq).strip()
-        if text.isdigit():
-            n = int(text)
-            if n < 1:
-                raise ConfigError(f"{FLAG.window_attn_skip_freq} must be >= 1, got {n}")
-            return [(i + 1) % n != 0 for i in range(self.num_layers)]
-        pattern = _layer_pattern(text)
-        if pattern is None or any(v not in (0, 1) for v in pattern):
-            raise ConfigError(f"{FLAG.window_attn_skip_freq} {text!r} must be an integer or a list of 0/1 (1: "
-                              f"windowed), e.g. 4 or [1,1,1,0]*2")
-        if len(pattern) != self.num_layers:
-            raise ConfigError(f"{FLAG.window_attn_skip_freq} {text!r} has {len(pattern)} entries for "
-                              f"{FLAG.num_layers} {self.num_layers}")
-        return [v == 1 for v in pattern]
+        return self._per_layer(FLAG.window_attn_skip_freq, self.window_attn_skip_freq, lambda i, n: (i + 1) % n != 0,
+                               " (1: windowed), e.g. 4 or [1,1,1,0]*2")
 
     @property
     def max_positions(self) -> int:

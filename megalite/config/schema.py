@@ -135,6 +135,10 @@ class ModelConfig:
         None, "With --window-size, which layers attend globally instead: an integer N (layers N, 2N, ... counted "
               "from 1) or a 0/1 pattern with one entry per layer, 1 windowed and 0 global, e.g. '[1,1,1,0]*2' "
               "(Megatron's syntax). Default: every layer windowed.")
+    softmax_type: str = option(
+        "vanilla", "The attention softmax (Megatron's --softmax-type): vanilla; off-by-one, a zero logit beside each "
+                   "row's scores (softmax with 1 added to its denominator); learnable, one learned logit per head "
+                   "there instead (gpt-oss' attention sinks). A sink takes probability and contributes no value.")
     recompute_granularity: Optional[str] = option(
         None, "Activation recompute: full (keep each recomputed group's input only, rerun it in backward) or "
               "selective (rerun only the attention core: softmax, dropout and the two attention products).",

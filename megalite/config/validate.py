@@ -267,6 +267,7 @@ def _check_architecture(cfg: MegaliteConfig) -> None:
                  f"{FLAG.tensor_model_parallel_size} {tp}" + (f" x {FLAG.context_parallel_size} {cp}" if cp > 1
                                                                else ""))
     m.attention_windows()   # raises on a bad --window-size or --window-attn-skip-freq
+    _one_of("softmax_type", m.softmax_type, ("vanilla", "off-by-one", "learnable"))
     _one_of("recompute_granularity", m.recompute_granularity, (None, "full", "selective"))
     _one_of("recompute_method", m.recompute_method, (None, "uniform", "block"))
     if m.recompute_granularity == "full":
@@ -354,6 +355,9 @@ def _check_context_parallel(cfg: MegaliteConfig) -> None:
     _require(m.window_size is None,
              f"{FLAG.window_size} is not supported with {FLAG.context_parallel_size} {cp} (the context-parallel "
              f"attention applies no window)")
+    _require(m.softmax_type == "vanilla",
+             f"{FLAG.softmax_type} {m.softmax_type} is not supported with {FLAG.context_parallel_size} {cp} (the "
+             f"context-parallel attention has no sink)")
     chunks = cp if kind == "a2a" else 2 * cp   # a2a: contiguous shards; p2p and allgather: the load-balanced halves
     _require(m.seq_length % chunks == 0,
              f"{FLAG.seq_length} {m.seq_length} is not divisible by " +

@@ -32,6 +32,11 @@ A layer with a sliding window (``--window-size LEFT,0``, in the layers ``--windo
 lets each query attend to itself and the LEFT tokens before it only: SDPA with a banded causal mask (and packed
 documents' mask), where the sequence is longer than the window; a window covering the sequence keeps the causal fast
 path. Context parallelism refuses a window (megalite.config.validate).
+
+With ``--softmax-type off-by-one`` or ``learnable`` each head's softmax has a sink logit besides the keys' scores (0,
+or the learnable per-head ``softmax_offset``, split over TP with the heads): the core is then the explicit softmax
+of megalite.model.sinks, whatever the kernel policy, with the causal (or windowed, or documents') mask, and so is the
+KV cache's. Context parallelism refuses a sink (megalite.config.validate).
 """
 
 from __future__ import annotations
@@ -54,8 +59,10 @@ from megalite.model.context_parallel import SequenceShard, context_parallel_atte
 from megalite.model.kv_cache import LayerCache, causal_mask
 from megalite.model.norms import norm
 from megalite.model.rotary import RotaryEmbedding, rope_scaling
+from megalite.model.sinks import sink_attention
 from megalite.tensor_parallel import (ColumnParallelLinear, Fp8Recipe, RowParallelLinear, TensorParallelRNG,
                                       all_gather_over, mark_sequence_parallel, recompute)
+from megalite.tensor_parallel.partition import Partition, mark, normal_init
 
 
 def _head_norm(cfg: ModelConfig, kernels: KernelPolicy) -> nn.Module:
@@ -98,6 +105,16 @@ class SelfAttention(nn.Module):
                                                sequence_parallel=sequence_parallel, fp8=fp8)
         self.linear_proj = RowParallelLinear(cfg.query_size, cfg.hidden_size, bias=bias, init_std=output_std,
                                              sequence_parallel=sequence_parallel, fp8=fp8)
+        self.softmax_type = cfg.softmax_type
+        if cfg.softmax_type == "learnable":   # one sink logit per head, drawn as Megatron does (its init_method)
+            self.softmax_offset = mark(nn.Parameter(torch.empty(self.heads)), (heads,), Partition(dim=0),
+                                       normal_init(cfg.init_method_std))
+
+    def _sink(self, like: torch.Tensor) -> Optional[torch.Tensor]:
+        """This rank's heads' sink logits [heads]: None for the vanilla softmax, zeros for off-by-one."""
+        if self.softmax_type == "vanilla":
+            return None
+        return self.softmax_offset if self.softmax_type == "learnable" else like.new_zeros(self.heads)
 
     def forward(self, x: torch.Tensor, shard: SequenceShard | None = None,
                 cache: Optional[LayerCache] = None) -> torch.Tensor:
@@ -119,26 +136,35 @@ class SelfAttention(nn.Module):
                 q, k = self.rotary(q, k, positions, shard.length)
             else:
                 q, k = self.rotary(q, k, offset=0 if cache is None else cache.offset)
+        sink = self._sink(q)
         if cache is not None:
-            context = cache.attend(q, k, v, self.window)
+            context = cache.attend(q, k, v, self.window, sink)
         elif self.recompute_core and self.training and torch.is_grad_enabled():
-            context = recompute(lambda *qkv: self._attend(*qkv, shard), self.rng, q, k, v)
+            # The sink is an input too, so that its gradient leaves the recomputed core like q's, k's and v's.
+            inputs = (q, k, v) if sink is None else (q, k, v, sink)
+            context = recompute(lambda q, k, v, sink=None: self._attend(q, k, v, shard, sink), self.rng, *inputs)
         else:
-            context = self._attend(q, k, v, shard)
+            context = self._attend(q, k, v, shard, sink)
         return self.linear_proj(context)
 
-    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                shard: SequenceShard | None) -> torch.Tensor:
-        """The attention core over the sample (the recomputed part): heads merged back, [batch, seq, heads x d]."""
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shard: SequenceShard | None,
+                sink: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The attention core over the sample (the recomputed part), with the heads' ``sink`` logits if any: heads
+        merged back, [batch, seq, heads x d]."""
         if shard is not None and shard.cp > 1:
             context = context_parallel_attention(q, k, v, shard, self._core)
         else:
             mask = None if shard is None else shard.whole_sequence_mask()
             seq = q.shape[-2]
-            if self.window is not None and seq > self.window + 1:
-                band = causal_mask(seq, seq, self.window, q.device)
+            if (self.window is not None and seq > self.window + 1) or (sink is not None and mask is None):
+                band = causal_mask(seq, seq, self.window, q.device)   # the sink core is told the causal mask
                 mask = band if mask is None else mask & band
-            context = self._core(q, k, v, mask)
+            if sink is not None:
+                dropout = self.dropout if self.training else 0.0
+                with self.rng.fork() if dropout > 0 else contextlib.nullcontext():
+                    context = sink_attention(q, k, v, sink, mask, dropout)
+            else:
+                context = self._core(q, k, v, mask)
         batch, _, seq, _ = context.shape
         return context.transpose(1, 2).reshape(batch, seq, self.heads * self.head_dim)
 

@@ -8,7 +8,8 @@ the keys' dtype and device. Inference only (no dropout, no autograd through the 
 each rank caches its own heads. Attention over the cache runs through scaled_dot_product_attention whatever the
 kernel policy (the fused masked softmax is square: every query sees only the keys up to its own position). A layer
 with a sliding window (--window-size) attends over the last window + 1 cached positions only; the cache still keeps
-every position (the buffers are sized by ``max_length`` either way).
+every position (the buffers are sized by ``max_length`` either way). A layer with attention sinks (--softmax-type)
+attends through megalite.model.sinks' softmax instead, its sink in every row.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
+
+from megalite.model.sinks import sink_attention
 
 
 def causal_mask(queries: int, keys: int, window: Optional[int], device: torch.device) -> Optional[torch.Tensor]:
@@ -70,17 +73,20 @@ class LayerCache:
         return self.cache.length
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               window: Optional[int] = None) -> torch.Tensor:
+               window: Optional[int] = None, sink: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Store the new k and v, then causal attention of the new queries [batch, heads, new, d] (the last
-        positions) over the cached keys, with a sliding ``window`` over its last ``window`` + 1 positions only;
-        heads merged: [batch, new, heads x d]."""
+        positions) over the cached keys, with a sliding ``window`` over its last ``window`` + 1 positions only and,
+        given one, each head's ``sink`` logit [heads] in its softmax; heads merged: [batch, new, heads x d]."""
         keys, values = self.cache.store(self.index, k, v)
         new, total = q.shape[-2], keys.shape[-2]
         if window is not None:   # keys before the first new query's window are seen by no query
             first = max(total - new - window, 0)
             keys, values = keys[..., first:, :], values[..., first:, :]
         mask = causal_mask(new, keys.shape[-2], window, q.device)
-        context = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
-                                                 enable_gqa=keys.shape[1] != q.shape[1])
+        if sink is not None:
+            context = sink_attention(q, keys, values, sink, mask)
+        else:
+            context = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
+                                                     enable_gqa=keys.shape[1] != q.shape[1])
         batch, heads, _, head_dim = context.shape
         return context.transpose(1, 2).reshape(batch, new, heads * head_dim)

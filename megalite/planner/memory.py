@@ -85,6 +85,12 @@ bytes on the CPU, exactly equal in fact):
         fused kernel (flash attention):   the log-sum-exp, 4 bytes x b a s / t; nothing s^2-sized
         math path (CPU with dropout):     the paper's as^2 b (2p + m) / t: softmax, dropout mask, dropout output
         unfused core (--use-fused-kernels on, the masked softmax): the same, as^2 b p / t without dropout
+        attention sinks (--softmax-type; megalite.model.sinks): the fp32 softmax, 4 as(s + 1) b / t, plus the
+                                          probabilities in p bytes where p != 4, dropout's as^2 b (m + p) / t, the
+                                          s^2 boolean mask, and repeated keys and values under grouped queries
+                                          (exact without grouping; with it the matmuls' copies of q, k and v
+                                          replace the fused QKV output, which this leaves counted: ~10% over at
+                                          s = 32, less as the s^2 terms grow)
     full recompute: p sbh (/ t under sequence parallelism), the layer's input only.
     context parallelism (CP): every term above for the rank's s / CP tokens (the math path's scores: its queries
         against all s keys), plus what the comm type keeps (context_parallel_core_bytes): nothing for p2p, a2a's
@@ -450,6 +456,14 @@ def layer_activation_bytes(model: ModelConfig, tp: int, sequence_parallel: bool,
         dropout = model.attention_dropout > 0
         if cp > 1 and cp_comm_type == "p2p":      # the ring's own core: no s x s tensor at all
             core, keeps_output = 4 * b * heads * s, True
+        elif model.softmax_type != "vanilla":   # megalite.model.sinks (no CP): the fp32 softmax over each row and
+            # its sink, the probabilities in p bytes (the same storage when p = 4), dropout's mask and output, the
+            # boolean mask, and grouped queries' keys and values repeated to every head
+            pairs = s * whole
+            core = heads * b * (4 * s * (whole + 1) + (p * pairs if p != 4 else 0) + ((m + p) * pairs if dropout
+                                                                                       else 0)) + pairs
+            if max(g // tp, 1) != heads:
+                core += 2 * p * b * heads * s * d
         elif not numerics.flash_attention or (dropout and not numerics.fused_attention_dropout):
             # the softmax output, and with dropout its mask and output (the paper's 5as/h; the math path): the
             # rank's queries against every key (allgather: each local chunk against the keys up to its end, at most

@@ -10,7 +10,7 @@ built on the ``meta`` device, for every config in ``configs/model``, at several 
   (G key/value heads of dimension d; G = heads without grouped-query attention) with its bias, the output projection
   h x h with a replicated bias, the MLP's h x f (SwiGLU: h x 2f, gate and up) and f x h with biases, unless
   ``disable_bias_linear`` (``add_qkv_bias`` keeps the QKV one); every matrix split over TP, the row-parallel biases
-  replicated;
+  replicated; with learnable attention sinks (--softmax-type learnable), one logit per head, split over TP;
 - final norm, and the output layer (padded vocabulary x h over TP) unless it is tied to the word embedding; tied and
   on another pipeline stage, the last stage holds a copy of the embedding (real memory, not a new parameter).
 
@@ -92,6 +92,8 @@ def layer_tensors(cfg: ModelConfig, tp: int, index: int, ep: int = 1, expert_tp:
                 + row(f"{name}.linear_fc2", f, world, expert))
 
     attention = _norm(cfg, f"{p}.input_norm")
+    if cfg.softmax_type == "learnable":   # one sink logit per head, split over TP (the module's own parameter, first)
+        attention.append(_column(f"{p}.self_attention.softmax_offset", cfg.num_attention_heads, 1, tp))
     if cfg.qk_layernorm:   # per-head norms over the head dimension, replicated
         attention += [Tensor(t.name, d, d) for t in _norm(cfg, f"{p}.self_attention.q_layernorm")
                       + _norm(cfg, f"{p}.self_attention.k_layernorm")]

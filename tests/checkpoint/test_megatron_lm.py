@@ -136,12 +136,16 @@ def test_what_megalite_cannot_compute_is_refused_by_its_flag(megatron_saves, tmp
     assert not (tmp_path / "out").exists()
 
 
-def test_a_sliding_window_is_not_exported_to_megatron():
-    """Megatron's window is refused on import (above), and megalite's on export."""
+@pytest.mark.parametrize("option, message", [
+    ({"window_size": "7,0"}, "window_size='7,0': megalite exports no sliding window to Megatron-LM"),
+    ({"softmax_type": "off-by-one"}, "softmax_type='off-by-one': megalite exports no attention sink to Megatron-LM"),
+])
+def test_a_sliding_window_or_a_sink_is_not_exported_to_megatron(option, message):
+    """Megatron's window and softmax type are refused on import (above), and megalite's on export."""
     from megalite.config.dims import ParallelDims   # noqa: PLC0415
 
-    with pytest.raises(CheckpointError, match="window_size='7,0': megalite exports no sliding window to Megatron-LM"):
-        megatron_lm_args.megatron_args(ModelConfig(window_size="7,0"), ParallelDims(1), None, iteration=1,
+    with pytest.raises(CheckpointError, match=message):
+        megatron_lm_args.megatron_args(ModelConfig(**option), ParallelDims(1), None, iteration=1,
                                        consumed_samples=0, ckpt_format="torch", dtype=torch.float32)
 
 

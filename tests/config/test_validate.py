@@ -194,6 +194,11 @@ def test_tiny_config_is_valid_on_several_world_sizes():
     (tiny_config(model={"window_size": "8,0"}, parallel={"context_parallel_size": 2}), 2,
      "--window-size is not supported with --context-parallel-size 2 (the context-parallel attention applies no "
      "window)"),
+    (tiny_config(model={"softmax_type": "sink"}), 1,
+     "--softmax-type must be vanilla, off-by-one or learnable, got 'sink'"),
+    (tiny_config(model={"softmax_type": "learnable"}, parallel={"context_parallel_size": 2}), 2,
+     "--softmax-type learnable is not supported with --context-parallel-size 2 (the context-parallel attention has "
+     "no sink)"),
 ])
 def test_bad_values_name_the_numbers(cfg, world, message):
     with pytest.raises(ConfigError) as error:

@@ -1,6 +1,6 @@
 """The KV cache: logits of a sequence fed in pieces (a prompt, single tokens, then several at once) through a cache
 equal the logits of one pass over the whole sequence, for learned and rotary positions (Llama 3 scaling, grouped
-queries, q/k/v biases; a sliding window in one layer). fp32, within 1e-5 of the largest logit (measured: below 1e-6)."""
+queries, q/k/v biases; a sliding window in one layer; attention sinks, with and without a window). fp32, within 1e-5 of the largest logit (measured: below 1e-6)."""
 
 from __future__ import annotations
 
@@ -23,7 +23,12 @@ QWEN2_LIKE = dict(position_embedding_type="rope", normalization="RMSNorm", swigl
 WINDOWED = {**QWEN2_LIKE, "window_size": "5,0", "window_attn_skip_freq": "2"}
 
 
-@pytest.mark.parametrize("options", [{}, QWEN2_LIKE, WINDOWED], ids=["gpt2", "qwen2_like", "window"])
+# gpt-oss' attention: learnable sinks in every layer, windowed in one; off-by-one without a window.
+SINKS = {**WINDOWED, "softmax_type": "learnable"}
+
+
+@pytest.mark.parametrize("options", [{}, QWEN2_LIKE, WINDOWED, SINKS, {**QWEN2_LIKE, "softmax_type": "off-by-one"}],
+                         ids=["gpt2", "qwen2_like", "window", "learnable-sinks-window", "off-by-one"])
 def test_cached_pieces_give_the_logits_of_one_pass(options):
     model = GPTModel(tiny_config(model=options).model, TensorParallelRNG(0, 0, 0, torch.device("cpu"))).eval()
     model.initialize(seed=3)

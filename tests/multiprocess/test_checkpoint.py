@@ -10,8 +10,8 @@
 - Reshard (8 ranks): a TP=2 x PP=2 x DP=2 run with the distributed optimizer saves after 4 of 6 iterations; resuming
   that checkpoint at TP=1 x PP=1 x DP=1 (rank 0 alone), TP=4 x DP=2 and PP=4 x DP=2 (plain optimizer) gives
   iterations 5 and 6 equal to the uninterrupted run's within 1e-5 relative (dropout off: RNG states only come back at
-  the identical layout). A Llama-style model (grouped-query QKV: fused blocks of unequal sizes) reshards TP=2 x PP=2
-  -> PP=4 in the 4-rank launch.
+  the identical layout). A Llama-style model (grouped-query QKV: fused blocks of unequal sizes; gpt-oss' learnable
+  attention sinks, saved whole: [heads]) reshards TP=2 x PP=2 -> PP=4 in the 4-rank launch.
 - Megatron-LM (4 ranks, with megatron-core installed; tests/checkpoint/megatron_reference.py): Megatron's own models
   at TP=2 x PP=2 (EP=2 x PP=2 for the MoE styles; Llama also at PP=2 with 2 virtual stages) save in both of
   Megatron's formats; loading them back at that layout gives the saving models' logits bit for bit, and loading the
@@ -35,6 +35,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from megalite.checkpoint import CheckpointError, open_checkpoint
+from megalite.checkpoint.convert import full_tensors
 from megalite.checkpoint.directory import POINTER_NAME
 from megalite.config import ModelConfig, ParallelConfig
 from megalite.training import Trainer
@@ -137,17 +138,22 @@ LLAMA_STYLE = {"position_embedding_type": "rope", "normalization": "RMSNorm", "s
 
 
 def test_reshard_llama_style_model(directory):
-    """Fused blocks of unequal sizes (grouped-query QKV), SwiGLU's [gate; up], RMSNorm, rotary positions and, where
-    available, sequence parallelism: saved at TP=2 x PP=2, resumed at PP=4, iteration 4 equals the uninterrupted run."""
+    """Fused blocks of unequal sizes (grouped-query QKV), SwiGLU's [gate; up], RMSNorm, rotary positions, learnable
+    attention sinks (one logit per head, split over TP with the heads, saved whole) and, where available, sequence
+    parallelism: saved at TP=2 x PP=2, resumed at PP=4, iteration 4 equals the uninterrupted run."""
     model_fields = {f.name for f in dataclasses.fields(ModelConfig)}
     if not set(LLAMA_STYLE) <= model_fields:
         pytest.skip("these model options are not in this version")
-    cfg = tiny_config(tp=2, pp=2, model={"num_layers": 4, **LLAMA_STYLE}, training={"train_iters": 4},
+    cfg = tiny_config(tp=2, pp=2, model={"num_layers": 4, **LLAMA_STYLE, "softmax_type": "learnable"},
+                      training={"train_iters": 4},
                       optimizer={"use_distributed_optimizer": True, "adam_eps": 1e-5}, data={"eval_interval": 0})
     if "sequence_parallel" in {f.name for f in dataclasses.fields(ParallelConfig)}:
         cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, sequence_parallel=True))
     with layout(2, 2):
         uninterrupted = losses(Trainer.on_registered_layout(with_checkpoint(cfg, save=directory, save_interval=3), CPU).train())
+    saved = full_tensors(open_checkpoint(f"{directory}/iter_0000003"))   # each TP rank's slice, merged
+    sinks = {name: tuple(tensor.shape) for name, tensor in saved.items() if name.endswith("softmax_offset")}
+    assert sinks == {f"layers.{i}.self_attention.softmax_offset": (cfg.model.num_attention_heads,) for i in range(4)}
     resumed_cfg = dataclasses.replace(
         with_checkpoint(cfg, load=f"{directory}/iter_0000003"),
         parallel=dataclasses.replace(ParallelConfig(), pipeline_model_parallel_size=4))
@@ -307,7 +313,6 @@ def test_imported_megatron_checkpoint_trains_at_a_parallel_layout(directory, sty
     torch_dist save trains at TP=2 x PP=2 (DP=1) with the losses of the same run in one process (within the suite's
     equivalence tolerance, 1e-5 relative; Adam's eps 1e-5 as there)."""
     pytest.importorskip("megatron.core")
-    from megalite.checkpoint.convert import full_tensors
     from megalite.checkpoint.megatron_lm import import_megatron
 
     save_megatron_checkpoints(directory, style, 2, 2, None, 1, formats=("torch_dist",))

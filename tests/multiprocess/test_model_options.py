@@ -7,8 +7,9 @@ within 1e-5):
 - Llama-like (rotary positions, RMSNorm, SwiGLU, grouped-query attention with 2 key/value heads, no biases, untied
   output layer) at TP=2 x PP=2: one key/value head per TP rank;
 - the same with a sliding window (each query and the 7 tokens before it, of 32) in layers 1, 3 and 4 (layer 2
-  global: a 0/1 skip pattern), sequence parallelism and selective recompute at TP=2 x PP=2: pipeline stages send
-  sequence shards, and the recomputed core rebuilds the windowed mask;
+  global: a 0/1 skip pattern), gpt-oss' learnable attention sinks, sequence parallelism and selective recompute at
+  TP=2 x PP=2: pipeline stages send sequence shards, the recomputed core rebuilds the windowed mask, and each rank
+  trains the sink logits of its heads;
 - GPT-2-style with the tanh GeLU, sequence parallelism and full recompute (block) at TP=2 x DP=2 with ZeRO-2,
   overlapped, small buckets: the sequence-parallel gradients (norms, biases, position table) are summed over TP on DP
   shards;
@@ -48,8 +49,8 @@ QWEN2_ROPE_SCALING = {"add_qkv_bias": True, "use_rope_scaling": True, "rope_scal
 
 @pytest.mark.parametrize("label, tp, pp, model, parallel, optimizer", [
     ("llama-like + yarn rope scaling TP=2 x PP=2", 2, 2, {**LLAMA, **YARN}, {}, {}),
-    ("llama-like + sliding window + sequence parallel + selective recompute TP=2 x PP=2", 2, 2,
-     {**LLAMA, **SELECTIVE, **WINDOW}, SP, {}),
+    ("llama-like + sliding window + learnable sinks + sequence parallel + selective recompute TP=2 x PP=2", 2, 2,
+     {**LLAMA, **SELECTIVE, **WINDOW, "softmax_type": "learnable"}, SP, {}),
     ("GPT + tanh GeLU + sequence parallel + full block recompute TP=2 x DP=2 ZeRO-2", 2, 1,
      {**FULL_BLOCK, "openai_gelu": True}, SP, ZERO2),
     ("llama-like + q/k/v biases + rope scaling (key/value heads split over 2 ranks) + sequence parallel + full "

@@ -194,6 +194,8 @@ def _measured_activations(model, tp: int, sequence_parallel: bool, pre: bool, po
     (2, True, True, True, 2, {"hidden_dropout": 0.1}),
     (4, True, True, True, 2, LLAMA),                                          # TP > key/value heads: gathered
     (2, True, True, True, 2, {"recompute_granularity": "full", "recompute_method": "uniform"}),
+    (1, False, True, True, 2, {"softmax_type": "learnable", "attention_dropout": 0.1}),   # the sinks' softmax
+    (2, True, True, True, 2, {**LLAMA, "softmax_type": "off-by-one"}),                      # with repeated k and v
 ])
 def test_activations_match_what_autograd_keeps(local_collectives, tp, sp, pre, post, b, options):
     model = tiny_config(model={"num_layers": 2, **options}).model

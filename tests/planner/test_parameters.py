@@ -112,3 +112,12 @@ def test_simulated_layout_registers_one_rank_s_groups_and_restores_the_previous(
     with pytest.raises(ValueError):
         with parallel_state.simulated_layout(2, tp_rank=2):
             pass
+
+
+def test_learnable_sinks_are_counted():
+    """--softmax-type learnable (gpt-oss): one logit per head and layer, split over TP."""
+    model = load_model_config("llama_tiny", softmax_type="learnable")
+    real = _real_stage(model, 2, 1, 0)
+    planned = [t for chunk in rank_tensors(model, 2, 1, 1, 0) for t in chunk]
+    assert [(n, p.numel(), p.shape[0]) for n, p in real] == [(t.name, t.numel, t.dim0) for t in planned]
+    assert sum(name.endswith("softmax_offset") for name, _ in real) == model.num_layers

@@ -133,6 +133,9 @@ def megatron_args(model: ModelConfig, dims: ParallelDims, virtual_stages: Option
     if model.window_size is not None:   # as the import refuses Megatron's (UNSUPPORTED)
         raise CheckpointError(f"model option window_size={model.window_size!r}: megalite exports no sliding window "
                               f"to Megatron-LM")
+    if model.softmax_type != "vanilla":   # as the import refuses Megatron's (UNSUPPORTED)
+        raise CheckpointError(f"model option softmax_type={model.softmax_type!r}: megalite exports no attention "
+                              f"sink to Megatron-LM")
     values: dict[str, Any] = {}
     for option in (*MODEL_DEFINING, *CARRIED):
         if option in MEGALITE_ONLY:

@@ -76,7 +76,7 @@ def import_megatron(source: str | os.PathLike, save: str | os.PathLike, iteratio
     """Read a Megatron-LM checkpoint (a --save directory's latest, or ``iteration``, or one iteration directory)
     into a megalite checkpoint under ``save``."""
     checkpoint = open_megatron(source, iteration)
-    common = checkpoint.common()
+    common = checkpoint.common
     args = checkpoint.args()
     megatron_args.refuse_unsupported(args)
     tokenizer, vocab_size, notes = _tokenizer(args)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import pickle
 import re
@@ -94,33 +95,37 @@ class MegatronCheckpoint:
     path: Path         # the iter_NNNNNNN (or release) directory
     format: str        # "torch_dist" or "torch"
 
+    @functools.cached_property
     def common(self) -> dict:
-        """The non-tensor state: args, iteration, checkpoint_version (rank 0's file of a legacy checkpoint)."""
+        """The non-tensor state: args, iteration, checkpoint_version (rank 0's file of a legacy checkpoint), read
+        once (a legacy file holds that rank's tensors too)."""
         if self.format == "torch_dist":
             return safe_load(self.path / COMMON)
-        return safe_load(self.rank_files()[0][1])
+        return safe_load(self._rank_directories()[0][1])
 
     def args(self) -> argparse.Namespace:
-        args = self.common().get("args")
+        args = self.common.get("args")
         if not isinstance(args, argparse.Namespace):
             raise CheckpointError(f"{self.path}: the checkpoint stores no args (Megatron-LM saves them unless "
                                   f"told not to): the model options are unknown")
         return args
 
-    def rank_files(self) -> list[tuple[tuple[int, int, int], Path]]:
-        """((tensor rank, pipeline rank, expert rank), file) of a legacy checkpoint, sorted."""
+    def _rank_directories(self) -> list[tuple[re.Match, Path]]:
         found = []
-        pipeline = None
         for directory in sorted(self.path.iterdir()):
             match = _RANK_DIRECTORY.fullmatch(directory.name)
             if match and (directory / LEGACY_FILE).is_file():
                 found.append((match, directory / LEGACY_FILE))
         if not found:
             raise CheckpointError(f"{self.path}: no mp_rank_*/{LEGACY_FILE}")
-        args = safe_load(found[0][1]).get("args")
-        pipeline = getattr(args, "pipeline_model_parallel_size", 1) > 1
+        return found
+
+    def rank_files(self) -> list[tuple[tuple[int, int, int], Path]]:
+        """((tensor rank, pipeline rank, expert rank), file) of a legacy checkpoint, sorted (one 3-digit suffix is
+        the pipeline rank when the args say there is a pipeline, else the expert rank)."""
+        pipeline = getattr(self.common.get("args"), "pipeline_model_parallel_size", 1) > 1
         ranks = []
-        for match, file in found:
+        for match, file in self._rank_directories():
             tp, first, second = int(match[1]), match[2], match[3]
             pp, ep = (int(first or 0), int(second or 0)) if pipeline else (0, int(first or 0))
             ranks.append(((tp, pp, ep), file))
@@ -404,7 +409,7 @@ def iteration_directory(save: Path, iteration: int) -> Path:
 
 def describe(checkpoint: MegatronCheckpoint, shapes: Iterable[tuple[str, list[int]]]) -> list[str]:
     """Lines for ``inspect``: the format, the stored args and the tensors."""
-    common = checkpoint.common()
+    common = checkpoint.common
     args = common.get("args")
     lines = [f"Megatron-LM checkpoint: {checkpoint.path}", f"format: {checkpoint.format}",
              f"iteration: {common.get('iteration')}", f"checkpoint_version: {common.get('checkpoint_version')}",

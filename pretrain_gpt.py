@@ -129,6 +129,8 @@ def _main(argv: list[str], held: contextlib.ExitStack) -> int:
         return 1
     finally:
         shutdown_distributed()
+        if roll_call is not None:
+            roll_call.stop()
     return 0
 
 

@@ -95,10 +95,14 @@ class RollCall:
     """This rank's part in finding who is gone: it answers a call from a daemon thread, and makes one on failure.
 
     ``store`` is a client of its own (a blocking request holds the client's lock, so the process group's store is not
-    shared); keys live under this torchrun attempt's prefix."""
+    shared); keys live under this torchrun attempt's prefix. :meth:`stop` ends the thread before the process exits:
+    a daemon thread still inside a store request when Python finalizes is ended by ``pthread_exit``, whose unwinding
+    through pybind11's GIL guard aborts the process ("terminate called without an active exception", SIGABRT) after a
+    run that succeeded."""
 
     def __init__(self, store: dist.Store, rank: int, world_size: int):
         self.store, self.rank, self.world_size = store, rank, world_size
+        self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._answer_when_called, name="megalite-roll-call", daemon=True)
         self._thread.start()
 
@@ -123,10 +127,16 @@ class RollCall:
     def _answer_when_called(self) -> None:
         try:
             while not self.store.check(["called"]):
-                time.sleep(ROLL_CALL_POLL_S)
+                if self._stopped.wait(ROLL_CALL_POLL_S):
+                    return
             self._answer()
         except Exception:   # the store went away (the job ended): nothing left to answer
             return
+
+    def stop(self) -> None:
+        """End the answering thread: at most one poll and one store request (bounded by the store's timeout)."""
+        self._stopped.set()
+        self._thread.join(timeout=ROLL_CALL_WAIT_S)
 
     def missing(self, wait_s: float = ROLL_CALL_WAIT_S) -> Optional[list[int]]:
         """Call the roll (once per attempt, whoever calls first) and return the ranks that did not answer within

@@ -51,6 +51,15 @@ def test_roll_call_names_the_rank_that_does_not_answer(monkeypatch):
     assert failure_line(RuntimeError("CUDA error"), 0, 10, survivors[0]) is None
 
 
+def test_a_stopped_roll_call_leaves_no_thread_behind():
+    # A daemon thread still inside a store request when Python finalizes aborts the process (SIGABRT after a run
+    # that succeeded): pretrain_gpt stops its roll call before returning.
+    roll_call = RollCall(dist.PrefixStore("call", dist.HashStore()), 0, 2)   # never called
+    assert roll_call._thread.is_alive()
+    roll_call.stop()
+    assert not roll_call._thread.is_alive()
+
+
 def test_nccl_gets_the_flight_recorder_unless_the_user_set_it():
     from megalite.training.failures import nccl_flight_recorder_defaults
     environ = {"TORCH_NCCL_TRACE_BUFFER_SIZE": "0"}

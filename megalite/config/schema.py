@@ -381,18 +381,64 @@ class ParallelConfig:
         None, "Layers per model chunk for the interleaved schedule (alternative to the next option).")
     num_virtual_stages_per_pipeline_rank: Optional[int] = option(
         None, "Model chunks per pipeline rank (V); V > 1 interleaves the schedule.")
+    decoder_first_pipeline_num_layers: Optional[int] = option(
+        None, "Transformer layers on the first pipeline rank (split over its V chunks); the ranks between the first "
+              "and last share the rest evenly. Default: an even split.")
+    decoder_last_pipeline_num_layers: Optional[int] = option(
+        None, "Transformer layers on the last pipeline rank (split over its V chunks; it also holds the output "
+              "layer and the loss). Default: an even split.")
+    account_for_embedding_in_pipeline_split: bool = option(
+        False, "Count the embedding as one layer of the even split: the first virtual stage holds one transformer "
+               "layer fewer.")
+    account_for_loss_in_pipeline_split: bool = option(
+        False, "Count the output layer and loss as one layer of the even split: the last virtual stage holds one "
+               "transformer layer fewer.")
+    pipeline_model_parallel_layout: Optional[str] = option(
+        None, "Every virtual stage's contents in order, Megatron's syntax: E embedding, t transformer layer, m "
+              "multi-token-prediction layer, L loss, | between stages, (...)*n and x*n repeat; e.g. "
+              "'Et|(tt|)*2,tL' (4 stages). Its stages / PP give V.")
     pipeline_schedule: str = option(
         "1f1b", "1f1b (interleaved when V > 1), zero-bubble (ZB-H1: each backward's weight gradients deferred to "
                 "fill the bubble, at 1F1B's activation memory; interleaved when V > 1) or zbv (ZB-V: two chunks per "
                 "rank placed in a V, chunk 0 down the ranks and chunk 1 back up; V defaults to 2).")
 
     def virtual_stages(self, num_layers: int) -> int:
-        """V, the number of model chunks per pipeline rank (1 unless an interleaving option is set; 2 for zbv)."""
+        """V, the number of model chunks per pipeline rank (1 unless an interleaving option or a layout is set; 2 for
+        zbv)."""
+        if self.pipeline_model_parallel_layout is not None:
+            from megalite.config.pipeline_split import parse_layout   # noqa: PLC0415 - a small parser, rarely used
+            try:
+                return max(1, len(parse_layout(self.pipeline_model_parallel_layout)) //
+                           self.pipeline_model_parallel_size)
+            except ValueError:
+                pass   # pipeline_split says why
         if self.num_virtual_stages_per_pipeline_rank is not None:
             return self.num_virtual_stages_per_pipeline_rank
         if self.num_layers_per_virtual_pipeline_stage is not None:
             return num_layers // (self.num_layers_per_virtual_pipeline_stage * self.pipeline_model_parallel_size)
         return 2 if self.pipeline_schedule == "zbv" else 1
+
+    def pipeline_split(self, num_layers: int, mtp_layers: int = 0) -> Optional[tuple[int, ...]]:
+        """Transformer layers per virtual stage (in virtual-stage order) from the uneven-pipeline options, or None for
+        the even split (megalite.config.pipeline_split)."""
+        from megalite.config import pipeline_split as split   # noqa: PLC0415 - it imports nothing of ours
+        from megalite.config.flags import FLAG   # noqa: PLC0415 - flags import this module
+        pp, v = self.pipeline_model_parallel_size, self.virtual_stages(num_layers)
+        first, last = self.decoder_first_pipeline_num_layers, self.decoder_last_pipeline_num_layers
+        embedding, loss = self.account_for_embedding_in_pipeline_split, self.account_for_loss_in_pipeline_split
+        try:
+            if self.pipeline_model_parallel_layout is not None:
+                flag = FLAG.pipeline_model_parallel_layout
+                return split.layout_split(self.pipeline_model_parallel_layout, pp, num_layers, mtp_layers)
+            if first is not None or last is not None:
+                flag = f"{FLAG.decoder_first_pipeline_num_layers}/{FLAG.decoder_last_pipeline_num_layers}"
+                return split.first_last_split(num_layers, pp, v, first, last)
+            if embedding or loss:
+                flag = f"{FLAG.account_for_embedding_in_pipeline_split}/{FLAG.account_for_loss_in_pipeline_split}"
+                return split.accounted_split(num_layers, pp * v, embedding, loss)
+        except ValueError as error:
+            raise ConfigError(f"{flag}: {error}") from None
+        return None
 
 
 @dataclass

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Iterable
+from typing import Any, Iterable, Optional
 
 from megalite.config.batches import batch_schedule
 from megalite.config.dims import ParallelDims
@@ -157,6 +157,41 @@ def _check_batch_ramp(cfg: MegaliteConfig, dims: ParallelDims) -> None:
                  f"needs to be a multiple of {FLAG.pipeline_model_parallel_size} {pp}")
 
 
+def _check_uneven_pipeline(cfg: MegaliteConfig) -> Optional[tuple[int, ...]]:
+    """Megatron's uneven-pipeline options, one way at a time, and the split they give (None: none of them)."""
+    p, m = cfg.parallel, cfg.model
+    ways = [flags for flags, given in (
+        ((FLAG.pipeline_model_parallel_layout,), p.pipeline_model_parallel_layout is not None),
+        ((FLAG.decoder_first_pipeline_num_layers, FLAG.decoder_last_pipeline_num_layers),
+         p.decoder_first_pipeline_num_layers is not None or p.decoder_last_pipeline_num_layers is not None),
+        ((FLAG.account_for_embedding_in_pipeline_split, FLAG.account_for_loss_in_pipeline_split),
+         p.account_for_embedding_in_pipeline_split or p.account_for_loss_in_pipeline_split)) if given]
+    if not ways:
+        return None
+    if len(ways) > 1:
+        raise ConfigError(f"{' / '.join(ways[0])} and {' / '.join(ways[1])} both split the pipeline: give one")
+    _at_least(0, [("decoder_first_pipeline_num_layers", p.decoder_first_pipeline_num_layers),
+                  ("decoder_last_pipeline_num_layers", p.decoder_last_pipeline_num_layers)])
+    if p.pipeline_model_parallel_layout is None:
+        _require(p.num_layers_per_virtual_pipeline_stage is None,
+                 f"with {' / '.join(ways[0])} give V with {FLAG.num_virtual_stages_per_pipeline_rank}, not "
+                 f"{FLAG.num_layers_per_virtual_pipeline_stage}")
+        _require(ways[0][0] != FLAG.decoder_first_pipeline_num_layers or p.pipeline_schedule != "zbv",
+                 f"{FLAG.pipeline_schedule} zbv puts the first and last virtual stages on rank 0: split it with "
+                 f"{FLAG.pipeline_model_parallel_layout} instead of {FLAG.decoder_first_pipeline_num_layers}/"
+                 f"{FLAG.decoder_last_pipeline_num_layers}")
+        return p.pipeline_split(m.num_layers, getattr(m, "mtp_num_layers", None) or 0)
+    _require(p.num_layers_per_virtual_pipeline_stage is None,
+             f"{FLAG.pipeline_model_parallel_layout} sets each virtual stage's layers: drop "
+             f"{FLAG.num_layers_per_virtual_pipeline_stage}")
+    split = p.pipeline_split(m.num_layers, getattr(m, "mtp_num_layers", None) or 0)
+    v = p.virtual_stages(m.num_layers)
+    _require(p.num_virtual_stages_per_pipeline_rank in (None, v),
+             f"{FLAG.pipeline_model_parallel_layout} has {v} virtual stage(s) per rank, "
+             f"{FLAG.num_virtual_stages_per_pipeline_rank} says {p.num_virtual_stages_per_pipeline_rank}")
+    return split
+
+
 def _check_pipeline(cfg: MegaliteConfig, dims: ParallelDims) -> None:
     """Layers split evenly over PP x V chunks; the interleaved schedules need micro-batches in multiples of PP; the
     schedule's name, its PP > 1, its chunks (zbv: 2) and its engine (W steps: not FSDP2)."""
@@ -164,6 +199,7 @@ def _check_pipeline(cfg: MegaliteConfig, dims: ParallelDims) -> None:
     pp, per_chunk, v = (p.pipeline_model_parallel_size, p.num_layers_per_virtual_pipeline_stage,
                         p.num_virtual_stages_per_pipeline_rank)
     _at_least(1, [("num_layers_per_virtual_pipeline_stage", per_chunk), ("num_virtual_stages_per_pipeline_rank", v)])
+    uneven = _check_uneven_pipeline(cfg)
     if per_chunk is not None:
         _require(m.num_layers % (per_chunk * pp) == 0,
                  f"{FLAG.num_layers} {m.num_layers} is not divisible by {FLAG.num_layers_per_virtual_pipeline_stage} "
@@ -173,9 +209,10 @@ def _check_pipeline(cfg: MegaliteConfig, dims: ParallelDims) -> None:
                  f"{FLAG.num_layers_per_virtual_pipeline_stage} {per_chunk}: {v} x {per_chunk} x PP {pp} != "
                  f"{FLAG.num_layers} {m.num_layers}")
     chunks = p.virtual_stages(m.num_layers)
-    _require(m.num_layers % (pp * chunks) == 0,
-             f"{FLAG.num_layers} {m.num_layers} is not divisible by {FLAG.pipeline_model_parallel_size} {pp} x "
-             f"virtual stages {chunks} = {pp * chunks}")
+    if uneven is None:
+        _require(m.num_layers % (pp * chunks) == 0,
+                 f"{FLAG.num_layers} {m.num_layers} is not divisible by {FLAG.pipeline_model_parallel_size} {pp} x "
+                 f"virtual stages {chunks} = {pp * chunks}")
     _require(chunks == 1 or pp > 1, f"virtual pipeline stages ({chunks}) need {FLAG.pipeline_model_parallel_size} > 1")
     _one_of("pipeline_schedule", p.pipeline_schedule, ("1f1b", "zero-bubble", "zbv"))
     if p.pipeline_schedule != "1f1b":
@@ -273,9 +310,11 @@ def _check_architecture(cfg: MegaliteConfig) -> None:
     if m.recompute_granularity == "full":
         _require(m.recompute_method is not None,
                  f"{FLAG.recompute_granularity} full needs {FLAG.recompute_method} uniform|block")
-        per_chunk = m.num_layers // (p.pipeline_model_parallel_size * p.virtual_stages(m.num_layers))
+        per_chunk = max(p.pipeline_split(m.num_layers, getattr(m, "mtp_num_layers", None) or 0) or
+                        [m.num_layers // (p.pipeline_model_parallel_size * p.virtual_stages(m.num_layers))])
         _require(1 <= m.recompute_num_layers <= per_chunk,
-                 f"{FLAG.recompute_num_layers} must be between 1 and the {per_chunk} layers of a model chunk, got "
+                 f"{FLAG.recompute_num_layers} must be between 1 and the {per_chunk} layers of the largest model "
+                 f"chunk, got "
                  f"{m.recompute_num_layers}")
     else:
         _require(m.recompute_method is None,

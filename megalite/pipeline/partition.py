@@ -1,7 +1,8 @@
 """Which layers each pipeline rank holds.
 
-The layer stack is cut into PP x V equal chunks ("virtual stages", numbered in layer order); an uneven split is an
-error, never a silent drop. How the chunks go to the ranks is the *placement*:
+The layer stack is cut into PP x V chunks ("virtual stages", numbered in layer order): equal ones, or as Megatron's
+uneven-pipeline options say (megalite.config.pipeline_split gives the layers of each); a split that does not add up
+is an error, never a silent drop. How the chunks go to the ranks is the *placement*:
 
 - ``round-robin`` (Megatron's interleaving): chunk ``c`` of rank ``r`` is virtual stage ``c * PP + r``. With PP=2,
   V=2 and 8 layers, rank 0 holds layers 0-1 (chunk 0) and 4-5 (chunk 1), rank 1 holds 2-3 and 6-7. Activations go
@@ -17,6 +18,7 @@ The embedding lives on virtual stage 0 and the output layer and loss on the last
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 PLACEMENTS = ("round-robin", "v-shape")
 
@@ -52,16 +54,22 @@ def stage_rank(stage: int, pp: int, placement: str = "round-robin") -> int:
     return stage % pp
 
 
-def chunks_of_rank(num_layers: int, pp: int, virtual_stages: int, rank: int,
+def chunks_of_rank(layers: int | Sequence[int], pp: int, virtual_stages: int, rank: int,
                    placement: str = "round-robin") -> list[Chunk]:
+    """Pipeline rank ``rank``'s chunks: ``layers`` is the model's layer count, split evenly over PP x V virtual stages,
+    or the layers of each virtual stage (ParallelConfig.pipeline_split)."""
     _check_placement(placement, virtual_stages)
     total = pp * virtual_stages
-    if num_layers % total:
-        raise ValueError(f"num-layers {num_layers} is not divisible by pipeline-model-parallel-size {pp} x "
-                         f"virtual stages {virtual_stages} = {total}")
-    per_chunk = num_layers // total
+    if isinstance(layers, int):
+        if layers % total:
+            raise ValueError(f"num-layers {layers} is not divisible by pipeline-model-parallel-size {pp} x "
+                             f"virtual stages {virtual_stages} = {total}")
+        layers = [layers // total] * total
+    if len(layers) != total:
+        raise ValueError(f"{len(layers)} stage sizes for pipeline-model-parallel-size {pp} x virtual stages "
+                         f"{virtual_stages} = {total}")
     chunks = []
     for c in range(virtual_stages):
         stage = virtual_stage(rank, c, pp, placement)
-        chunks.append(Chunk(stage, stage * per_chunk, per_chunk, stage == 0, stage == total - 1))
+        chunks.append(Chunk(stage, sum(layers[:stage]), layers[stage], stage == 0, stage == total - 1))
     return chunks

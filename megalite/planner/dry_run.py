@@ -82,7 +82,7 @@ def format_dry_run(cfg: MegaliteConfig, world_size: int, cuda: bool | None = Non
     layout, stages = run_memory(cfg, world_size, cuda)
     model = cfg.model   # a resolved run's: its vocabulary is the tokenizer's (megalite.run)
     params = count_parameters(model, layout.tp, layout.pp, layout.virtual_stages, layout.placement, ep=layout.ep,
-                              expert_tp=layout.expert_tp)
+                              expert_tp=layout.expert_tp, split=layout.split)
     m = layout.num_micro_batches(cfg.training.global_batch_size)   # the largest batch, when it ramps up
     batches = batch_schedule(cfg.training, cfg.model.seq_length)
     ramp = f" at the largest {describe(batches)}" if batches.ramps else ""

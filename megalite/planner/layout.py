@@ -14,6 +14,7 @@ from typing import Optional
 
 from megalite.config import MegaliteConfig, ModelConfig, OptimizerConfig, flags
 from megalite.config.dims import ParallelDims
+from megalite.config.pipeline_split import layout_text
 from megalite.pipeline.schedules import placement_of
 
 
@@ -35,6 +36,7 @@ class Layout:
     cp_comm_type: str = "p2p"            # p2p (ring) | a2a | allgather
     ep: int = 1                          # expert-parallel size (carved from DP x CP): E / EP experts per rank
     experts_split: bool = True           # routed experts split over TP (--expert-tensor-parallel-size TP), or whole
+    split: Optional[tuple[int, ...]] = None   # transformer layers per virtual stage when uneven; None: even
 
     @functools.cached_property
     def dims(self) -> ParallelDims:
@@ -79,6 +81,8 @@ class Layout:
         parts = [f"TP={self.tp} x {context}PP={self.pp} x DP={self.dp}" + (f" (EP={self.ep})" if self.ep > 1 else "")]
         if self.virtual_stages > 1:
             parts.append(f"V={self.virtual_stages}")
+        if self.split is not None:
+            parts.append("layers " + "/".join(map(str, self.split)))
         if self.pipeline_schedule != "1f1b" and self.pp > 1:
             parts.append(self.pipeline_schedule)
         parts.append(f"micro-batch {self.micro_batch_size}")
@@ -102,7 +106,7 @@ class Layout:
             context_parallel_size=self.cp, cp_comm_type=self.cp_comm_type,
             sequence_parallel=self.sequence_parallel, num_layers_per_virtual_pipeline_stage=None,
             num_virtual_stages_per_pipeline_rank=self.virtual_stages if self.virtual_stages > 1 else None,
-            pipeline_schedule=self.pipeline_schedule,
+            pipeline_schedule=self.pipeline_schedule, **self._split_options(cfg.model),
             expert_model_parallel_size=self.ep, expert_tensor_parallel_size=None if self.experts_split else 1)
         # Overlap whatever our engine can: ZeRO-3 refuses these options (FSDP2 overlaps its own gathers and
         # reductions), and there is nothing to reduce without data parallelism.
@@ -113,6 +117,13 @@ class Layout:
         training = dataclasses.replace(cfg.training, micro_batch_size=self.micro_batch_size)
         return dataclasses.replace(cfg, model=self.model_config(cfg.model), parallel=parallel, optimizer=optimizer,
                                    training=training)
+
+    def _split_options(self, model: ModelConfig) -> dict:
+        """The split as Megatron's layout string (the other ways of splitting cleared), or none at all."""
+        layout = None if self.split is None else layout_text(self.split, getattr(model, "mtp_num_layers", None) or 0)
+        return dict(pipeline_model_parallel_layout=layout, decoder_first_pipeline_num_layers=None,
+                    decoder_last_pipeline_num_layers=None, account_for_embedding_in_pipeline_split=False,
+                    account_for_loss_in_pipeline_split=False)
 
     def argv(self, cfg: MegaliteConfig) -> list[str]:
         """The command-line words that turn ``cfg`` into this layout."""
@@ -130,4 +141,5 @@ class Layout:
                    sequence_parallel=p.sequence_parallel, recompute=cfg.model.recompute_granularity,
                    optimizer_cpu_offload=o.optimizer_cpu_offload, offload_params=o.offload_params, cp=cp,
                    cp_comm_type=p.cp_comm_type, ep=p.expert_model_parallel_size,
-                   experts_split=p.expert_tensor_parallel_size in (None, tp))
+                   experts_split=p.expert_tensor_parallel_size in (None, tp),
+                   split=p.pipeline_split(cfg.model.num_layers, getattr(cfg.model, "mtp_num_layers", None) or 0))

@@ -193,13 +193,13 @@ def model_state_bytes(model: ModelConfig, layout: Layout, pp_rank: int = 0, *, d
     if layout.zero == 3:
         key = (dataclasses.astuple(model), layout.tp, layout.pp, layout.virtual_stages, replicas,
                layout.optimizer_cpu_offload, layout.offload_params, pp_rank, dtype_bytes, dp_rank,
-               prefetch_bucket_size, experts)   # 1f1b only
+               prefetch_bucket_size, experts, layout.split)   # 1f1b only
         if key not in _STATES_CACHE:
             _STATES_CACHE[key] = _fully_sharded_state_bytes(model, *key[1:])
         return _STATES_CACHE[key]
     key = (dataclasses.astuple(model), layout.tp, layout.pp, layout.virtual_stages, replicas, layout.zero,
            layout.optimizer_cpu_offload, pp_rank, dtype_bytes, dp_rank, bucket_size, grad_bytes, layout.placement,
-           experts)
+           experts, layout.split)
     if key not in _STATES_CACHE:   # the search asks again for every micro-batch size and recompute option
         _STATES_CACHE[key] = _model_state_bytes(model, *key[1:])
     return _STATES_CACHE[key]
@@ -210,12 +210,12 @@ _STATES_CACHE: dict[tuple, ModelStates] = {}
 
 def _model_state_bytes(model: ModelConfig, tp: int, pp: int, v: int, dp: int, zero: int, offload: bool, pp_rank: int,
                        dtype_bytes: int, dp_rank: int, bucket_size: Optional[int], grad_bytes: int,
-                       placement: str, experts: tuple[int, int]) -> ModelStates:
+                       placement: str, experts: tuple[int, int], split: Optional[tuple[int, ...]]) -> ModelStates:
     """The engines' flat buffers: one over DP, and with a mixture of experts one for the routed experts over the
     expert-data-parallel ranks (megalite.distributed.expert_parallel), each planned as the engine plans it."""
     ep, expert_tp = experts
-    tensors = [t for chunk in rank_tensors(model, tp, pp, v, pp_rank, placement, ep=ep, expert_tp=expert_tp)
-               for t in chunk]
+    tensors = [t for chunk in rank_tensors(model, tp, pp, v, pp_rank, placement, ep=ep, expert_tp=expert_tp,
+                                           split=split) for t in chunk]
     dense = _engine_state_bytes([t for t in tensors if not t.expert], dp, zero, dtype_bytes, dp_rank,
                                 bucket_size or default_bucket_size(dp), grad_bytes, model.fp8_param_gather)
     routed = [t for t in tensors if t.expert]
@@ -238,8 +238,8 @@ def expert_state_bytes(model: ModelConfig, layout: Layout, pp_rank: int = 0, *, 
     """Of :func:`model_state_bytes`' device bytes (weights, gradients, optimizer states; DP rank 0), the routed
     experts' (their own engine over the expert-data-parallel ranks; ZeRO-3: their shards over those ranks)."""
     tensors = [t for chunk in rank_tensors(model, layout.tp, layout.pp, layout.virtual_stages, pp_rank,
-                                           layout.placement, ep=layout.ep, expert_tp=layout.expert_tp)
-               for t in chunk if t.expert]
+                                           layout.placement, ep=layout.ep, expert_tp=layout.expert_tp,
+                                           split=layout.split) for t in chunk if t.expert]
     if not tensors or layout.optimizer_cpu_offload:
         return 0.0 if not tensors else sum(t.numel for t in tensors) * (dtype_bytes + 4)
     if layout.zero == 3:
@@ -304,14 +304,14 @@ class Units:
 
 
 def fully_sharded_units(model: ModelConfig, tp: int, pp: int = 1, v: int = 1, pp_rank: int = 0, ep: int = 1,
-                        expert_tp: Optional[int] = None) -> Units:
+                        expert_tp: Optional[int] = None, split: Optional[tuple[int, ...]] = None) -> Units:
     """The units of pipeline rank ``pp_rank`` (with PP = 1 the whole model, one root; with pipelining one root per
     model chunk); an MoE layer's routed experts are a unit of their own, sharded over the expert-data-parallel
     ranks."""
     layers: dict[str, list[Tensor]] = {}
     experts: dict[str, list[Tensor]] = {}
     roots = []
-    for chunk in rank_tensors(model, tp, pp, v, pp_rank, ep=ep, expert_tp=expert_tp):
+    for chunk in rank_tensors(model, tp, pp, v, pp_rank, ep=ep, expert_tp=expert_tp, split=split):
         roots.append([t for t in chunk if not t.name.startswith("layers.")])
         for t in chunk:
             if t.name.startswith("layers."):
@@ -346,10 +346,10 @@ def prefetched_layers(units: Units, prefetch_bucket_size: Optional[int]) -> int:
 
 def gathered_bytes(model: ModelConfig, tp: int, dp: int, dtype_bytes: int, pp: int = 1, v: int = 1,
                    pp_rank: int = 0, prefetch_bucket_size: Optional[int] = None, ep: int = 1,
-                   expert_tp: Optional[int] = None) -> float:
+                   expert_tp: Optional[int] = None, split: Optional[tuple[int, ...]] = None) -> float:
     """ZeRO-3's working memory at its peak, in a transformer layer's backward (see the module docstring); an MoE
     layer counts with its experts' unit (gathered over the expert-data-parallel ranks)."""
-    units = fully_sharded_units(model, tp, pp, v, pp_rank, ep, expert_tp)
+    units = fully_sharded_units(model, tp, pp, v, pp_rank, ep, expert_tp, split)
     p = dtype_bytes
     tied = not model.untie_embeddings_and_output_weights
     held = 0.0
@@ -371,12 +371,13 @@ def gathered_bytes(model: ModelConfig, tp: int, dp: int, dtype_bytes: int, pp: i
 
 def _fully_sharded_state_bytes(model: ModelConfig, tp: int, pp: int, v: int, dp: int, offload: bool,
                                offload_params: bool, pp_rank: int, dtype_bytes: int, dp_rank: int,
-                               prefetch_bucket_size: Optional[int], experts: tuple[int, int]) -> ModelStates:
+                               prefetch_bucket_size: Optional[int], experts: tuple[int, int],
+                               split: Optional[tuple[int, ...]]) -> ModelStates:
     ep, expert_tp = experts
-    units = fully_sharded_units(model, tp, pp, v, pp_rank, ep, expert_tp)
+    units = fully_sharded_units(model, tp, pp, v, pp_rank, ep, expert_tp, split)
     owned = sum(shard_rows(t.dim0, dp // ep if t.expert else dp, dp_rank // ep if t.expert else dp_rank)
                 * (t.numel // t.dim0) for t in units.tensors)
-    gathered = gathered_bytes(model, tp, dp, dtype_bytes, pp, v, pp_rank, prefetch_bucket_size, ep, expert_tp)
+    gathered = gathered_bytes(model, tp, dp, dtype_bytes, pp, v, pp_rank, prefetch_bucket_size, ep, expert_tp, split)
     shard = owned * 4.0                     # fp32, whatever the model dtype
     if offload_params:                      # the optimizer steps the host shards themselves: no main copy
         return ModelStates(0.0, 0.0, 0.0, host_optimizer=owned * 8.0, host_weights=shard, host_gradients=shard,
@@ -684,7 +685,8 @@ def activation_bytes(model: ModelConfig, layout: Layout, pp_rank: int, num_micro
     """Peak activation bytes of one rank of pipeline stage ``pp_rank``: the in-flight micro-batches' kept bytes
     (those waiting for a deferred W step holding what it needs) plus, with ``transients``, the largest transient (a
     recomputed group's backward, or the logits on the last stage)."""
-    chunks = chunks_of_rank(model.num_layers, layout.pp, layout.virtual_stages, pp_rank, layout.placement)
+    chunks = chunks_of_rank(layout.split or model.num_layers, layout.pp, layout.virtual_stages, pp_rank,
+                            layout.placement)
     kept, transient = zip(*(_chunk_activation_bytes(model, layout, c.num_layers, c.is_first, c.is_last, numerics,
                                                     c.first_layer) for c in chunks))
     deferred = tuple(weight_gradient_bytes(model, layout, c.num_layers, c.is_last, numerics) for c in chunks)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Optional
 
 from megalite.config import ModelConfig
 from megalite.pipeline.partition import chunks_of_rank
@@ -140,10 +141,12 @@ def chunk_tensors(cfg: ModelConfig, tp: int, first_layer: int, num_layers: int, 
 
 
 def rank_tensors(cfg: ModelConfig, tp: int, pp: int, virtual_stages: int, pp_rank: int,
-                 placement: str = "round-robin", *, ep: int = 1, expert_tp: int | None = None) -> list[list[Tensor]]:
-    """Every model chunk of pipeline rank ``pp_rank`` (megalite.pipeline.partition), each a list of tensors."""
+                 placement: str = "round-robin", *, ep: int = 1, expert_tp: int | None = None,
+                 split: Optional[tuple[int, ...]] = None) -> list[list[Tensor]]:
+    """Every model chunk of pipeline rank ``pp_rank`` (megalite.pipeline.partition), each a list of tensors;
+    ``split``: the layers of each virtual stage when uneven (ParallelConfig.pipeline_split)."""
     return [chunk_tensors(cfg, tp, c.first_layer, c.num_layers, c.is_first, c.is_last, ep, expert_tp)
-            for c in chunks_of_rank(cfg.num_layers, pp, virtual_stages, pp_rank, placement)]
+            for c in chunks_of_rank(split or cfg.num_layers, pp, virtual_stages, pp_rank, placement)]
 
 
 @dataclass(frozen=True)
@@ -161,13 +164,14 @@ class ParameterCount:
 
 
 def count_parameters(cfg: ModelConfig, tp: int = 1, pp: int = 1, virtual_stages: int = 1,
-                     placement: str = "round-robin", *, ep: int = 1, expert_tp: int | None = None) -> ParameterCount:
+                     placement: str = "round-robin", *, ep: int = 1, expert_tp: int | None = None,
+                     split: Optional[tuple[int, ...]] = None) -> ParameterCount:
     """The model's size and what each rank holds at this layout."""
     per_stage = [sum(t.numel for chunk in rank_tensors(cfg, tp, pp, virtual_stages, r, placement, ep=ep,
-                                                       expert_tp=expert_tp) for t in chunk)
+                                                       expert_tp=expert_tp, split=split) for t in chunk)
                  for r in range(pp)]
     canonical = {t.name: (t.full_numel, t.expert) for r in range(pp)
-                 for chunk in rank_tensors(cfg, tp, pp, virtual_stages, r, placement) for t in chunk}
+                 for chunk in rank_tensors(cfg, tp, pp, virtual_stages, r, placement, split=split) for t in chunk}
     per_layer = sum(t.full_numel for t in layer_tensors(cfg, 1, 0))
     embedding = canonical["embedding.word.weight"][0] + canonical.get("embedding.position.weight", (0, False))[0]
     total = sum(n for n, _ in canonical.values())

@@ -188,7 +188,7 @@ def step_time(model: ModelConfig, layout: Layout, hardware: Hardware, global_bat
     for rank in range(pp):
         compute = tp_time = recompute = a2a_time = 0.0
         layers = 0
-        for chunk in chunks_of_rank(model.num_layers, pp, v, rank, layout.placement):
+        for chunk in chunks_of_rank(layout.split or model.num_layers, pp, v, rank, layout.placement):
             layers += chunk.num_layers
             for index in range(chunk.first_layer, chunk.first_layer + chunk.num_layers):
                 flops, recomputed = flops_of(index)
@@ -299,7 +299,8 @@ def _data_parallel_time(model: ModelConfig, layout: Layout, hardware: Hardware, 
     elements = (states.weights - fp8) / dtype_bytes          # the padded flat buffers (less the FP8 copies' byte)
     expert_elements = sum(t.numel for chunk in rank_tensors(model, tp, layout.pp, layout.virtual_stages, 0,
                                                             layout.placement, ep=layout.ep,
-                                                            expert_tp=layout.expert_tp) for t in chunk if t.expert)
+                                                            expert_tp=layout.expert_tp, split=layout.split)
+                          for t in chunk if t.expert)
     embedding_sum = 0.0
     if layout.pp > 1 and not model.untie_embeddings_and_output_weights:
         tied = model.padded_vocab_size(tp) * model.hidden_size // tp * 4
@@ -317,7 +318,8 @@ def fp8_gathered_elements(model: ModelConfig, layout: Layout) -> int:
     if not model.fp8_param_gather or layout.zero not in (1, 2) or layout.replicas == 1:
         return 0
     tensors = [t for chunk in rank_tensors(model, layout.tp, layout.pp, layout.virtual_stages, 0, layout.placement,
-                                           ep=layout.ep, expert_tp=layout.expert_tp) for t in chunk if not t.expert]
+                                           ep=layout.ep, expert_tp=layout.expert_tp, split=layout.split)
+               for t in chunk if not t.expert]
     plan, fp8 = engine_buckets(tensors, layout.replicas, layout.zero, default_bucket_size(layout.replicas))
     return sum(plan.buckets[i].end - plan.buckets[i].start for i in fp8)
 
@@ -355,7 +357,8 @@ def _fully_sharded_time(model: ModelConfig, layout: Layout, hardware: Hardware, 
     if dp == 1:
         return 0.0, 0.0
     bw = hardware.bandwidth(layout.tp * dp)
-    units = fully_sharded_units(model, layout.tp, layout.pp, layout.virtual_stages, 0, layout.ep, layout.expert_tp)
+    units = fully_sharded_units(model, layout.tp, layout.pp, layout.virtual_stages, 0, layout.ep, layout.expert_tp,
+                                layout.split)
     root = sum(padded_elements(unit, dp) for unit in units.roots)
     expert_dp = layout.expert_dp
     # The largest layer, with its routed experts' unit (gathered over the expert-data-parallel ranks).

@@ -264,7 +264,8 @@ def _rank_elements(cfg: MegaliteConfig, layout: Layout, pp_rank: int) -> int:
     """Elements a rank of stage ``pp_rank`` holds (as count_parameters' ``per_stage``), one layer of each kind."""
     model, tp = cfg.model, layout.tp
     total = 0
-    for chunk in chunks_of_rank(model.num_layers, layout.pp, layout.virtual_stages, pp_rank, layout.placement):
+    for chunk in chunks_of_rank(layout.split or model.num_layers, layout.pp, layout.virtual_stages, pp_rank,
+                                layout.placement):
         total += sum(t.numel for t in chunk_tensors(model, tp, chunk.first_layer, 0, chunk.is_first, chunk.is_last))
         total += sum(_layer_numel(model, i, tp=tp, ep=layout.ep, expert_tp=layout.expert_tp) * n
                      for i, n in _layer_kinds(model, chunk.first_layer, chunk.num_layers))

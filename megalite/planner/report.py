@@ -133,7 +133,7 @@ def estimate_json(e: Estimate, plan: Plan) -> dict:
     t = e.time
     argv = pretrain_argv(plan, e)
     held = count_parameters(plan.model, e.layout.tp, e.layout.pp, e.layout.virtual_stages,
-                            e.layout.placement).per_stage
+                            e.layout.placement, split=e.layout.split).per_stage
     return {"layout": dataclasses.asdict(e.layout), "description": e.layout.describe(),
             "parameters_per_stage": held,   # held by one GPU of each pipeline stage
             "memory": _memory_json(e.peak), "memory_per_stage": [_memory_json(s) for s in e.memory],

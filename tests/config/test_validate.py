@@ -117,7 +117,7 @@ def test_tiny_config_is_valid_on_several_world_sizes():
      "--recompute-method applies to --recompute-granularity full only"),
     (tiny_config(pp=2, model={"recompute_granularity": "full", "recompute_method": "block",
                               "recompute_num_layers": 2}), 2,
-     "--recompute-num-layers must be between 1 and the 1 layers of a model chunk, got 2"),
+     "--recompute-num-layers must be between 1 and the 1 layers of the largest model chunk, got 2"),
     (tiny_config(model={"recompute_granularity": "some"}), 1, "--recompute-granularity must be full or selective"),
     (tiny_config(optimizer={"zero_stage": 4}), 1, "--zero-stage must be 1, 2 or 3, got 4"),
     (tiny_config(optimizer={"zero_stage": 2}), 2, "--zero-stage 2 needs --use-distributed-optimizer"),

@@ -85,14 +85,16 @@ def test_reshard_to_other_layouts(directory):
     with layout(2, 2):
         uninterrupted = losses(Trainer.on_registered_layout(with_checkpoint(cfg, save=directory, save_interval=4), CPU).train())
     resumed_cfg = with_checkpoint(cfg, load=f"{directory}/iter_0000004")   # the end of training saved 6 too
-    for label, tp, pp, ranks, optimizer in [
-        ("TP=1 x PP=1 x DP=1", 1, 1, [0], {"use_distributed_optimizer": False}),
-        ("TP=4 x PP=1 x DP=2", 4, 1, None, {}),
-        ("TP=1 x PP=4 x DP=2", 1, 4, None, {"use_distributed_optimizer": False}),
+    for label, tp, pp, ranks, optimizer, split in [
+        ("TP=1 x PP=1 x DP=1", 1, 1, [0], {"use_distributed_optimizer": False}, None),
+        ("TP=4 x PP=1 x DP=2", 4, 1, None, {}, None),
+        ("TP=1 x PP=4 x DP=2", 1, 4, None, {"use_distributed_optimizer": False}, None),
+        ("TP=2 x PP=4 split E|t|tt|tL", 2, 4, None, {}, "E|t|tt|tL"),   # an uneven pipeline
     ]:
         run_cfg = dataclasses.replace(
             resumed_cfg, parallel=dataclasses.replace(cfg.parallel, tensor_model_parallel_size=tp,
-                                                      pipeline_model_parallel_size=pp),
+                                                      pipeline_model_parallel_size=pp,
+                                                      pipeline_model_parallel_layout=split),
             optimizer=dataclasses.replace(cfg.optimizer, **optimizer))
         with layout(tp, pp, ranks=ranks) as member:
             if not member:

@@ -54,6 +54,15 @@ def _config(tp, pp, schedule, v=None, layers=4, optimizer=OVERLAPPED, parallel=N
     ("zero-bubble PP=2 x V=2", _config(1, 2, "zero-bubble", v=2), [0, 1]),
     ("zbv PP=2 x DP=2", _config(1, 2, "zbv"), None),
     ("zbv PP=4", _config(1, 4, "zbv", layers=8), None),
+    # Uneven pipelines (Megatron's options): 6 layers as 1/2/2/1, and chunks holding only the embedding or the loss.
+    ("1f1b PP=4, first/last stage 1 layer", _config(1, 4, "1f1b", layers=6, parallel={
+        "decoder_first_pipeline_num_layers": 1, "decoder_last_pipeline_num_layers": 1}), None),
+    ("1f1b PP=2 x V=2, layout E|ttt|tt|tL", _config(1, 2, "1f1b", layers=6, parallel={
+        "pipeline_model_parallel_layout": "E|ttt|tt|tL"}), [0, 1]),
+    ("zero-bubble PP=2 x V=2, layout Ett|t|t*2|tL", _config(1, 2, "zero-bubble", layers=6, parallel={
+        "pipeline_model_parallel_layout": "Ett|t|t*2|tL"}), [0, 1]),
+    ("zbv PP=2, layout Et|tt|ttt|L", _config(1, 2, "zbv", layers=6, parallel={
+        "pipeline_model_parallel_layout": "Et|tt|ttt|L"}), [0, 1]),
 ])
 def test_zero_bubble_schedules_match_single_process(label, cfg, ranks):
     check_against_reference(cfg, ranks, label)

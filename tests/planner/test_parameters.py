@@ -15,16 +15,17 @@ from megalite import parallel_state
 from megalite.config import ConfigError, MegaliteConfig, ParallelConfig, validate
 from megalite.model import GPTModel
 from megalite.pipeline.partition import chunks_of_rank
-from megalite.planner import count_parameters, load_model_config
+from megalite.planner import Layout, count_parameters, load_model_config
 from megalite.planner.parameters import layer_tensors, rank_tensors
 
 CONFIGS = sorted(p.stem for p in (Path(__file__).resolve().parents[2] / "configs" / "model").glob("*.yaml"))
 
 
-def _real_stage(model, tp: int, pp: int, pp_rank: int, v: int = 1) -> list[tuple[str, torch.nn.Parameter]]:
+def _real_stage(model, tp: int, pp: int, pp_rank: int, v: int = 1,
+                split=None) -> list[tuple[str, torch.nn.Parameter]]:
     with parallel_state.simulated_layout(tp, pp, pp_rank=pp_rank), torch.device("meta"):
         chunks = [GPTModel(model, None, pre_process=c.is_first, post_process=c.is_last, layer_offset=c.first_layer,
-                           num_layers=c.num_layers) for c in chunks_of_rank(model.num_layers, pp, v, pp_rank)]
+                           num_layers=c.num_layers) for c in chunks_of_rank(split or model.num_layers, pp, v, pp_rank)]
     return [item for chunk in chunks for item in chunk.canonical_named_parameters()]
 
 
@@ -57,6 +58,26 @@ def test_interleaved_stages_count_their_chunks():
     for pp_rank in range(2):
         real = _real_stage(model, 2, 2, pp_rank, v=2)
         assert count_parameters(model, 2, 2, 2).per_stage[pp_rank] == sum(p.numel() for _, p in real)
+
+
+def test_uneven_stages_count_their_layers():
+    # 6 layers as E|ttt|tt|tL over PP=2 x V=2: rank 0 holds the embedding and 3 layers, rank 1 3 layers and the head.
+    model = load_model_config("llama_tiny", num_layers=6)
+    cfg = MegaliteConfig(model=model, parallel=ParallelConfig(1, 2, pipeline_model_parallel_layout="E|ttt|tt|tL"))
+    validate(cfg, 2)
+    layout = Layout.from_config(cfg, 2)
+    assert layout.split == (0, 3, 2, 1) and layout.virtual_stages == 2 and "layers 0/3/2/1" in layout.describe()
+    count = count_parameters(model, 1, 2, 2, split=layout.split)
+    for pp_rank in range(2):
+        real = _real_stage(model, 1, 2, pp_rank, v=2, split=layout.split)
+        assert count.per_stage[pp_rank] == sum(p.numel() for _, p in real)
+    assert count.per_stage[0] != count_parameters(model, 1, 2, 2, split=(1, 2, 2, 1)).per_stage[0]
+    # The planner's layout runs as the same split (Megatron's layout string), whichever way the user gave it.
+    first_last = dataclasses.replace(cfg, parallel=ParallelConfig(1, 2, decoder_first_pipeline_num_layers=2,
+                                                                 num_virtual_stages_per_pipeline_rank=2))
+    applied = Layout.from_config(first_last, 2).apply(cfg)
+    assert applied.parallel.pipeline_model_parallel_layout == "Et|tt|t|ttL"
+    assert applied.parallel.decoder_first_pipeline_num_layers is None
 
 
 def test_qkv_biases_are_counted():

@@ -4,7 +4,8 @@ The Hugging Face architecture follows the model: a megalite model using any Llam
 SwiGLU, no biases, grouped-query attention, q/k/v biases, per-head q/k norms) exports as ``LlamaForCausalLM``, or
 ``Qwen2ForCausalLM`` with q/k/v biases, or ``Qwen3ForCausalLM`` with q/k norms, or ``MistralForCausalLM`` when asked
 for (``hf_llama``), any other as ``GPT2LMHeadModel`` (``hf_gpt2``); an import follows the ``model_type`` of
-config.json (``gpt2``, ``llama``, ``mistral``, ``qwen2``, ``qwen3``; mixtures of experts: ``hf_moe``).
+config.json (``gpt2``, ``llama``, ``mistral``, ``qwen2``, ``qwen3``; mixtures of experts: ``hf_moe``; ``deepseek_v3``:
+``hf_deepseek``).
 
 An export merges every parameter to its canonical tensor (whatever layout the checkpoint was saved at) and writes
 ``config.json`` + ``model.safetensors``, and the tokenizer's files where transformers' AutoTokenizer can read them
@@ -26,7 +27,7 @@ from typing import Optional
 
 import torch
 
-from megalite.checkpoint import hf_gpt2, hf_llama, hf_moe
+from megalite.checkpoint import hf_deepseek, hf_gpt2, hf_llama, hf_moe
 from megalite.checkpoint.contents import Checkpoint, open_checkpoint
 from megalite.checkpoint.errors import CheckpointError
 from megalite.checkpoint.keys import model_key
@@ -67,7 +68,8 @@ def _safetensors():
     return safetensors.torch
 
 
-HF_ARCHITECTURES = (hf_gpt2.ARCHITECTURE, *hf_llama.ARCHITECTURES, *hf_moe.MODEL_TYPES.values())
+HF_ARCHITECTURES = (hf_gpt2.ARCHITECTURE, *hf_llama.ARCHITECTURES, *hf_moe.MODEL_TYPES.values(),
+                    hf_deepseek.ARCHITECTURE)
 # Canonical tensors with a row per vocabulary entry.
 _VOCABULARY_ROWS = ("embedding.word.weight", "output_layer.weight")
 
@@ -76,7 +78,12 @@ def hf_architecture(model: ModelConfig, name: Optional[str] = None) -> str:
     """The HF architecture a megalite model exports as: for a mixture of experts the one its options make it
     (Mixtral, Qwen2-MoE or Qwen3-MoE: see hf_moe.architecture); else ``name`` if given (one of
     :data:`HF_ARCHITECTURES`), else a Llama-family one if it uses any Llama option (it must then be a whole Llama:
-    see hf_llama.export_architecture), else ``GPT2LMHeadModel``."""
+    see hf_llama.export_architecture), else ``GPT2LMHeadModel``. Multi-latent attention exports as
+    DeepSeek-V3 (hf_deepseek)."""
+    if model.multi_latent_attention:
+        if name not in (None, hf_deepseek.ARCHITECTURE):
+            raise CheckpointError(f"a multi-latent-attention model exports as {hf_deepseek.ARCHITECTURE}, not {name}")
+        return hf_deepseek.ARCHITECTURE
     if model.num_experts is not None:
         moe = hf_moe.architecture(model)
         if name not in (None, moe):
@@ -97,7 +104,10 @@ def export_hf(load: str | os.PathLike, output: str | os.PathLike, dtype: Optiona
     model = checkpoint.manifest.megalite_config().model
     name = hf_architecture(model, architecture)
     family = hf_llama.ARCHITECTURES.get(name)
-    if name in hf_moe.MODEL_TYPES.values():   # each checked before any tensor is read
+    if name == hf_deepseek.ARCHITECTURE:   # each checked before any tensor is read
+        hf_deepseek.check_exportable(model)
+        tensors = hf_deepseek.to_hf(full_tensors(checkpoint, progress), model)
+    elif name in hf_moe.MODEL_TYPES.values():
         hf_moe.check_exportable(model)
         tensors = hf_moe.to_hf(full_tensors(checkpoint, progress), model)
     elif family is None:
@@ -112,7 +122,9 @@ def export_hf(load: str | os.PathLike, output: str | os.PathLike, dtype: Optiona
     eod = tokenizer.eod if tokenizer is not None else None
     out = Path(output)
     out.mkdir(parents=True, exist_ok=True)
-    if name in hf_moe.MODEL_TYPES.values():
+    if name == hf_deepseek.ARCHITECTURE:
+        hf_deepseek.write_hf_config(model, out, eod, dtype)
+    elif name in hf_moe.MODEL_TYPES.values():
         hf_moe.write_hf_config(model, out, eod, dtype)
     elif family is None:
         (out / HF_CONFIG).write_text(json.dumps(hf_gpt2.hf_config_from(model, eod, dtype), indent=2) + "\n")
@@ -184,7 +196,8 @@ def import_hf(source: str | os.PathLike, save: str | os.PathLike, progress: bool
     hf = _read_json_object(directory / HF_CONFIG)
     model_type = hf.get("model_type", "gpt2")   # GPT-2 configs of old transformers versions may not say
     family = (None if not isinstance(model_type, str) else hf_llama if model_type in hf_llama.BY_MODEL_TYPE
-              else hf_gpt2 if model_type == "gpt2" else hf_moe if model_type in hf_moe.MODEL_TYPES else None)
+              else hf_gpt2 if model_type == "gpt2" else hf_moe if model_type in hf_moe.MODEL_TYPES
+              else hf_deepseek if model_type == hf_deepseek.MODEL_TYPE else None)
     if family is not None:
         try:
             model = family.model_config_from(hf)
@@ -194,12 +207,15 @@ def import_hf(source: str | os.PathLike, save: str | os.PathLike, progress: bool
             raise CheckpointError(f"{directory / HF_CONFIG}: not a {model_type} config: {what}") from None
     if family is hf_llama:
         canonical = hf_llama.from_hf(read_hf_tensors(directory), model, hf_llama.BY_MODEL_TYPE[model_type])
+    elif family is hf_deepseek:
+        canonical = hf_deepseek.from_hf(read_hf_tensors(directory), model, hf.get("rope_interleave", True) is not False)
     elif family is not None:
         canonical = family.from_hf(read_hf_tensors(directory), model)
     else:
         raise CheckpointError(f"model_type {model_type!r}: only {hf_gpt2.ARCHITECTURE} (gpt2), "
                               f"{', '.join(f'{a.name} ({a.model_type})' for a in hf_llama.ARCHITECTURES.values())} "
-                              f"and {', '.join(f'{a} ({t})' for t, a in hf_moe.MODEL_TYPES.items())} can be imported")
+                              f"{', '.join(f'{a} ({t})' for t, a in hf_moe.MODEL_TYPES.items())} and "
+                              f"{hf_deepseek.ARCHITECTURE} ({hf_deepseek.MODEL_TYPE}) can be imported")
     tokenizer = hf_tokenizer(directory)
     if tokenizer is not None and tokenizer.vocab_size != model.vocab_size:
         if tokenizer.vocab_size > model.vocab_size:

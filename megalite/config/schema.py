@@ -139,6 +139,21 @@ class ModelConfig:
         "vanilla", "The attention softmax (Megatron's --softmax-type): vanilla; off-by-one, a zero logit beside each "
                    "row's scores (softmax with 1 added to its denominator); learnable, one learned logit per head "
                    "there instead (gpt-oss' attention sinks). A sink takes probability and contributes no value.")
+    multi_latent_attention: bool = option(
+        False, "Multi-latent attention (DeepSeek-V2/V3, megalite.model.latent_attention): keys and values "
+               "up-projected per head from a shared compressed latent of --kv-lora-rank channels, plus one rotary key "
+               "of --qk-pos-emb-head-dim channels shared by every head; the KV cache keeps the latent.")
+    q_lora_rank: Optional[int] = option(
+        None, "With --multi-latent-attention: rank of the queries' low-rank down-projection (DeepSeek-V3: 1536); "
+              "default none, one projection from the hidden size (DeepSeek-V2-Lite).")
+    kv_lora_rank: int = option(32, "With --multi-latent-attention: channels of the compressed key/value latent "
+                                   "(DeepSeek-V3: 512).")
+    qk_head_dim: int = option(128, "With --multi-latent-attention: each head's query/key channels without rotary "
+                                   "embeddings (Hugging Face's qk_nope_head_dim).")
+    qk_pos_emb_head_dim: int = option(64, "With --multi-latent-attention: each head's query/key channels with rotary "
+                                          "embeddings (Hugging Face's qk_rope_head_dim), the key's shared by every "
+                                          "head.")
+    v_head_dim: int = option(128, "With --multi-latent-attention: each head's value channels.")
     recompute_granularity: Optional[str] = option(
         None, "Activation recompute: full (keep each recomputed group's input only, rerun it in backward) or "
               "selective (rerun only the attention core: softmax, dropout and the two attention products).",

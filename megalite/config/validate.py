@@ -303,6 +303,13 @@ def _check_architecture(cfg: MegaliteConfig) -> None:
                  f"with {FLAG.sequence_parallel}, {FLAG.seq_length} {m.seq_length} must be divisible by "
                  f"{FLAG.tensor_model_parallel_size} {tp}" + (f" x {FLAG.context_parallel_size} {cp}" if cp > 1
                                                                else ""))
+    if m.multi_latent_attention:
+        _check_latent_attention(m)
+    else:
+        defaults = ModelConfig()
+        for name in ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim"):
+            _require(getattr(m, name) == getattr(defaults, name),
+                     f"{getattr(FLAG, name)} needs {FLAG.multi_latent_attention}")
     m.attention_windows()   # raises on a bad --window-size or --window-attn-skip-freq
     _one_of("softmax_type", m.softmax_type, ("vanilla", "off-by-one", "learnable"))
     _one_of("recompute_granularity", m.recompute_granularity, (None, "full", "selective"))
@@ -319,6 +326,24 @@ def _check_architecture(cfg: MegaliteConfig) -> None:
     else:
         _require(m.recompute_method is None,
                  f"{FLAG.recompute_method} applies to {FLAG.recompute_granularity} full only")
+
+
+def _check_latent_attention(m: ModelConfig) -> None:
+    """What multi-latent attention replaces (its own q/k/v shapes and rotary channels) cannot be set beside it."""
+    mla = FLAG.multi_latent_attention
+    _require(m.position_embedding_type == "rope", f"{mla} needs {FLAG.position_embedding_type} rope (its decoupled "
+                                                  f"rotary channels)")
+    for flag, given in ((FLAG.group_query_attention, m.group_query_attention), (FLAG.kv_channels, m.kv_channels),
+                        (FLAG.qk_layernorm, m.qk_layernorm), (FLAG.add_qkv_bias, m.add_qkv_bias),
+                        (FLAG.rotary_percent, m.rotary_percent != 1), (FLAG.fp8_format, m.fp8_format)):
+        _require(not given, f"{flag} is not supported with {mla} (which has its own query, key and value shapes)"
+                 if flag != FLAG.fp8_format else f"{flag} is not supported with {mla}")
+    _require(m.disable_bias_linear, f"{mla} needs {FLAG.disable_bias_linear} (DeepSeek's attention has no biases)")
+    _at_least(1, [("kv_lora_rank", m.kv_lora_rank), ("qk_head_dim", m.qk_head_dim), ("v_head_dim", m.v_head_dim)])
+    _require(m.q_lora_rank is None or m.q_lora_rank >= 1, f"{FLAG.q_lora_rank} must be >= 1, got {m.q_lora_rank}")
+    _require(m.qk_pos_emb_head_dim >= 2 and m.qk_pos_emb_head_dim % 2 == 0,
+             f"{FLAG.qk_pos_emb_head_dim} must be even and >= 2 (rope rotates channel pairs), got "
+             f"{m.qk_pos_emb_head_dim}")
 
 
 # FP8 matrix products (torch._scaled_mm on Hopper) take dimensions that are multiples of this.

@@ -78,17 +78,12 @@ class SelfAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, rng: TensorParallelRNG | None, sequence_parallel: bool = False,
                  kernels: KernelPolicy = DEFAULT_POLICY, window: Optional[int] = None):
         super().__init__()
-        self.kernels = kernels
-        self.window = window   # tokens before a query it attends to besides itself; None: all of them
         tp = parallel_state.get_tensor_model_parallel_world_size()
         heads, groups, head_dim = cfg.num_attention_heads, cfg.query_groups, cfg.head_dim
-        self.heads, self.head_dim = heads // tp, head_dim
+        self._init_core(cfg, rng, kernels, window, head_dim)
         self.kv_heads = max(groups // tp, 1)              # key/value heads used on this rank
         self.kv_channels = groups * head_dim // tp         # k (and v) channels this rank computes
         self.sharing_ranks = max(tp // groups, 1)          # ranks computing pieces of one key/value head
-        self.dropout = cfg.attention_dropout
-        self.rng = rng
-        self.recompute_core = cfg.recompute_granularity == "selective"
         self.rotary = (RotaryEmbedding(cfg.rotary_dim, cfg.rotary_base, kernels, rope_scaling(cfg))
                        if cfg.position_embedding_type == "rope" else None)
         self.q_layernorm = self.k_layernorm = None
@@ -105,10 +100,25 @@ class SelfAttention(nn.Module):
                                                sequence_parallel=sequence_parallel, fp8=fp8)
         self.linear_proj = RowParallelLinear(cfg.query_size, cfg.hidden_size, bias=bias, init_std=output_std,
                                              sequence_parallel=sequence_parallel, fp8=fp8)
+        self._init_sink(cfg)
+
+    def _init_core(self, cfg: ModelConfig, rng: TensorParallelRNG | None, kernels: KernelPolicy,
+                   window: Optional[int], head_dim: int) -> None:
+        """What the attention core needs (shared with megalite.model.latent_attention): this rank's heads, the
+        queries' and keys' ``head_dim`` (the fused softmax's scale 1/sqrt(head_dim)), dropout, recompute, window."""
+        self.kernels = kernels
+        self.window = window   # tokens before a query it attends to besides itself; None: all of them
+        self.heads = cfg.num_attention_heads // parallel_state.get_tensor_model_parallel_world_size()
+        self.head_dim = head_dim
+        self.dropout = cfg.attention_dropout
+        self.rng = rng
+        self.recompute_core = cfg.recompute_granularity == "selective"
+
+    def _init_sink(self, cfg: ModelConfig) -> None:
         self.softmax_type = cfg.softmax_type
         if cfg.softmax_type == "learnable":   # one sink logit per head, drawn as Megatron does (its init_method)
-            self.softmax_offset = mark(nn.Parameter(torch.empty(self.heads)), (heads,), Partition(dim=0),
-                                       normal_init(cfg.init_method_std))
+            self.softmax_offset = mark(nn.Parameter(torch.empty(self.heads)), (cfg.num_attention_heads,),
+                                       Partition(dim=0), normal_init(cfg.init_method_std))
 
     def _sink(self, like: torch.Tensor) -> Optional[torch.Tensor]:
         """This rank's heads' sink logits [heads]: None for the vanilla softmax, zeros for off-by-one."""
@@ -166,7 +176,7 @@ class SelfAttention(nn.Module):
             else:
                 context = self._core(q, k, v, mask)
         batch, _, seq, _ = context.shape
-        return context.transpose(1, 2).reshape(batch, seq, self.heads * self.head_dim)
+        return context.transpose(1, 2).reshape(batch, seq, -1)
 
     def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               mask: torch.Tensor | None = None) -> torch.Tensor:

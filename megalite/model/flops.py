@@ -29,11 +29,30 @@ def _mlp_macs(model: ModelConfig, ffn: int) -> int:
     return model.hidden_size * ffn * (3 if model.swiglu else 2)
 
 
-def dense_macs_per_token_per_layer(model: ModelConfig) -> int:
-    """Multiply-adds of one layer's matrices per token: QKV, output projection, MLP."""
+def attention_macs_per_token(model: ModelConfig) -> int:
+    """Multiply-adds of one layer's attention projections per token: QKV and output projection; with multi-latent
+    attention its down- and up-projections and output projection."""
     h = model.hidden_size
-    qkv = h * (model.query_size + 2 * model.query_groups * model.head_dim)
-    return qkv + model.query_size * h + _mlp_macs(model, model.ffn_size)
+    if not model.multi_latent_attention:
+        return h * (model.query_size + 2 * model.query_groups * model.head_dim) + model.query_size * h
+    heads, rope, rank = model.num_attention_heads, model.qk_pos_emb_head_dim, model.kv_lora_rank
+    q_width = heads * (model.qk_head_dim + rope)
+    queries = h * q_width if model.q_lora_rank is None else model.q_lora_rank * (h + q_width)
+    keys_values = h * (rank + rope) + rank * heads * (model.qk_head_dim + model.v_head_dim)
+    return queries + keys_values + heads * model.v_head_dim * h
+
+
+def core_width(model: ModelConfig) -> int:
+    """Channels a query's scores and its weighted sum of values take over all heads (q k^T + probabilities x v) per
+    key: 2 x heads x head dim, or heads x (qk + rope + v channels) with multi-latent attention."""
+    if model.multi_latent_attention:
+        return model.num_attention_heads * (model.qk_head_dim + model.qk_pos_emb_head_dim + model.v_head_dim)
+    return 2 * model.query_size
+
+
+def dense_macs_per_token_per_layer(model: ModelConfig) -> int:
+    """Multiply-adds of one layer's matrices per token: attention projections, MLP."""
+    return attention_macs_per_token(model) + _mlp_macs(model, model.ffn_size)
 
 
 def macs_per_token_per_layer(model: ModelConfig, index: int) -> int:
@@ -52,6 +71,6 @@ def model_flops_per_iteration(model: ModelConfig, global_batch_size: int) -> flo
     """Model FLOPs of one training iteration (forward + backward, no recompute): see the module docstring. A mixture
     of experts counts its active parameters (each token's k experts), as MFU is reported for MoE models."""
     s, L, h = model.seq_length, model.num_layers, model.hidden_size
-    per_token = (sum(macs_per_token_per_layer(model, i) for i in range(L)) + 2 * L * s * model.query_size
+    per_token = (sum(macs_per_token_per_layer(model, i) for i in range(L)) + L * s * core_width(model)
                  + model.vocab_size * h)
     return 6.0 * global_batch_size * s * per_token

@@ -9,7 +9,10 @@ each rank caches its own heads. Attention over the cache runs through scaled_dot
 kernel policy (the fused masked softmax is square: every query sees only the keys up to its own position). A layer
 with a sliding window (--window-size) attends over the last window + 1 cached positions only; the cache still keeps
 every position (the buffers are sized by ``max_length`` either way). A layer with attention sinks (--softmax-type)
-attends through megalite.model.sinks' softmax instead, its sink in every row.
+attends through megalite.model.sinks' softmax instead, its sink in every row. A multi-latent attention layer
+(megalite.model.latent_attention) caches its compressed latent and rotated rotary key, [batch, 1, max_length, rank]
+and [batch, 1, max_length, rope channels], not per-head keys and values: DeepSeek-V3's 512 + 64 channels a token
+instead of 128 heads x (192 + 128).
 """
 
 from __future__ import annotations
@@ -45,13 +48,13 @@ class KVCache:
 
     def store(self, index: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write layer ``index``'s new keys and values [batch, heads, new, d] after the cached ones; return all of
-        them, [batch, heads, length + new, d]."""
+        them, [batch, heads, length + new, d]. (Multi-latent attention stores its latent and rotary key instead,
+        [batch, 1, new, rank] and [batch, 1, new, rope channels]: any two tensors of the same positions.)"""
         start, end = self.length, self.length + k.shape[-2]
         if end > self.max_length:
             raise ValueError(f"the KV cache holds {self.max_length} positions, {end} asked for")
         if index not in self._buffers:
-            shape = (*k.shape[:-2], self.max_length, k.shape[-1])
-            self._buffers[index] = (k.new_empty(shape), v.new_empty(shape))
+            self._buffers[index] = tuple(t.new_empty((*t.shape[:-2], self.max_length, t.shape[-1])) for t in (k, v))
         keys, values = self._buffers[index]
         keys[..., start:end, :] = k
         values[..., start:end, :] = v
@@ -78,6 +81,12 @@ class LayerCache:
         positions) over the cached keys, with a sliding ``window`` over its last ``window`` + 1 positions only and,
         given one, each head's ``sink`` logit [heads] in its softmax; heads merged: [batch, new, heads x d]."""
         keys, values = self.cache.store(self.index, k, v)
+        return self.attend_stored(q, keys, values, window, sink)
+
+    def attend_stored(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                      window: Optional[int] = None, sink: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """:meth:`attend` over keys and values of every cached position, the new ones included (multi-latent
+        attention's, up-projected from the stored latent)."""
         new, total = q.shape[-2], keys.shape[-2]
         if window is not None:   # keys before the first new query's window are seen by no query
             first = max(total - new - window, 0)

@@ -18,6 +18,7 @@ from megalite.kernels import DEFAULT_POLICY, KernelPolicy
 from megalite.model.attention import SelfAttention
 from megalite.model.context_parallel import SequenceShard
 from megalite.model.kv_cache import KVCache, LayerCache
+from megalite.model.latent_attention import LatentAttention
 from megalite.model.mlp import MLP
 from megalite.model.moe import MoELayer
 from megalite.model.norms import norm
@@ -30,7 +31,8 @@ class TransformerLayer(nn.Module):
         super().__init__()
         self.input_norm = norm(cfg, sequence_parallel, kernels)
         window = None if cfg.window_size is None else cfg.attention_windows()[layer_number]   # --window-size
-        self.self_attention = SelfAttention(cfg, rng, sequence_parallel, kernels, window)
+        attention = LatentAttention if cfg.multi_latent_attention else SelfAttention   # --multi-latent-attention
+        self.self_attention = attention(cfg, rng, sequence_parallel, kernels, window)
         self.pre_mlp_norm = norm(cfg, sequence_parallel, kernels)
         # layer_number (global): whether --moe-layer-freq makes this an MoE layer
         moe = cfg.num_experts is not None and cfg.moe_layers()[layer_number]

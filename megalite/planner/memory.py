@@ -435,16 +435,19 @@ def layer_activation_bytes(model: ModelConfig, tp: int, sequence_parallel: bool,
     kv_heads = max(g // tp, 1)                       # key/value heads a rank uses (one, shared, when G < TP)
     rope = model.position_embedding_type == "rope"
     split = 0.0
-    if tp > g:   # a key/value head split over TP/G ranks is gathered into a new [k; v] tensor, which v views
+    if model.multi_latent_attention:
+        split += latent_attention_bytes(model, tp, s * b, p, replicated_share)
+    elif tp > g:   # a key/value head split over TP/G ranks is gathered into a new [k; v] tensor, which v views
         split += p * s * b * 2 * kv_heads * d
-    if tp <= g or not rope:                          # q or v still views the fused QKV output, keeping it whole
-        split += p * s * b * (model.query_size + 2 * g * d) / tp
-    if model.qk_layernorm:   # the normalized q and k are new tensors, with per-head statistics
-        split += p * s * b * (model.query_size / tp + kv_heads * d) + _norm_statistics(model) * s * b * (a / tp +
-                                                                                                      kv_heads)
-    if rope:
-        split += p * s * b * (model.query_size / tp + kv_heads * d) + 2 * p * s * d   # rotated q and k; cos, sin
-    split += p * s * b * model.query_size / tp       # the attention output = the output projection's input
+    if not model.multi_latent_attention:
+        if tp <= g or not rope:                      # q or v still views the fused QKV output, keeping it whole
+            split += p * s * b * (model.query_size + 2 * g * d) / tp
+        if model.qk_layernorm:   # the normalized q and k are new tensors, with per-head statistics
+            split += p * s * b * (model.query_size / tp + kv_heads * d) + _norm_statistics(model) * s * b * (
+                a / tp + kv_heads)
+        if rope:
+            split += p * s * b * (model.query_size / tp + kv_heads * d) + 2 * p * s * d   # rotated q, k; cos, sin
+        split += p * s * b * model.query_size / tp   # the attention output = the output projection's input
     if model.num_experts is not None and model.moe_layers()[index]:   # the rank's s / CP tokens are routed
         split += moe_activation_bytes(dataclasses.replace(model, seq_length=s), tp, sequence_parallel,
                                       micro_batch_size, numerics, tp if expert_tp is None else expert_tp)
@@ -502,6 +505,17 @@ def fp8_saved_difference(model: ModelConfig, tp: int, tokens: int, replicated_sh
     if not model.fp8_param_gather:
         difference += weights
     return difference + 8 * linears
+
+
+def latent_attention_bytes(model: ModelConfig, tp: int, tokens: int, p: float, replicated_share: float) -> float:
+    """What multi-latent attention keeps for backward per micro-batch of ``tokens`` (an estimate from the tensors
+    megalite.model.latent_attention makes, not yet measured with saved-tensor hooks): the query latent and the
+    key/value latent before and after their norms (replicated, a sequence shard under sequence parallelism), and per
+    head the up-projections' outputs, the concatenated (rotated) q and k, the scaled q and the core's output."""
+    heads, qk = model.num_attention_heads / tp, model.qk_head_dim + model.qk_pos_emb_head_dim
+    latents = 2 * (model.q_lora_rank or 0) + 2 * model.kv_lora_rank + model.qk_pos_emb_head_dim
+    per_head = heads * (qk + (model.qk_head_dim + model.v_head_dim) + 2 * qk + qk + model.v_head_dim)
+    return p * tokens * (latents * replicated_share + per_head) + 2 * p * model.seq_length * model.qk_pos_emb_head_dim
 
 
 def context_parallel_core_bytes(model: ModelConfig, tp: int, micro_batch_size: int, numerics: Numerics, cp: int,

@@ -10,7 +10,8 @@ built on the ``meta`` device, for every config in ``configs/model``, at several 
   (G key/value heads of dimension d; G = heads without grouped-query attention) with its bias, the output projection
   h x h with a replicated bias, the MLP's h x f (SwiGLU: h x 2f, gate and up) and f x h with biases, unless
   ``disable_bias_linear`` (``add_qkv_bias`` keeps the QKV one); every matrix split over TP, the row-parallel biases
-  replicated; with learnable attention sinks (--softmax-type learnable), one logit per head, split over TP;
+  replicated; with learnable attention sinks (--softmax-type learnable), one logit per head, split over TP; with
+  multi-latent attention, its replicated down-projections and latent norms and its up-projections split by heads;
 - final norm, and the output layer (padded vocabulary x h over TP) unless it is tied to the word embedding; tied and
   on another pipeline stage, the last stage holds a copy of the embedding (real memory, not a new parameter).
 
@@ -98,8 +99,11 @@ def layer_tensors(cfg: ModelConfig, tp: int, index: int, ep: int = 1, expert_tp:
     if cfg.qk_layernorm:   # per-head norms over the head dimension, replicated
         attention += [Tensor(t.name, d, d) for t in _norm(cfg, f"{p}.self_attention.q_layernorm")
                       + _norm(cfg, f"{p}.self_attention.k_layernorm")]
-    attention += (column(f"{p}.self_attention.linear_qkv", qkv, biased=bias or cfg.add_qkv_bias)
-                  + row(f"{p}.self_attention.linear_proj", cfg.query_size))
+    if cfg.multi_latent_attention:
+        attention += _latent_attention(cfg, tp, f"{p}.self_attention", column, row)
+    else:
+        attention += (column(f"{p}.self_attention.linear_qkv", qkv, biased=bias or cfg.add_qkv_bias)
+                      + row(f"{p}.self_attention.linear_proj", cfg.query_size))
     attention += _norm(cfg, f"{p}.pre_mlp_norm")
     if cfg.num_experts is None or not cfg.moe_layers()[index]:
         return attention + mlp(f"{p}.mlp", cfg.ffn_size)
@@ -111,6 +115,30 @@ def layer_tensors(cfg: ModelConfig, tp: int, index: int, ep: int = 1, expert_tp:
         gate = [Tensor(f"{p}.mlp.shared_experts.gate_weight", h, h, rows=1)] if cfg.moe_shared_expert_gate else []
         tensors += gate + mlp(f"{p}.mlp.shared_experts", cfg.moe_shared_expert_intermediate_size)
     return tensors
+
+
+def _latent_attention(cfg: ModelConfig, tp: int, prefix: str, column, row) -> list[Tensor]:
+    """Multi-latent attention (megalite.model.latent_attention, no biases): the replicated down-projections and
+    latent norms, the up-projections split over TP by heads, the output projection."""
+    h, heads = cfg.hidden_size, cfg.num_attention_heads
+    qk, rope = cfg.qk_head_dim + cfg.qk_pos_emb_head_dim, cfg.qk_pos_emb_head_dim
+
+    def replicated(name: str, rows: int, cols: int) -> Tensor:
+        return Tensor(f"{prefix}.{name}.weight", rows * cols, rows * cols, rows=rows)
+
+    def latent_norm(name: str, channels: int) -> list[Tensor]:
+        return _norm(dataclasses.replace(cfg, hidden_size=channels), f"{prefix}.{name}")
+
+    if cfg.q_lora_rank is None:
+        tensors = column(f"{prefix}.linear_q_proj", heads * qk, biased=False)
+    else:
+        tensors = [replicated("linear_q_down_proj", cfg.q_lora_rank, h), *latent_norm("q_layernorm", cfg.q_lora_rank),
+                   _column(f"{prefix}.linear_q_up_proj.weight", heads * qk, cfg.q_lora_rank, tp)]
+    tensors += [replicated("linear_kv_down_proj", cfg.kv_lora_rank + rope, h),
+                *latent_norm("kv_layernorm", cfg.kv_lora_rank),
+                _column(f"{prefix}.linear_kv_up_proj.weight", heads * (cfg.qk_head_dim + cfg.v_head_dim),
+                        cfg.kv_lora_rank, tp)]
+    return tensors + row(f"{prefix}.linear_proj", heads * cfg.v_head_dim)
 
 
 def chunk_tensors(cfg: ModelConfig, tp: int, first_layer: int, num_layers: int, pre_process: bool,

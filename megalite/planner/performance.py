@@ -69,7 +69,7 @@ from dataclasses import dataclass
 
 from megalite.config import ModelConfig
 from megalite.distributed.data_parallel import default_bucket_size
-from megalite.model.flops import macs_per_token_per_layer, model_flops_per_iteration
+from megalite.model.flops import core_width, macs_per_token_per_layer, model_flops_per_iteration
 from megalite.pipeline.partition import chunks_of_rank
 from megalite.pipeline.simulation import schedule_bubble
 from megalite.planner.hardware import Hardware
@@ -132,7 +132,7 @@ def step_time(model: ModelConfig, layout: Layout, hardware: Hardware, global_bat
     # Compute per micro-batch of each layer (of its active parameters: an MoE layer's tokens go through k experts)
     # and of the output layer, on one TP group (under CP: the rank's tokens, their queries against the whole
     # sequence's keys, an equal share of the causal work with the load balance).
-    core_flops = 12.0 * b * s * whole * model.query_size   # the attention core, forward and backward
+    core_flops = 6.0 * b * s * whole * core_width(model)   # the attention core, forward and backward
     ring = layout.cp > 1 and layout.cp_comm_type == "p2p"
     core_time_flops = core_flops * (UNFUSED_ATTENTION_SLOWDOWN if ring else 1.0)   # the ring's blocks are unfused
 

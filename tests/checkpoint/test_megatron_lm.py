@@ -139,6 +139,8 @@ def test_what_megalite_cannot_compute_is_refused_by_its_flag(megatron_saves, tmp
 @pytest.mark.parametrize("option, message", [
     ({"window_size": "7,0"}, "window_size='7,0': megalite exports no sliding window to Megatron-LM"),
     ({"softmax_type": "off-by-one"}, "softmax_type='off-by-one': megalite exports no attention sink to Megatron-LM"),
+    ({"multi_latent_attention": True}, "multi_latent_attention=True: megalite exports no multi-latent attention to "
+                                       "Megatron-LM"),
 ])
 def test_a_sliding_window_or_a_sink_is_not_exported_to_megatron(option, message):
     """Megatron's window and softmax type are refused on import (above), and megalite's on export."""

@@ -29,6 +29,7 @@ from ..data.helpers import write_progressions
 from ..helpers import losses, max_relative_difference, tiny_config, with_checkpoint
 from .equivalence import CPU, check_against_reference, reference
 from .groups import layout, requires_world
+from .test_model_options import MLA
 
 LLAMA = {"position_embedding_type": "rope", "normalization": "RMSNorm", "swiglu": True, "disable_bias_linear": True,
          "group_query_attention": True, "num_query_groups": 2}
@@ -95,14 +96,14 @@ def test_attention_over_the_whole_sequence(cp, comm_type):
 @pytest.mark.parametrize("label, cp, comm_type, tp, model, parallel, optimizer", [
     ("p2p CP=2 x DP=2", 2, "p2p", 1, {}, {}, {}),
     ("p2p CP=4", 4, "p2p", 1, {}, {}, {}),
-    ("a2a CP=2 x DP=2", 2, "a2a", 1, {}, {}, {}),
+    ("a2a CP=2 x DP=2, multi-latent attention", 2, "a2a", 1, MLA, {}, {}),
     ("a2a CP=4", 4, "a2a", 1, {}, {}, {}),
-    ("allgather CP=2 x DP=2", 2, "allgather", 1, {}, {}, {}),
+    ("allgather CP=2 x DP=2, multi-latent attention", 2, "allgather", 1, MLA, {}, {}),
     ("allgather CP=4", 4, "allgather", 1, {}, {}, {}),
     ("p2p CP=2 x TP=2, sequence parallel, Llama-style (rotary, GQA)", 2, "p2p", 2, LLAMA,
      {"sequence_parallel": True}, {}),
-    ("p2p CP=2 x DP=2, distributed optimizer over DP x CP, selective recompute", 2, "p2p", 1,
-     {"recompute_granularity": "selective"}, {}, {"use_distributed_optimizer": True, "overlap_grad_reduce": True}),
+    ("p2p CP=2 x DP=2, distributed optimizer over DP x CP, selective recompute, multi-latent attention", 2, "p2p",
+     1, {"recompute_granularity": "selective", **MLA}, {}, {"use_distributed_optimizer": True, "overlap_grad_reduce": True}),
     ("p2p CP=2 x DP=2, ZeRO-3 over DP x CP, full recompute", 2, "p2p", 1,
      {"recompute_granularity": "full", "recompute_method": "uniform"}, {}, {"zero_stage": 3}),
 ], ids=slug)

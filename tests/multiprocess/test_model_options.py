@@ -10,6 +10,9 @@ within 1e-5):
   global: a 0/1 skip pattern), gpt-oss' learnable attention sinks, sequence parallelism and selective recompute at
   TP=2 x PP=2: pipeline stages send sequence shards, the recomputed core rebuilds the windowed mask, and each rank
   trains the sink logits of its heads;
+- DeepSeek's multi-latent attention (a query latent, yarn with mscale^2 in the softmax) with sequence parallelism
+  and selective recompute at TP=2 x PP=2: the replicated down-projections' sequence-shard gradients summed over TP,
+  the up-projections split by heads;
 - GPT-2-style with the tanh GeLU, sequence parallelism and full recompute (block) at TP=2 x DP=2 with ZeRO-2,
   overlapped, small buckets: the sequence-parallel gradients (norms, biases, position table) are summed over TP on DP
   shards;
@@ -43,6 +46,9 @@ WINDOW = {"window_size": "7,0", "window_attn_skip_freq": "[1,0,1,1]"}
 ZERO2 = {"use_distributed_optimizer": True, "zero_stage": 2, "overlap_grad_reduce": True, "ddp_bucket_size": 4000}
 YARN = {"use_rope_scaling": True, "rope_scaling_type": "yarn", "rope_scaling_factor": 4.0,
         "rope_scaling_original_max_position_embeddings": 8, "beta_fast": 4.0, "beta_slow": 0.5}
+MLA = {"position_embedding_type": "rope", "normalization": "RMSNorm", "swiglu": True, "ffn_hidden_size": 176,
+       "disable_bias_linear": True, "multi_latent_attention": True, "q_lora_rank": 24, "kv_lora_rank": 16,
+       "qk_head_dim": 16, "qk_pos_emb_head_dim": 8, "v_head_dim": 12}
 QWEN2_ROPE_SCALING = {"add_qkv_bias": True, "use_rope_scaling": True, "rope_scaling_factor": 4.0,
                       "rope_scaling_original_max_position_embeddings": 16}
 
@@ -51,6 +57,8 @@ QWEN2_ROPE_SCALING = {"add_qkv_bias": True, "use_rope_scaling": True, "rope_scal
     ("llama-like + yarn rope scaling TP=2 x PP=2", 2, 2, {**LLAMA, **YARN}, {}, {}),
     ("llama-like + sliding window + learnable sinks + sequence parallel + selective recompute TP=2 x PP=2", 2, 2,
      {**LLAMA, **SELECTIVE, **WINDOW, "softmax_type": "learnable"}, SP, {}),
+    ("multi-latent attention + yarn with mscale + sequence parallel + selective recompute TP=2 x PP=2", 2, 2,
+     {**MLA, **YARN, "mscale_all_dim": 0.8, **SELECTIVE}, SP, {}),
     ("GPT + tanh GeLU + sequence parallel + full block recompute TP=2 x DP=2 ZeRO-2", 2, 1,
      {**FULL_BLOCK, "openai_gelu": True}, SP, ZERO2),
     ("llama-like + q/k/v biases + rope scaling (key/value heads split over 2 ranks) + sequence parallel + full "

@@ -145,3 +145,21 @@ def test_out_of_memory_doctor_offers_more_expert_parallelism(argv, world_size):
                                    f"{memory.states * 0.8 / 2**20:.2f} MiB of which 1.00 MiB is free.")
     message = diagnose_out_of_memory(cfg, error, world_size=world_size, cuda=False, suggest=False)
     assert "--expert-model-parallel-size 2" in message and "2 experts per rank" in message
+
+
+def test_deepseek_v3_671b_fits_80_gb_on_1024_gpus(monkeypatch, capsys):
+    """EP 256 leaves each GPU one routed expert per MoE layer (58 x 44M parameters, whose gradients and Adam states
+    no expert-data-parallel rank shares: expert DP = DP / EP = 1), TP 4 with sequence parallelism splits attention,
+    dense MLPs, shared experts and the vocabulary, ZeRO-2 shards their gradients and Adam states over DP 256, and
+    full recompute keeps one layer input per layer: ~56 GiB of the 74.5 GiB (80 GB)."""
+    monkeypatch.setenv("WORLD_SIZE", "1024")
+    argv = ["model=deepseek_v3_671b", "data=mock", "--train-iters", "1", "--micro-batch-size", "1",
+            "--global-batch-size", "1024", "--bf16", "--use-distributed-optimizer", "--zero-stage", "2",
+            "--tensor-model-parallel-size", "4", "--sequence-parallel", "--expert-model-parallel-size", "256",
+            "--expert-tensor-parallel-size", "1", "--recompute-granularity", "full", "--recompute-method", "uniform",
+            "--recompute-num-layers", "1", "--dry-run"]
+    assert pretrain_gpt.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "TP=4 x PP=1 x DP=256 (EP=256)" in out and "671,026.40M parameters (37,552.28M active" in out
+    total = float(next(line for line in out.splitlines() if line.strip().startswith("0 ")).split()[-1].replace(",", ""))
+    assert 40 < total < 80e9 / 2**30, out

@@ -3,7 +3,9 @@
 Search space (each candidate is also passed through megalite.config.validate, so only runnable layouts come out):
 
 - TP in powers of two up to the GPUs of one node; larger TP is rejected, its all-reduces would cross the network;
-- PP dividing the number of layers, DP = GPUs / (TP x PP) dividing the global batch;
+- PP dividing the number of layers, or a power of two that does not with the uneven split that balances the stages'
+  compute (megalite.planner.pipeline_balance; it runs as --pipeline-model-parallel-layout); DP = GPUs / (TP x PP)
+  dividing the global batch;
 - V in {1, 2} (interleaved 1F1B) when the layers split into PP x V chunks and the micro-batches into groups of PP;
 - micro-batch in {1, 2, 4, 8} dividing the per-DP batch;
 - plain DP, distributed optimizer (ZeRO-1) or ZeRO-2 (with DP > 1), and ZeRO-3 (FSDP2) when PP = 1 (megalite
@@ -45,6 +47,7 @@ from megalite.planner.layout import Layout
 from megalite.planner.memory import Numerics, StageMemory, bytes_per_parameter, memory_per_stage, model_state_bytes
 from megalite.planner.parameters import ParameterCount, count_parameters
 from megalite.planner.performance import StepTime, step_time
+from megalite.planner.pipeline_balance import balanced_pipeline_split
 
 MICRO_BATCH_SIZES = (1, 2, 4, 8)
 RECOMPUTE = (None, "selective", "full")
@@ -135,7 +138,8 @@ def _powers_of_two(limit: int) -> list[int]:
     return [1 << k for k in range(limit.bit_length()) if 1 << k <= limit]
 
 
-def _variants(dims: ParallelDims, v: int, global_batch_size: int, num_experts: Optional[int] = None):
+def _variants(dims: ParallelDims, v: int, global_batch_size: int, num_experts: Optional[int] = None,
+              split: Optional[tuple[int, ...]] = None):
     """Every micro-batch size, optimizer sharding, recompute option, pipeline schedule (zbv: its v-shape at V = 2)
     and (for a mixture of experts) expert-parallel size of one (TP, CP, PP, V) shape."""
     tp, cp, pp, dp = dims.tp, dims.cp, dims.pp, dims.dp
@@ -154,7 +158,7 @@ def _variants(dims: ParallelDims, v: int, global_batch_size: int, num_experts: O
                         for ep in expert_parallel:
                             yield Layout(tp=tp, pp=pp, dp=dp, virtual_stages=v, micro_batch_size=mbs, zero=zero,
                                          sequence_parallel=tp > 1, recompute=recompute, cp=cp,
-                                         cp_comm_type=comm_type, pipeline_schedule=schedule, ep=ep)
+                                         cp_comm_type=comm_type, pipeline_schedule=schedule, ep=ep, split=split)
 
 
 def search(model: ModelConfig, hardware: Hardware, global_batch_size: int, *, model_name: Optional[str] = None,
@@ -170,8 +174,9 @@ def search(model: ModelConfig, hardware: Hardware, global_batch_size: int, *, mo
                                                 f"all-reduces, 4 per layer and micro-batch, would cross the network"))
             continue
         max_cp = MAX_CONTEXT_PARALLEL if model.seq_length >= MIN_CONTEXT_PARALLEL_SEQUENCE else 1
-        for dims in (ParallelDims(n, tp, c, d) for c in _powers_of_two(min(n // tp, max_cp))
-                     for d in range(1, layers + 1) if layers % d == 0):
+        stage_counts = sorted({d for d in range(1, layers + 1) if layers % d == 0} |
+                              {p for p in _powers_of_two(min(layers, n)) if p > 1})
+        for dims in (ParallelDims(n, tp, c, d) for c in _powers_of_two(min(n // tp, max_cp)) for d in stage_counts):
             if not dims.whole_replicas:
                 continue
             cp, pp, dp = dims.cp, dims.pp, dims.dp
@@ -180,12 +185,13 @@ def search(model: ModelConfig, hardware: Hardware, global_batch_size: int, *, mo
                     rejected.append(Rejection(tp, pp, 1, f"global batch {global_batch_size} does not split over "
                                                          f"DP={dp}"))
                 continue
-            for v in ((1, 2) if pp > 1 and layers % (2 * pp) == 0 else (1,)):
+            split = None if layers % pp == 0 else balanced_pipeline_split(model, pp)
+            for v in ((1, 2) if split is None and pp > 1 and layers % (2 * pp) == 0 else (1,)):
                 error, smallest = None, None
                 run = MegaliteConfig(model=model, training=TrainingConfig(global_batch_size=global_batch_size,
                                                                           bf16=dtype_bytes == 2))
                 key = (tp, cp, pp, v)
-                for layout in _variants(dims, v, global_batch_size, model.num_experts):
+                for layout in _variants(dims, v, global_batch_size, model.num_experts, split):
                     try:
                         validate(layout.apply(run), n)
                     except ConfigError as e:

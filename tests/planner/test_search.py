@@ -20,6 +20,7 @@ from megalite.planner import Hardware, Layout, command_line, load_model_config, 
 from megalite.planner.memory import fully_sharded_units, padded_elements
 from megalite.model.flops import dense_macs_per_token_per_layer
 from megalite.planner.performance import context_parallel_bytes
+from megalite.planner.pipeline_balance import balanced_pipeline_split, balanced_split
 from megalite.planner.search import _variants
 from megalite.planner.search import estimate as estimate_layout
 
@@ -292,3 +293,20 @@ def test_bubble_and_interleaving():
                     hardware, 64)
     assert zb.bubble == pytest.approx(3 / 96) and zbv.bubble == pytest.approx(3 / 192)
     assert zbv.step < zb.step < plain.step
+
+
+def test_layer_counts_pp_does_not_divide_get_the_balanced_uneven_split():
+    # DeepSeek-V3's 61 layers over 8 stages, its output layer costing ~1.5 layers: the slowest stage holds 8 layers,
+    # the last 6 beside the output layer and the first the rest (the most micro-batches in flight under 1F1B).
+    assert balanced_split([1.0] * 61, 8, head=1.5) == (7, 8, 8, 8, 8, 8, 8, 6)
+    assert balanced_split([1.0] * 6, 4) == (1, 1, 2, 2)
+    assert balanced_split([1.0, 1.0, 1.0, 10.0], 3) == (1, 2, 1)   # an expensive layer gets a stage of its own
+    plan = search(load_model_config("gpt_tiny", num_layers=6), Hardware(num_gpus=4), 16)
+    uneven = next(e.layout for e in plan.ranked if e.layout.pp == 4)
+    assert uneven.split == balanced_pipeline_split(plan.model, 4) and sum(uneven.split) == 6
+    # It runs as Megatron's layout string and reads back the same.
+    words = ["model=gpt_tiny", "data=mock", "--global-batch-size", "16", "--num-layers", "6"]
+    cfg = parse_args(words + uneven.argv(parse_args(words)))
+    assert cfg.parallel.pipeline_model_parallel_layout.startswith("Et|")
+    validate(cfg, 4)
+    assert Layout.from_config(cfg, 4) == uneven

@@ -36,17 +36,18 @@ def saved_bytes(function: Callable[..., torch.Tensor], *inputs: torch.Tensor,
     """(bytes of distinct storages saved for backward by ``function(*inputs)``, its output); keep the output
     alive while the number matters, since it holds the graph."""
     excluded = {t.untyped_storage().data_ptr() for t in exclude}
-    storages: dict[int, int] = {}
+    storages: dict[int, torch.UntypedStorage] = {}
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
         storage = tensor.untyped_storage()
         if storage.data_ptr() not in excluded:
-            storages[storage.data_ptr()] = storage.nbytes()
+            storages[storage.data_ptr()] = storage
         return tensor
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         output = function(*inputs)
-    return sum(storages.values()), output
+    # Sized after the forward: a storage freed once saved (--recompute-modules layernorm, moe_act) counts nothing.
+    return sum(storage.nbytes() for storage in storages.values()), output
 
 
 class _Held:

@@ -164,6 +164,13 @@ class ModelConfig:
     recompute_num_layers: int = option(
         1, "With full recompute: layers per recomputed group (uniform) or recomputed layers per chunk (block).",
         role=NUMERICS_NEUTRAL)
+    recompute_modules: Optional[str] = option(
+        None, "With --recompute-granularity selective, the parts of every layer rerun in backward (Megatron's names): "
+              "core_attn (the default: softmax, dropout, the attention products), mlp (a dense MLP), moe (an MoE "
+              "layer, all-to-alls included), shared_experts, keeping their input; layernorm (both norms), moe_act "
+              "(the experts' activation), mla_up_proj (multi-latent attention's up-projections and rope), keeping "
+              "nothing: their output is freed once used and recomputed when backward reaches its user.",
+        nargs="+", metavar="MODULE", role=NUMERICS_NEUTRAL)
     fp8_format: Optional[str] = option(
         None, "FP8 matrix products in the attention and MLP linears (torch._scaled_mm; bf16 master weights, norms, "
               "softmax, embeddings and output layer): e4m3 (every operand e4m3) or hybrid (e4m3 forward, e5m2 "
@@ -298,6 +305,12 @@ class ModelConfig:
         if len(pattern) != self.num_layers:
             raise ConfigError(f"{flag} {text!r} has {len(pattern)} entries for {FLAG.num_layers} {self.num_layers}")
         return [v == 1 for v in pattern]
+
+    def recomputed_modules(self) -> frozenset[str]:
+        """--recompute-modules as a set (core_attn alone by default); empty unless the granularity is selective."""
+        if self.recompute_granularity != "selective":
+            return frozenset()
+        return frozenset(multi_word_values(self.recompute_modules) if self.recompute_modules else ["core_attn"])
 
     def attention_windows(self) -> list[Optional[int]]:
         """Each layer's (by global index) attention window: the tokens before a query it attends to besides itself,

@@ -326,6 +326,32 @@ def _check_architecture(cfg: MegaliteConfig) -> None:
     else:
         _require(m.recompute_method is None,
                  f"{FLAG.recompute_method} applies to {FLAG.recompute_granularity} full only")
+    _check_recompute_modules(m)
+
+
+RECOMPUTE_MODULES = ("core_attn", "mlp", "moe", "shared_experts", "layernorm", "moe_act", "mla_up_proj")
+
+
+def _check_recompute_modules(m: ModelConfig) -> None:
+    """--recompute-modules: Megatron's names, with selective granularity, each for a part the model has."""
+    if m.recompute_modules is None:
+        return
+    _require(m.recompute_granularity == "selective",
+             f"{FLAG.recompute_modules} applies to {FLAG.recompute_granularity} selective")
+    modules = m.recomputed_modules()
+    unknown = sorted(modules - set(RECOMPUTE_MODULES))
+    _require(not unknown, f"{FLAG.recompute_modules}: unknown {' '.join(unknown)} (choose from "
+                          f"{', '.join(RECOMPUTE_MODULES)})")
+    needs = {"moe": (m.num_experts is not None, FLAG.num_experts),
+             "moe_act": (m.num_experts is not None, FLAG.num_experts),
+             "shared_experts": (bool(m.moe_shared_expert_intermediate_size),
+                                FLAG.moe_shared_expert_intermediate_size),
+             "mla_up_proj": (m.multi_latent_attention, FLAG.multi_latent_attention)}
+    for module in sorted(modules & set(needs)):
+        present, flag = needs[module]
+        _require(present, f"{FLAG.recompute_modules} {module} needs {flag}: the model has no such part")
+    _require(not {"moe", "shared_experts"} <= modules and not {"moe", "moe_act"} <= modules,
+             f"{FLAG.recompute_modules} moe already reruns the whole MoE layer: drop shared_experts and moe_act")
 
 
 def _check_latent_attention(m: ModelConfig) -> None:

@@ -112,7 +112,7 @@ class SelfAttention(nn.Module):
         self.head_dim = head_dim
         self.dropout = cfg.attention_dropout
         self.rng = rng
-        self.recompute_core = cfg.recompute_granularity == "selective"
+        self.recompute_core = "core_attn" in cfg.recomputed_modules()
 
     def _init_sink(self, cfg: ModelConfig) -> None:
         self.softmax_type = cfg.softmax_type

@@ -29,7 +29,7 @@ from torch import nn
 
 from megalite import parallel_state
 from megalite.config import ModelConfig
-from megalite.tensor_parallel import copy_to_tensor_parallel, reduce_from_tensor_parallel
+from megalite.tensor_parallel import DiscardedOutput, copy_to_tensor_parallel, reduce_from_tensor_parallel
 from megalite.tensor_parallel.partition import REPLICATED, Partition, local_shape, mark, normal_init, zeros_init
 
 
@@ -87,6 +87,7 @@ class LocalExperts(nn.ModuleDict):
         split = world > 1
         super().__init__({str(first + i): ExpertMLP(cfg, split, world) for i in range(per_rank)})
         self.first, self.swiglu, self.grouped, self.split = first, cfg.swiglu, cfg.moe_grouped_gemm, split
+        self.recompute_activation = "moe_act" in cfg.recomputed_modules()   # --recompute-modules moe_act
         self._lay_out_stacked()
 
     def stacked_parameters(self) -> list[list[nn.Parameter]]:
@@ -124,16 +125,26 @@ class LocalExperts(nn.ModuleDict):
         widths = [tokens.shape[-1], fc1[0].weight.shape[0], fc2[0].weight.shape[1]]
         if self.grouped and grouped_mm_available(tokens, widths):
             offsets = device_counts.cumsum(0).to(torch.int32)
-            hidden = self._activation(_grouped_linear(tokens, fc1, device_counts, offsets))
-            out = _grouped_linear(hidden, fc2, device_counts, offsets, with_bias=False)
+            out = self._activated(_grouped_linear(tokens, fc1, device_counts, offsets),
+                                  lambda hidden: _grouped_linear(hidden, fc2, device_counts, offsets, with_bias=False))
         else:
-            outs = [F.linear(self._activation(F.linear(x, a.weight, a.bias)), b.weight)
+            outs = [self._activated(F.linear(x, a.weight, a.bias), lambda hidden, b=b: F.linear(hidden, b.weight))
                     for x, a, b in zip(tokens.split(counts), fc1, fc2)]
             out = torch.cat(outs) if outs else tokens[:0]
         if self.split:
             out = reduce_from_tensor_parallel(out)
         if fc2[0].bias is not None:
             out = out + _bias_rows(fc2, device_counts, tokens.shape[0])
+        return out
+
+    def _activated(self, y: torch.Tensor, second_linear) -> torch.Tensor:
+        """``second_linear(activation(y))``; with --recompute-modules moe_act the activation's output is freed once
+        the second linear has run and recomputed from ``y`` when backward reaches the linear's output."""
+        if not (self.recompute_activation and self.training and torch.is_grad_enabled()):
+            return second_linear(self._activation(y))
+        activation = DiscardedOutput(self._activation, None)
+        out = second_linear(activation.run(y))
+        activation.discard(out)
         return out
 
     def _activation(self, y: torch.Tensor) -> torch.Tensor:

@@ -54,7 +54,7 @@ from megalite.model.context_parallel import SequenceShard
 from megalite.model.kv_cache import LayerCache
 from megalite.model.norms import norm
 from megalite.model.rotary import RotaryEmbedding, rope_scaling
-from megalite.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, TensorParallelRNG,
+from megalite.tensor_parallel import (ColumnParallelLinear, DiscardedOutput, RowParallelLinear, TensorParallelRNG,
                                       all_gather_tensor_parallel, copy_to_tensor_parallel, mark_sequence_parallel,
                                       recompute)
 from megalite.tensor_parallel.mappings import SEQUENCE_DIM
@@ -110,20 +110,37 @@ class LatentAttention(SelfAttention):
         self.linear_proj = RowParallelLinear(heads * cfg.v_head_dim, cfg.hidden_size, bias=bias, init_std=output_std,
                                              sequence_parallel=sequence_parallel)
         self._init_sink(cfg)
+        self.recompute_up_projections = "mla_up_proj" in cfg.recomputed_modules()   # --recompute-modules
 
     def forward(self, x: torch.Tensor, shard: SequenceShard | None = None,
                 cache: Optional[LayerCache] = None) -> torch.Tensor:
         """As :meth:`SelfAttention.forward`."""
-        if hasattr(self, "linear_q_proj"):
-            q = self.linear_q_proj(x)
-        else:
-            q = self.linear_q_up_proj(self.q_layernorm(self.linear_q_down_proj(x)))
+        q = self.linear_q_proj(x) if hasattr(self, "linear_q_proj") else self.q_layernorm(self.linear_q_down_proj(x))
         latent, k_rope = self.linear_kv_down_proj(x).split([self.kv_rank, self.rope], dim=-1)
         latent = self.kv_layernorm(latent)
         # The per-head part below sees every token of the sample's (CP-local) sequence and its gradient of the
         # shared rotary key is this rank's heads' share: the sequence gathered (reduce-scattered back), or copied.
         k_rope = (all_gather_tensor_parallel(k_rope, SEQUENCE_DIM) if self.sequence_parallel
                   else copy_to_tensor_parallel(k_rope))
+        training = self.training and torch.is_grad_enabled()
+        if cache is None and training and self.recompute_up_projections:
+            # --recompute-modules mla_up_proj: the per-head queries, keys and values are freed once the core has
+            # run (it saved them) and recomputed from the latents when backward reaches the core's output.
+            up = DiscardedOutput(lambda q, latent, k_rope: self._per_head(q, latent, k_rope, shard, None), self.rng)
+            q, k, v = up.run(q, latent, k_rope)
+            context = self._core_of(q, k, v, shard, None)
+            up.discard(context)
+        else:
+            q, k, v = self._per_head(q, latent, k_rope, shard, cache)
+            context = self._core_of(q, k, v, shard, cache)
+        return self.linear_proj(context)
+
+    def _per_head(self, q: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor, shard: SequenceShard | None,
+                  cache: Optional[LayerCache]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The up-projections and rope: this rank's heads' queries, keys and values [batch, heads, seq, d] from the
+        query latent (or the queries themselves without --q-lora-rank), the kv latent and the shared rotary key."""
+        if hasattr(self, "linear_q_up_proj"):
+            q = self.linear_q_up_proj(q)
         batch, seq, _ = q.shape
         q = q.view(batch, seq, self.heads, self.nope + self.rope).transpose(1, 2)
         q_nope, q_rope = q.split([self.nope, self.rope], dim=-1)
@@ -140,6 +157,11 @@ class LatentAttention(SelfAttention):
         q = torch.cat([q_nope, q_rope], dim=-1)
         if self.query_scale != 1:
             q = q * self.query_scale
+        return q, k, v
+
+    def _core_of(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shard: SequenceShard | None,
+                 cache: Optional[LayerCache]) -> torch.Tensor:
+        """The attention core (recomputed with --recompute-modules core_attn), heads merged: [batch, seq, heads x v]."""
         sink = self._sink(q)
         if cache is not None:
             context = cache.attend_stored(q, k, v, self.window, sink)
@@ -148,7 +170,7 @@ class LatentAttention(SelfAttention):
             context = recompute(lambda q, k, v, sink=None: self._attend(q, k, v, shard, sink), self.rng, *inputs)
         else:
             context = self._attend(q, k, v, shard, sink)
-        return self.linear_proj(context)
+        return context
 
     def _keys_and_values(self, latent: torch.Tensor, k_rope: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's heads' keys [batch, heads, seq, qk + rope] and values [batch, heads, seq, v] of the latent

@@ -32,7 +32,8 @@ from megalite.model.dispatcher import dispatch_and_combine
 from megalite.model.experts import LocalExperts
 from megalite.model.mlp import MLP
 from megalite.model.router import TopKRouter
-from megalite.tensor_parallel import gather_from_tensor_parallel, mark_sequence_parallel, scatter_to_tensor_parallel
+from megalite.tensor_parallel import (gather_from_tensor_parallel, mark_sequence_parallel, recompute,
+                                      scatter_to_tensor_parallel)
 from megalite.tensor_parallel.mappings import SEQUENCE_DIM
 from megalite.tensor_parallel.partition import REPLICATED, mark, normal_init
 
@@ -65,6 +66,7 @@ class MoELayer(nn.Module):
         self.experts = LocalExperts(cfg)
         self.shared_experts = (SharedExpertMLP(cfg, sequence_parallel, kernels)
                                if cfg.moe_shared_expert_intermediate_size else None)
+        self.recompute_shared = "shared_experts" in cfg.recomputed_modules()   # --recompute-modules shared_experts
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [batch, seq (or this rank's sequence shard), hidden] -> the same shape."""
@@ -79,7 +81,11 @@ class MoELayer(nn.Module):
         out = out.view(batch, seq, hidden)
         if split:
             out = scatter_to_tensor_parallel(out, SEQUENCE_DIM)
-        return out if self.shared_experts is None else out + self.shared_experts(x)
+        if self.shared_experts is None:
+            return out
+        if self.recompute_shared and self.training and torch.is_grad_enabled():
+            return out + recompute(self.shared_experts, None, x)
+        return out + self.shared_experts(x)
 
 
 def moe_layers(modules: Iterable[nn.Module]) -> list[MoELayer]:

@@ -22,7 +22,7 @@ from megalite.model.latent_attention import LatentAttention
 from megalite.model.mlp import MLP
 from megalite.model.moe import MoELayer
 from megalite.model.norms import norm
-from megalite.tensor_parallel import TensorParallelRNG, recompute
+from megalite.tensor_parallel import DiscardedOutput, TensorParallelRNG, recompute
 
 
 class TransformerLayer(nn.Module):
@@ -40,6 +40,9 @@ class TransformerLayer(nn.Module):
         self.dropout = nn.Dropout(cfg.hidden_dropout)
         self.rng = rng
         self.sequence_parallel = sequence_parallel
+        modules = cfg.recomputed_modules()   # --recompute-modules (selective): the norms, a dense MLP, an MoE layer
+        self.recompute_norms = "layernorm" in modules
+        self.recompute_mlp = "moe" in modules if moe else "mlp" in modules
 
     def _dropout(self, x: torch.Tensor) -> torch.Tensor:
         # A residual stream whole on every TP rank draws from the default stream, equal across TP; split along the
@@ -50,8 +53,22 @@ class TransformerLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, shard: SequenceShard | None = None,
                 cache: Optional[LayerCache] = None) -> torch.Tensor:
-        x = x + self._dropout(self.self_attention(self.input_norm(x), shard, cache))
-        return x + self._dropout(self.mlp(self.pre_mlp_norm(x)))
+        if not (self.training and torch.is_grad_enabled()) or not (self.recompute_norms or self.recompute_mlp):
+            x = x + self._dropout(self.self_attention(self.input_norm(x), shard, cache))
+            return x + self._dropout(self.mlp(self.pre_mlp_norm(x)))
+        x = x + self._dropout(self._after_norm(self.input_norm, lambda h: self.self_attention(h, shard), x))
+        mlp = (lambda h: recompute(self.mlp, self.rng, h)) if self.recompute_mlp else self.mlp
+        return x + self._dropout(self._after_norm(self.pre_mlp_norm, mlp, x))
+
+    def _after_norm(self, norm_module: nn.Module, consumer, x: torch.Tensor) -> torch.Tensor:
+        """``consumer(norm(x))``, the norm's output freed once the consumer has run (--recompute-modules
+        layernorm): recomputed when backward reaches the consumer's output."""
+        if not self.recompute_norms:
+            return consumer(norm_module(x))
+        normed = DiscardedOutput(norm_module, self.rng)
+        out = consumer(normed.run(x))
+        normed.discard(out)
+        return out
 
 
 def _run(layers: nn.ModuleList, hidden: torch.Tensor, shard: SequenceShard | None) -> torch.Tensor:

@@ -97,7 +97,8 @@ class Layout:
         """The model config with this layout's recompute options."""
         return dataclasses.replace(model, recompute_granularity=self.recompute,
                                    recompute_method="uniform" if self.recompute == "full" else None,
-                                   recompute_num_layers=1)
+                                   recompute_num_layers=1,   # --recompute-modules only with selective recompute
+                                   recompute_modules=model.recompute_modules if self.recompute == "selective" else None)
 
     def apply(self, cfg: MegaliteConfig) -> MegaliteConfig:
         """``cfg`` running this layout (its world size is the launcher's: TP x CP x PP x DP processes)."""

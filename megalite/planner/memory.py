@@ -429,14 +429,17 @@ def layer_activation_bytes(model: ModelConfig, tp: int, sequence_parallel: bool,
     replicated_share = 1 / tp if sequence_parallel else 1.0
     if recomputed:
         return p * sbh * replicated_share
+    modules = model.recomputed_modules()   # selective recompute: core_attn by default, --recompute-modules
     replicated = 4 * p * sbh + 2 * _norm_statistics(model) * s * b
+    if "layernorm" in modules:   # the norms' outputs (the QKV and fc1 inputs) and statistics: freed, recomputed
+        replicated = 2 * p * sbh
     if model.hidden_dropout > 0:
         replicated += 2 * m * sbh
     kv_heads = max(g // tp, 1)                       # key/value heads a rank uses (one, shared, when G < TP)
     rope = model.position_embedding_type == "rope"
     split = 0.0
     if model.multi_latent_attention:
-        split += latent_attention_bytes(model, tp, s * b, p, replicated_share)
+        split += latent_attention_bytes(model, tp, s * b, p, replicated_share, "mla_up_proj" in modules)
     elif tp > g:   # a key/value head split over TP/G ranks is gathered into a new [k; v] tensor, which v views
         split += p * s * b * 2 * kv_heads * d
     if not model.multi_latent_attention:
@@ -449,13 +452,14 @@ def layer_activation_bytes(model: ModelConfig, tp: int, sequence_parallel: bool,
             split += p * s * b * (model.query_size / tp + kv_heads * d) + 2 * p * s * d   # rotated q, k; cos, sin
         split += p * s * b * model.query_size / tp   # the attention output = the output projection's input
     if model.num_experts is not None and model.moe_layers()[index]:   # the rank's s / CP tokens are routed
-        split += moe_activation_bytes(dataclasses.replace(model, seq_length=s), tp, sequence_parallel,
-                                      micro_batch_size, numerics, tp if expert_tp is None else expert_tp)
-    else:
+        if "moe" not in modules:   # (recomputed: its input, the norm output, is all it keeps)
+            split += moe_activation_bytes(dataclasses.replace(model, seq_length=s), tp, sequence_parallel,
+                                          micro_batch_size, numerics, tp if expert_tp is None else expert_tp)
+    elif "mlp" not in modules:
         split += p * s * b * f / tp * (4 if model.swiglu else 2)
     core = 0.0
     keeps_output = False   # whether the attention core keeps its output, the output projection's input, itself
-    if model.recompute_granularity != "selective":
+    if "core_attn" not in modules:
         heads = a / tp
         dropout = model.attention_dropout > 0
         if cp > 1 and cp_comm_type == "p2p":      # the ring's own core: no s x s tensor at all
@@ -507,7 +511,8 @@ def fp8_saved_difference(model: ModelConfig, tp: int, tokens: int, replicated_sh
     return difference + 8 * linears
 
 
-def latent_attention_bytes(model: ModelConfig, tp: int, tokens: int, p: float, replicated_share: float) -> float:
+def latent_attention_bytes(model: ModelConfig, tp: int, tokens: int, p: float, replicated_share: float,
+                           up_projections_recomputed: bool = False) -> float:
     """What multi-latent attention keeps for backward per micro-batch of ``tokens`` (an estimate from the tensors
     megalite.model.latent_attention makes, not yet measured with saved-tensor hooks): the query latent and the
     key/value latent before and after their norms (replicated, a sequence shard under sequence parallelism), and per
@@ -515,6 +520,8 @@ def latent_attention_bytes(model: ModelConfig, tp: int, tokens: int, p: float, r
     heads, qk = model.num_attention_heads / tp, model.qk_head_dim + model.qk_pos_emb_head_dim
     latents = 2 * (model.q_lora_rank or 0) + 2 * model.kv_lora_rank + model.qk_pos_emb_head_dim
     per_head = heads * (qk + (model.qk_head_dim + model.v_head_dim) + 2 * qk + qk + model.v_head_dim)
+    if up_projections_recomputed:   # --recompute-modules mla_up_proj: all but the core's output freed, recomputed
+        per_head = heads * model.v_head_dim
     return p * tokens * (latents * replicated_share + per_head) + 2 * p * model.seq_length * model.qk_pos_emb_head_dim
 
 
@@ -554,14 +561,17 @@ def moe_activation_bytes(model: ModelConfig, tp: int, sequence_parallel: bool, m
     p, tokens, experts = numerics.activation_bytes, s * b, model.num_experts
     rows = model.moe_router_topk * tokens
     glu = 4 if model.swiglu else 2
-    kept = p * rows * h * 2 + p * rows * model.expert_ffn_size / expert_tp * glu + p * rows + 8 * rows * 3
+    modules = model.recomputed_modules()
+    # --recompute-modules moe_act: the activation's output and what it keeps are freed; the fc1 output stays
+    activation = (2 if model.swiglu else 1) if "moe_act" in modules else glu
+    kept = p * rows * h * 2 + p * rows * model.expert_ffn_size / expert_tp * activation + p * rows + 8 * rows * 3
     losses = (model.moe_router_load_balancing_type != "none" and model.moe_aux_loss_coeff > 0) + \
         (model.moe_z_loss_coeff is not None)
     kept += 4 * tokens * experts * losses + (4 + 8) * tokens * model.moe_router_topk   # scores; top-k weights, ids
     if sequence_parallel and tp > 1:
         kept += p * tokens * h * (1 - 1 / tp)
     shared = model.moe_shared_expert_intermediate_size
-    if shared:
+    if shared and "shared_experts" not in modules:   # (recomputed: only its input, the MoE layer's)
         share = 1 / tp if sequence_parallel else 1.0
         kept += p * tokens * shared / tp * glu
         if model.moe_shared_expert_gate:

@@ -11,7 +11,7 @@ from megalite.tensor_parallel.mappings import (all_gather_over, all_gather_tenso
                                                reduce_scatter_to_sequence_parallel, scatter_to_tensor_parallel)
 from megalite.tensor_parallel.partition import Partition, initialize_parameters, shard, unshard
 from megalite.tensor_parallel.random import TensorParallelRNG
-from megalite.tensor_parallel.recompute import recompute
+from megalite.tensor_parallel.recompute import DiscardedOutput, recompute
 from megalite.tensor_parallel.weight_grad import WeightGradStore, attach_weight_grad_store, weight_gradient
 
 __all__ = [
@@ -20,6 +20,6 @@ __all__ = [
     "gather_from_tensor_parallel", "all_gather_tensor_parallel", "reduce_scatter_to_sequence_parallel",
     "all_gather_over", "Partition",
     "initialize_parameters",
-    "shard", "unshard", "TensorParallelRNG", "recompute", "WeightGradStore", "attach_weight_grad_store",
+    "shard", "unshard", "TensorParallelRNG", "recompute", "DiscardedOutput", "WeightGradStore", "attach_weight_grad_store",
     "weight_gradient",
 ]

@@ -199,6 +199,13 @@ def test_tiny_config_is_valid_on_several_world_sizes():
     (tiny_config(model={"softmax_type": "learnable"}, parallel={"context_parallel_size": 2}), 2,
      "--softmax-type learnable is not supported with --context-parallel-size 2 (the context-parallel attention has "
      "no sink)"),
+    (tiny_config(model={"recompute_modules": "mlp"}), 1,
+     "--recompute-modules applies to --recompute-granularity selective"),
+    (tiny_config(model={"recompute_granularity": "selective", "recompute_modules": "core_attn mpl"}), 1,
+     "--recompute-modules: unknown mpl (choose from core_attn, mlp, moe, shared_experts, layernorm, moe_act, "
+     "mla_up_proj)"),
+    (tiny_config(model={"recompute_granularity": "selective", "recompute_modules": "moe_act"}), 1,
+     "--recompute-modules moe_act needs --num-experts: the model has no such part"),
 ])
 def test_bad_values_name_the_numbers(cfg, world, message):
     with pytest.raises(ConfigError) as error:

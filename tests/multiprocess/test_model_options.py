@@ -42,6 +42,7 @@ SP = {"sequence_parallel": True}
 FULL_BLOCK = {"recompute_granularity": "full", "recompute_method": "block", "recompute_num_layers": 1}
 FULL_UNIFORM = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 2}
 SELECTIVE = {"recompute_granularity": "selective"}
+DENSE_MODULES = {**SELECTIVE, "recompute_modules": "core_attn mlp layernorm"}   # Megatron's --recompute-modules
 WINDOW = {"window_size": "7,0", "window_attn_skip_freq": "[1,0,1,1]"}
 ZERO2 = {"use_distributed_optimizer": True, "zero_stage": 2, "overlap_grad_reduce": True, "ddp_bucket_size": 4000}
 YARN = {"use_rope_scaling": True, "rope_scaling_type": "yarn", "rope_scaling_factor": 4.0,
@@ -55,10 +56,12 @@ QWEN2_ROPE_SCALING = {"add_qkv_bias": True, "use_rope_scaling": True, "rope_scal
 
 @pytest.mark.parametrize("label, tp, pp, model, parallel, optimizer", [
     ("llama-like + yarn rope scaling TP=2 x PP=2", 2, 2, {**LLAMA, **YARN}, {}, {}),
-    ("llama-like + sliding window + learnable sinks + sequence parallel + selective recompute TP=2 x PP=2", 2, 2,
-     {**LLAMA, **SELECTIVE, **WINDOW, "softmax_type": "learnable"}, SP, {}),
-    ("multi-latent attention + yarn with mscale + sequence parallel + selective recompute TP=2 x PP=2", 2, 2,
-     {**MLA, **YARN, "mscale_all_dim": 0.8, **SELECTIVE}, SP, {}),
+    ("llama-like + sliding window + learnable sinks + sequence parallel + recompute of core_attn, mlp and layernorm "
+     "TP=2 x PP=2", 2, 2, {**LLAMA, **DENSE_MODULES, **WINDOW, "softmax_type": "learnable"}, SP, {}),
+    ("multi-latent attention + yarn with mscale + sequence parallel + recompute of core_attn, mla_up_proj and "
+     "layernorm TP=2 x PP=2", 2, 2,
+     {**MLA, **YARN, "mscale_all_dim": 0.8, **SELECTIVE, "recompute_modules": "core_attn mla_up_proj layernorm"},
+     SP, {}),
     ("GPT + tanh GeLU + sequence parallel + full block recompute TP=2 x DP=2 ZeRO-2", 2, 1,
      {**FULL_BLOCK, "openai_gelu": True}, SP, ZERO2),
     ("llama-like + q/k/v biases + rope scaling (key/value heads split over 2 ranks) + sequence parallel + full "
@@ -79,7 +82,8 @@ def test_recompute_with_dropout_matches_no_recompute():
         return [r for r in records if "loss" in r], weights
 
     plain_records, plain_weights = run({})
-    for label, recompute in [("full", {**FULL_UNIFORM, "recompute_num_layers": 1}), ("selective", SELECTIVE)]:
+    for label, recompute in [("full", {**FULL_UNIFORM, "recompute_num_layers": 1}), ("selective", SELECTIVE),
+                             ("core_attn, mlp and layernorm", DENSE_MODULES)]:
         records, weights = run(recompute)
         loss_diff = max_relative_difference([r["loss"] for r in records], [r["loss"] for r in plain_records])
         norm_diff = max_relative_difference([r["grad_norm"] for r in records],

@@ -31,6 +31,8 @@ DEEPSEEK_LIKE = {"moe_router_score_function": "sigmoid", "moe_router_enable_expe
 
 # DeepSeek-V3's routing in small: a dense first layer, 8 experts in 4 groups, each token's top 4 from its best 2
 # groups, the weights scaled by the routed scaling factor.
+# --recompute-modules for every part of an MoE model but the whole MoE layer (the pipeline tests rerun that).
+MOE_MODULES = {"recompute_granularity": "selective", "recompute_modules": "core_attn layernorm mlp moe_act shared_experts"}
 DEEPSEEK_V3 = {**DEEPSEEK_LIKE, "num_experts": 8, "moe_router_topk": 4, "moe_router_num_groups": 4,
                "moe_router_group_topk": 2, "moe_router_topk_scaling_factor": 2.5, "moe_layer_freq": "[0,1]"}
 
@@ -48,7 +50,7 @@ def moe_config(tp=1, pp=1, ep=1, model=None, parallel=None, **sections):
     (1, 4, None, DEEPSEEK_LIKE, {}, {"use_distributed_optimizer": True}),
     (1, 2, [0, 1], DEEPSEEK_V3, {}, {}),
     (2, 2, None, {}, {"sequence_parallel": True}, {}),
-    (2, 2, None, DEEPSEEK_V3, {"sequence_parallel": True}, {}),
+    (2, 2, None, {**DEEPSEEK_V3, **MOE_MODULES}, {"sequence_parallel": True}, {}),
     (2, 2, None, {"moe_token_dispatcher_type": "allgather"}, {"expert_tensor_parallel_size": 1}, {}),
     (1, 2, None, {}, {}, {"zero_stage": 3}),
     (1, 2, None, {"attention_dropout": 0.0}, {"context_parallel_size": 2}, {}),   # EP from DP x CP: EDP = 2
@@ -70,7 +72,9 @@ def test_capacity_factor_drops_the_tokens_of_the_single_process():
 @pytest.mark.parametrize("schedule", ["1f1b", "zero-bubble", "zbv"])   # zero-bubble: the shared expert's W deferred
 def test_expert_parallel_with_pipeline_matches_single_process(schedule):
     layers = {"num_layers": 4} if schedule == "zbv" else {}   # its v-shape: two chunks per rank
-    cfg = moe_config(pp=2, ep=2, model={**DEEPSEEK_LIKE, **layers}, parallel={"pipeline_schedule": schedule},
+    recompute = {"recompute_granularity": "selective", "recompute_modules": "moe"}   # all-to-alls rerun in backward
+    cfg = moe_config(pp=2, ep=2, model={**DEEPSEEK_LIKE, **layers, **recompute},
+                     parallel={"pipeline_schedule": schedule},
                      optimizer={"use_distributed_optimizer": True, "overlap_grad_reduce": True})
     check_against_reference(cfg, label=f"moe ep=2 pp=2 dp=4 {schedule}")
 

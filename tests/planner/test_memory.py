@@ -32,7 +32,7 @@ from megalite.planner.memory import (_chunk_activation_bytes, activation_bytes, 
 from megalite.tensor_parallel import TensorParallelRNG
 
 from ..activation_memory import korthikanti_bytes, layer_norm_statistics_bytes, saved_bytes
-from ..helpers import tiny_config
+from ..helpers import TINY_MOE, tiny_config
 
 def zero_paper_bytes_per_parameter(stage: int, n: int) -> float:
     """The ZeRO paper's mixed-precision Adam (Rajbhandari et al. 2020, K = 12): 16, 4 + 12/N, 2 + 14/N, 16/N."""
@@ -42,6 +42,7 @@ def zero_paper_bytes_per_parameter(stage: int, n: int) -> float:
 LLAMA = {"position_embedding_type": "rope", "normalization": "RMSNorm", "swiglu": True, "ffn_hidden_size": 176,
          "group_query_attention": True, "num_query_groups": 2, "disable_bias_linear": True,
          "untie_embeddings_and_output_weights": True}
+MODULES = {"recompute_granularity": "selective"}   # with "recompute_modules": Megatron's --recompute-modules
 
 
 # ---- model states ---------------------------------------------------------------------------------------------------
@@ -196,6 +197,10 @@ def _measured_activations(model, tp: int, sequence_parallel: bool, pre: bool, po
     (2, True, True, True, 2, {"recompute_granularity": "full", "recompute_method": "uniform"}),
     (1, False, True, True, 2, {"softmax_type": "learnable", "attention_dropout": 0.1}),   # the sinks' softmax
     (2, True, True, True, 2, {**LLAMA, "softmax_type": "off-by-one"}),                      # with repeated k and v
+    (2, True, True, True, 2, {**LLAMA, **MODULES, "recompute_modules": "core_attn mlp layernorm"}),
+    (1, False, True, True, 2, {**TINY_MOE, **MODULES, "moe_shared_expert_intermediate_size": 32,
+                               "recompute_modules": "layernorm moe_act shared_experts"}),
+    (1, False, True, True, 2, {**TINY_MOE, **MODULES, "recompute_modules": "core_attn moe"}),
 ])
 def test_activations_match_what_autograd_keeps(local_collectives, tp, sp, pre, post, b, options):
     model = tiny_config(model={"num_layers": 2, **options}).model

@@ -94,6 +94,9 @@ class ParallelState:
     # size -> the group of that many consecutive ranks of this rank's TP group, for every size that divides TP
     # (1 < size < TP): the ranks sharing one key/value head when there are fewer key/value heads than TP ranks.
     tensor_shares: dict[int, GroupInfo] = field(default_factory=dict, hash=False)
+    # size a -> (the a consecutive ranks of this rank's CP group, the CP / a ranks a apart), for every 1 < a < CP
+    # dividing CP: hierarchical context parallelism's two levels (a2a inside, the p2p ring across).
+    context_shares: dict[int, tuple[GroupInfo, GroupInfo]] = field(default_factory=dict, hash=False)
 
 
 _STATE: Optional[ParallelState] = None
@@ -169,6 +172,16 @@ def tensor_share_groups(num_ranks: int, tp: int, pp: int, cp: int = 1) -> dict[i
             for size in range(2, tp) if tp % size == 0}
 
 
+def context_share_groups(num_ranks: int, tp: int, pp: int, cp: int) -> dict[int, list[list[list[int]]]]:
+    """size a -> [inner groups, outer groups]: every CP group cut into groups of ``a`` consecutive ranks, and into
+    groups of the ranks ``a`` apart, for each 1 < a < CP dividing CP (pure function): the a2a and p2p levels of
+    --cp-comm-type a2a+p2p."""
+    context = layout_groups(num_ranks, tp, pp, cp)["context"]
+    return {a: [[members[i:i + a] for members in context for i in range(0, cp, a)],
+                [members[j::a] for members in context for j in range(a)]]
+            for a in range(2, cp) if cp % a == 0}
+
+
 def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1,
                               ranks: Optional[Sequence[int]] = None,
                               timeout: Optional[datetime.timedelta] = None,
@@ -210,9 +223,19 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_mode
             group = dist.new_group(list(global_members), timeout=timeout, group_desc=f"tensor_share{size}")
             if me in global_members:
                 shares[size] = GroupInfo(group, global_members)
+    context_shares: dict[int, list[GroupInfo]] = {}
+    for size, levels in context_share_groups(len(ranks), tensor_model_parallel_size, pipeline_model_parallel_size,
+                                             context_parallel_size).items():
+        for level, members_list in zip(("context_inner", "context_outer"), levels):
+            for members in members_list:   # every rank creates every one, in this same order
+                global_members = tuple(ranks[r] for r in members)
+                group = dist.new_group(list(global_members), timeout=timeout, group_desc=f"{level}{size}")
+                if me in global_members:
+                    context_shares.setdefault(size, []).append(GroupInfo(group, global_members))
     if me not in ranks:
         return None
-    _STATE = ParallelState(**{"embedding": None, **mine}, tensor_shares=shares)
+    _STATE = ParallelState(**{"embedding": None, **mine}, tensor_shares=shares,
+                           context_shares={size: tuple(levels) for size, levels in context_shares.items()})
     return _STATE
 
 
@@ -261,8 +284,12 @@ def simulated_layout(tp: int = 1, pp: int = 1, dp: int = 1, *, cp: int = 1, tp_r
     shares = {size: _SimulatedGroupInfo(None, tuple(m), m.index(me))
               for size, members in tensor_share_groups(tp * cp * dp * pp, tp, pp, cp).items()
               for m in members if me in m}
+    context_shares = {size: tuple(_SimulatedGroupInfo(None, tuple(m), m.index(me)) for members in levels
+                                  for m in members if me in m)
+                      for size, levels in context_share_groups(tp * cp * dp * pp, tp, pp, cp).items()}
     # A middle stage has no embedding group.
-    previous, _STATE = _STATE, ParallelState(**{"embedding": None, **mine}, tensor_shares=shares)
+    previous, _STATE = _STATE, ParallelState(**{"embedding": None, **mine}, tensor_shares=shares,
+                                             context_shares=context_shares)
     try:
         yield _STATE
     finally:
@@ -274,8 +301,9 @@ def destroy_model_parallel() -> None:
     global _STATE
     if _STATE is not None and dist.is_initialized():
         seen = set()
-        infos = [info for kind, info in vars(_STATE).items() if kind != "tensor_shares"]
-        for info in infos + list(_STATE.tensor_shares.values()):
+        infos = [info for kind, info in vars(_STATE).items() if kind not in ("tensor_shares", "context_shares")]
+        shared = [info for levels in _STATE.context_shares.values() for info in levels]
+        for info in infos + list(_STATE.tensor_shares.values()) + shared:
             if info is not None and info.group is not None and id(info.group) not in seen:
                 seen.add(id(info.group))
                 dist.destroy_process_group(info.group)
@@ -339,6 +367,14 @@ def is_pipeline_last_stage() -> bool:
 
 def get_context_parallel_group() -> GroupInfo:
     return state().context
+
+
+def get_hierarchical_context_parallel_groups(a2a_size: int) -> tuple[GroupInfo, GroupInfo]:
+    """(the ``a2a_size`` consecutive ranks of this rank's CP group, the CP / a2a_size ranks that many apart):
+    --cp-comm-type a2a+p2p's all-to-all group and ring."""
+    if a2a_size not in state().context_shares:
+        raise ValueError(f"no hierarchical context-parallel groups of {a2a_size} in CP {state().context.size}")
+    return state().context_shares[a2a_size]
 
 
 def get_context_parallel_rank() -> int:

@@ -396,7 +396,13 @@ class ParallelConfig:
         "p2p", "With --context-parallel-size > 1, how attention sees the other ranks' tokens: p2p (ring attention: "
                "key/value blocks travel around the CP ranks, sequence cut into 2 x CP chunks for causal load "
                "balance), a2a (DeepSpeed-Ulysses: all-to-alls turn sequence shards into head shards around the "
-               "attention core) or allgather (keys and values gathered over CP, local queries only).")
+               "attention core), allgather (keys and values gathered over CP, local queries only) or a2a+p2p "
+               "(hierarchical: a2a inside groups of adjacent CP ranks, the ring across them; "
+               "--hierarchical-context-parallel-sizes).")
+    hierarchical_context_parallel_sizes: Optional[str] = option(
+        None, "With --cp-comm-type a2a+p2p: A P, A adjacent CP ranks exchanging heads by all-to-all (inside a node) "
+              "and P of those groups in a ring (across nodes); A x P = --context-parallel-size.",
+        nargs="+", metavar="A2A P2P")
     expert_model_parallel_size: int = option(
         1, "Expert-parallel size EP: the data-parallel (x context-parallel) ranks are grouped EP at a time, each of "
            "a group holding 1/EP of every MoE layer's experts; expert gradients are summed over the DP x CP / EP "
@@ -445,6 +451,18 @@ class ParallelConfig:
         if self.num_layers_per_virtual_pipeline_stage is not None:
             return num_layers // (self.num_layers_per_virtual_pipeline_stage * self.pipeline_model_parallel_size)
         return 2 if self.pipeline_schedule == "zbv" else 1
+
+    def hierarchical_context_parallel(self) -> Optional[tuple[int, int]]:
+        """--hierarchical-context-parallel-sizes as (a2a size, p2p size); None when not given (ConfigError: not two
+        integers)."""
+        if self.hierarchical_context_parallel_sizes is None:
+            return None
+        from megalite.config.flags import FLAG   # noqa: PLC0415 - flags import this module
+        words = multi_word_values(str(self.hierarchical_context_parallel_sizes))
+        if len(words) != 2 or not all(word.isdigit() and int(word) > 0 for word in words):
+            raise ConfigError(f"{FLAG.hierarchical_context_parallel_sizes} takes two positive integers A2A P2P, got "
+                              f"{self.hierarchical_context_parallel_sizes!r}")
+        return int(words[0]), int(words[1])
 
     def pipeline_split(self, num_layers: int, mtp_layers: int = 0) -> Optional[tuple[int, ...]]:
         """Transformer layers per virtual stage (in virtual-stage order) from the uneven-pipeline options, or None for

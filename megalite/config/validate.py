@@ -439,7 +439,16 @@ def _check_context_parallel(cfg: MegaliteConfig) -> None:
     context-parallel attention does not honour."""
     m, p, k = cfg.model, cfg.parallel, cfg.kernels
     cp, tp, kind = p.context_parallel_size, p.tensor_model_parallel_size, p.cp_comm_type
-    _one_of("cp_comm_type", kind, ("p2p", "a2a", "allgather"))
+    _one_of("cp_comm_type", kind, ("p2p", "a2a", "allgather", "a2a+p2p"))
+    levels = p.hierarchical_context_parallel()
+    _require(levels is None or kind == "a2a+p2p",
+             f"{FLAG.hierarchical_context_parallel_sizes} applies to {FLAG.cp_comm_type} a2a+p2p")
+    if kind == "a2a+p2p":
+        _require(levels is not None, f"{FLAG.cp_comm_type} a2a+p2p needs {FLAG.hierarchical_context_parallel_sizes} "
+                                     f"A2A P2P (e.g. 2 {max(cp // 2, 1)})")
+        _require(levels[0] * levels[1] == cp and min(levels) > 1,
+                 f"{FLAG.hierarchical_context_parallel_sizes} {levels[0]} {levels[1]} must be two sizes > 1 whose "
+                 f"product is {FLAG.context_parallel_size} {cp}")
     if cp == 1:
         return
     _require(m.window_size is None,
@@ -454,15 +463,17 @@ def _check_context_parallel(cfg: MegaliteConfig) -> None:
              (f"{FLAG.context_parallel_size} {cp}" if kind == "a2a" else
               f"2 x {FLAG.context_parallel_size} {cp} = {chunks} (with {FLAG.cp_comm_type} {kind} each rank holds "
               f"two chunks of the sequence, for causal load balance)"))
-    if kind == "a2a":
-        heads = m.num_attention_heads // tp
-        _require(heads % cp == 0,
-                 f"{FLAG.cp_comm_type} a2a splits each tensor-parallel rank's {heads} attention heads "
+    if kind in ("a2a", "a2a+p2p"):
+        heads, over = m.num_attention_heads // tp, cp if kind == "a2a" else levels[0]
+        where = (f"{FLAG.context_parallel_size} {cp}" if kind == "a2a" else
+                 f"the a2a level's {over} ranks ({FLAG.hierarchical_context_parallel_sizes})")
+        _require(heads % over == 0,
+                 f"{FLAG.cp_comm_type} {kind} splits each tensor-parallel rank's {heads} attention heads "
                  f"({FLAG.num_attention_heads} {m.num_attention_heads} / {FLAG.tensor_model_parallel_size} {tp}) over "
-                 f"{FLAG.context_parallel_size} {cp}, which does not divide them: use p2p or allgather")
-    if kind == "p2p":
+                 f"{where}, which does not divide them: use p2p or allgather")
+    if kind in ("p2p", "a2a+p2p"):
         _require(m.attention_dropout == 0.0,
-                 f"{FLAG.cp_comm_type} p2p computes attention blockwise without dropout: set "
+                 f"{FLAG.cp_comm_type} {kind} computes attention blockwise without dropout: set "
                  f"{FLAG.attention_dropout} 0 (or use {FLAG.cp_comm_type} a2a or allgather)")
     _require(k.use_fused_kernels != "on" or k.no_masked_softmax_fusion,
              f"{FLAG.use_fused_kernels} on replaces the attention core by the fused causal softmax, which context "

@@ -32,10 +32,17 @@ The three attentions (q: [batch, heads, local, d], k and v: [batch, key/value he
   local chunk attends to the keys up to its own end, causally aligned to that end (no mask tensor: flash attention
   on a GPU; with documents a mask built from the global token indices). Simple, and holds the whole sequence's K/V
   for the layer.
+- ``a2a+p2p``, hierarchical (:func:`_hierarchical_attention`; Megatron's, with --hierarchical-context-parallel-sizes
+  A P): CP = A x P ranks, A adjacent ones (a node's, on fast links) exchange heads by all-to-all as ``a2a`` does,
+  and the P groups run the ``p2p`` ring over the heads each holds. The load-balanced chunks line up: A adjacent CP
+  ranks hold chunks r..r+A-1 and their mirrors, which are super-chunk i and its mirror of the ring's 2P, so after
+  the all-to-all a rank reorders its tokens into ascending sample order and is rank i of a P-rank ring. The ring's
+  traffic crosses the slow links, 1/A of the heads each; the all-to-alls stay inside.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass
@@ -82,6 +89,7 @@ class SequenceShard:
     comm_type: str = "p2p"
     cp: int = 1
     cp_rank: int = 0
+    a2a_size: int = 1   # a2a+p2p: the all-to-all level's ranks
 
     @property
     def load_balanced(self) -> bool:
@@ -125,14 +133,15 @@ class SequenceShard:
 
 
 def shard_sequence(length: int, device: torch.device, *, positions: Optional[torch.Tensor] = None,
-                   documents: Optional[torch.Tensor] = None, comm_type: str = "p2p") -> SequenceShard:
+                   documents: Optional[torch.Tensor] = None, comm_type: str = "p2p",
+                   a2a_size: int = 1) -> SequenceShard:
     """This rank's shard of samples of ``length`` tokens under the registered layout's context parallelism.
     ``positions`` [batch, length] (default: the token's index) and ``documents`` [batch, length] are the whole
     sample's."""
     cp, rank = parallel_state.get_context_parallel_world_size(), parallel_state.get_context_parallel_rank()
     indices = device_indices(length, cp, rank, comm_type != "a2a", torch.device(device))
     local_positions = indices if positions is None else (positions if cp == 1 else positions[:, indices])
-    return SequenceShard(length, indices, local_positions, documents, comm_type, cp, rank)
+    return SequenceShard(length, indices, local_positions, documents, comm_type, cp, rank, a2a_size)
 
 
 def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shard: SequenceShard,
@@ -149,14 +158,10 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
             return core(q, k, v, shard.allowed(shard.indices, keys))
         return _causal_over_gathered(q, k, v, shard, core)
     if shard.comm_type == "a2a":
-        k, v = _expand_key_value_heads(k, v, q.shape[1], shard.cp)
-        kv_heads = k.shape[1]
-        # One all-to-all for keys and values: rank j's part is [its keys, its values].
-        batch, _, local, dim = k.shape
-        paired = torch.stack([t.view(batch, shard.cp, kv_heads // shard.cp, local, dim) for t in (k, v)], dim=2)
-        q, kv = sequence_to_heads(q, group), sequence_to_heads(paired.view(batch, 2 * kv_heads, local, dim), group)
-        context = core(q, kv[:, :kv_heads // shard.cp], kv[:, kv_heads // shard.cp:], shard.whole_sequence_mask())
-        return heads_to_sequence(context, group)
+        q, k, v = _heads_over(q, k, v, group)
+        return heads_to_sequence(core(q, k, v, shard.whole_sequence_mask()), group)
+    if shard.comm_type == "a2a+p2p":
+        return _hierarchical_attention(q, k, v, shard)
     raise ValueError(f"unknown context-parallel comm type {shard.comm_type!r}; expected one of {COMM_TYPES}")
 
 
@@ -189,6 +194,41 @@ def _expand_key_value_heads(k: torch.Tensor, v: torch.Tensor, heads: int, cp: in
         return k, v
     assert heads % wanted == 0, (heads, groups, cp)
     return k.repeat_interleave(wanted // groups, dim=1), v.repeat_interleave(wanted // groups, dim=1)
+
+
+def _heads_over(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                group: GroupInfo) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v of this rank's sequence shard of every head -> the group's shards (in rank order) of 1/size of the
+    heads: one all-to-all for q, one for keys and values (rank j's part is [its keys, its values])."""
+    k, v = _expand_key_value_heads(k, v, q.shape[1], group.size)
+    kv_heads = k.shape[1]
+    batch, _, local, dim = k.shape
+    paired = torch.stack([t.view(batch, group.size, kv_heads // group.size, local, dim) for t in (k, v)], dim=2)
+    q, kv = sequence_to_heads(q, group), sequence_to_heads(paired.view(batch, 2 * kv_heads, local, dim), group)
+    return q, kv[:, :kv_heads // group.size], kv[:, kv_heads // group.size:]
+
+
+def _hierarchical_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shard: SequenceShard) -> torch.Tensor:
+    """a2a+p2p (see the module docstring): heads exchanged inside the a2a group, the ring across the groups."""
+    inner, outer = parallel_state.get_hierarchical_context_parallel_groups(shard.a2a_size)
+    q, k, v = (_ascending(t, inner.size) for t in _heads_over(q, k, v, inner))
+    ring = dataclasses.replace(shard, indices=device_indices(shard.length, outer.size, outer.rank, True, q.device),
+                               comm_type="p2p", cp=outer.size, cp_rank=outer.rank, a2a_size=1)
+    out = _RingAttention.apply(q, k, v, ring, outer)
+    return heads_to_sequence(_ascending(out, inner.size, inverse=True), inner)
+
+
+def _ascending(x: torch.Tensor, ranks: int, inverse: bool = False) -> torch.Tensor:
+    """The a2a group's tokens [b, h, ranks x 2 chunks, d], gathered in rank order (each rank's first chunk, then its
+    mirror chunk), put in ascending sample order: the first chunks in rank order, then the mirrors in reverse (a
+    later rank's mirror comes earlier in the sample); ``inverse`` undoes it."""
+    batch, heads, length, dim = x.shape
+    chunk = length // (2 * ranks)
+    if inverse:
+        first, mirrors = x.view(batch, heads, 2, ranks, chunk, dim).unbind(2)
+        return torch.stack([first, mirrors.flip(2)], dim=3).reshape(batch, heads, length, dim)
+    first, mirrors = x.view(batch, heads, ranks, 2, chunk, dim).unbind(3)
+    return torch.cat([first, mirrors.flip(2)], dim=2).reshape(batch, heads, length, dim)
 
 
 def _all_to_all(x: torch.Tensor, group: GroupInfo) -> torch.Tensor:

@@ -33,7 +33,8 @@ class Layout:
     optimizer_cpu_offload: bool = False  # main params and Adam states on the host (never proposed by the search)
     offload_params: bool = False         # ZeRO-3 with the above: parameter and gradient shards on the host too
     cp: int = 1                          # context-parallel size: ranks splitting each sample's sequence
-    cp_comm_type: str = "p2p"            # p2p (ring) | a2a | allgather
+    cp_comm_type: str = "p2p"            # p2p (ring) | a2a | allgather | a2a+p2p
+    cp_a2a: int = 1                      # a2a+p2p: the all-to-all level's ranks (the ring has CP / cp_a2a)
     ep: int = 1                          # expert-parallel size (carved from DP x CP): E / EP experts per rank
     experts_split: bool = True           # routed experts split over TP (--expert-tensor-parallel-size TP), or whole
     split: Optional[tuple[int, ...]] = None   # transformer layers per virtual stage when uneven; None: even
@@ -105,6 +106,8 @@ class Layout:
         parallel = dataclasses.replace(
             cfg.parallel, tensor_model_parallel_size=self.tp, pipeline_model_parallel_size=self.pp,
             context_parallel_size=self.cp, cp_comm_type=self.cp_comm_type,
+            hierarchical_context_parallel_sizes=(f"{self.cp_a2a} {self.cp // self.cp_a2a}"
+                                                 if self.cp_comm_type == "a2a+p2p" else None),
             sequence_parallel=self.sequence_parallel, num_layers_per_virtual_pipeline_stage=None,
             num_virtual_stages_per_pipeline_rank=self.virtual_stages if self.virtual_stages > 1 else None,
             pipeline_schedule=self.pipeline_schedule, **self._split_options(cfg.model),
@@ -142,5 +145,6 @@ class Layout:
                    sequence_parallel=p.sequence_parallel, recompute=cfg.model.recompute_granularity,
                    optimizer_cpu_offload=o.optimizer_cpu_offload, offload_params=o.offload_params, cp=cp,
                    cp_comm_type=p.cp_comm_type, ep=p.expert_model_parallel_size,
+                   cp_a2a=(p.hierarchical_context_parallel() or (1, 1))[0],
                    experts_split=p.expert_tensor_parallel_size in (None, tp),
                    split=p.pipeline_split(cfg.model.num_layers, getattr(cfg.model, "mtp_num_layers", None) or 0))

@@ -462,7 +462,7 @@ def layer_activation_bytes(model: ModelConfig, tp: int, sequence_parallel: bool,
     if "core_attn" not in modules:
         heads = a / tp
         dropout = model.attention_dropout > 0
-        if cp > 1 and cp_comm_type == "p2p":      # the ring's own core: no s x s tensor at all
+        if cp > 1 and cp_comm_type in ("p2p", "a2a+p2p"):   # the ring's own core: no s x s tensor at all
             core, keeps_output = 4 * b * heads * s, True
         elif model.softmax_type != "vanilla":   # megalite.model.sinks (no CP): the fp32 softmax over each row and
             # its sink, the probabilities in p bytes (the same storage when p = 4), dropout's mask and output, the
@@ -531,7 +531,8 @@ def context_parallel_core_bytes(model: ModelConfig, tp: int, micro_batch_size: i
     saved-tensor hooks, tests/multiprocess/test_context_parallel.py):
 
     - p2p (ring): nothing more: it keeps q, k, v, its output and the log-sum-exp, as flash attention does;
-    - a2a: the core's output in the head-sharded layout, a tensor besides the output projection's input;
+    - a2a (and a2a+p2p, whose ring keeps what p2p's does): the core's output in the head-sharded layout, a tensor
+      besides the output projection's input;
     - allgather: the whole sequence's keys and values, put in sample order (the core keeps its inputs), and the
       rank's output in its two chunks (each chunk is a core of its own; their concatenation, the output projection's
       input, is counted with the per-token terms); where torch spells out the lower-right causal bias as a mask
@@ -541,7 +542,7 @@ def context_parallel_core_bytes(model: ModelConfig, tp: int, micro_batch_size: i
     s, b, h, p = model.seq_length // cp, micro_batch_size, model.hidden_size, numerics.activation_bytes
     if cp_comm_type == "p2p":
         return 0.0
-    if cp_comm_type == "a2a":
+    if cp_comm_type in ("a2a", "a2a+p2p"):
         return p * b * s * h / tp
     kv_channels = max(model.query_groups // tp, 1) * model.head_dim
     chunk = model.seq_length // (2 * cp)
@@ -618,10 +619,11 @@ def ring_block_working_bytes(model: ModelConfig, layout: Layout, numerics: Numer
     block's scores at once (the product's copy, masked, shifted, its exponent and a gradient), the rank's s / CP
     queries against a block of as many keys, for its heads. Measured on simulated GPUs (megalite.simulation):
     without it the planner was 10 GiB (18%) short on Llama-2-70B at CP=2, sequence 16384."""
-    if layout.cp == 1 or layout.cp_comm_type != "p2p" or not numerics.unfused_ring_blocks:
+    if layout.cp == 1 or layout.cp_comm_type not in ("p2p", "a2a+p2p") or not numerics.unfused_ring_blocks:
         return 0.0
-    local = model.seq_length // layout.cp
-    return 5 * 4 * layout.micro_batch_size * (model.num_attention_heads // layout.tp) * local * local
+    a2a = layout.cp_a2a if layout.cp_comm_type == "a2a+p2p" else 1   # a2a+p2p: a2a x the tokens, 1/a2a the heads
+    local = model.seq_length // layout.cp * a2a
+    return 5 * 4 * layout.micro_batch_size * (model.num_attention_heads // layout.tp // a2a) * local * local
 
 
 def _chunk_activation_bytes(model: ModelConfig, layout: Layout, num_layers: int, is_first: bool, is_last: bool,

@@ -133,7 +133,7 @@ def step_time(model: ModelConfig, layout: Layout, hardware: Hardware, global_bat
     # and of the output layer, on one TP group (under CP: the rank's tokens, their queries against the whole
     # sequence's keys, an equal share of the causal work with the load balance).
     core_flops = 6.0 * b * s * whole * core_width(model)   # the attention core, forward and backward
-    ring = layout.cp > 1 and layout.cp_comm_type == "p2p"
+    ring = layout.cp > 1 and layout.cp_comm_type in ("p2p", "a2a+p2p")
     core_time_flops = core_flops * (UNFUSED_ATTENTION_SLOWDOWN if ring else 1.0)   # the ring's blocks are unfused
 
     def flops_of(index: int) -> tuple[float, float]:
@@ -245,7 +245,22 @@ def context_parallel_bytes(model: ModelConfig, layout: Layout, dtype_bytes: int)
     if layout.cp_comm_type == "a2a":   # q, [k; v] and the output, (CP-1)/CP of each leaving the rank
         moved = (cp - 1) / cp * b * s * (2 * model.hidden_size / tp) * p + (cp - 1) / cp * kv * p
         return {"forward": moved, "backward": moved}
+    if layout.cp_comm_type == "a2a+p2p":   # a2a over its A ranks, then a ring of CP / A over 1/A of the heads
+        return {direction: a2a + ring for direction, a2a, ring in zip(
+            ("forward", "backward"), *(_hierarchical_bytes(model, layout, dtype_bytes)))}
     return {"forward": (cp - 1) * kv * p, "backward": (cp - 1) * kv * p}   # all-gather, its reduce-scatter
+
+
+def _hierarchical_bytes(model: ModelConfig, layout: Layout, dtype_bytes: int) -> tuple[tuple[float, float], ...]:
+    """a2a+p2p's bytes one rank sends per layer and micro-batch, (forward, backward) of each level: the a2a over its
+    A ranks (as a2a's at CP = A, of the rank's s / CP tokens), then the ring over CP / A groups, whose K/V blocks hold
+    A x the tokens for 1/A of the heads: as many elements as p2p's."""
+    a, b, p, tp = layout.cp_a2a, layout.micro_batch_size, dtype_bytes, layout.tp
+    ring = layout.cp // a
+    s = model.seq_length // layout.cp
+    kv = 2 * b * s * max(model.query_groups // tp, 1) * model.head_dim
+    moved = (a - 1) / a * b * s * (2 * model.hidden_size / tp) * p + (a - 1) / a * kv * p
+    return (moved, moved), ((ring - 1) * kv * p, (ring - 1) * kv * p + ring * kv * 4)
 
 
 def context_parallel_layer_time(model: ModelConfig, layout: Layout, hardware: Hardware, core_time: float,
@@ -257,20 +272,37 @@ def context_parallel_layer_time(model: ModelConfig, layout: Layout, hardware: Ha
     if layout.cp == 1:
         return 0.0, 0.0
     cp, bw = layout.cp, hardware.bandwidth(layout.tp * layout.cp)
+    inner = 0.0   # a2a+p2p: the a2a level's time, on its own (inside a node) links; the ring is then CP / A ranks
+    if layout.cp_comm_type == "a2a+p2p":
+        a2a_sent, ring_sent = _hierarchical_bytes(model, layout, dtype_bytes)
+        recomputed = model.recompute_granularity in ("full", "selective")
+        inner = (a2a_sent[0] * (2 if recomputed else 1) + a2a_sent[1]) / hardware.bandwidth(layout.tp * layout.cp_a2a)
+        cp = layout.cp // layout.cp_a2a
+        sent = {"forward": ring_sent[0] * (2 if recomputed else 1), "backward": ring_sent[1]}
+        total = inner + (sent["forward"] + sent["backward"]) / bw
+        kv_transfer = ring_sent[0] / (cp - 1) / bw if cp > 1 else 0.0
+        return _ring_exposure(model, cp, core_time, sent, kv_transfer, bw, total, inner)
     sent = context_parallel_bytes(model, layout, dtype_bytes)
     if model.recompute_granularity in ("full", "selective"):   # the core's forward runs again in backward
         sent = {"forward": sent["forward"] * 2, "backward": sent["backward"]}
     total = (sent["forward"] + sent["backward"]) / bw
     if layout.cp_comm_type != "p2p":
         return total, total
+    kv_transfer = context_parallel_bytes(model, layout, dtype_bytes)["forward"] / (cp - 1) / bw
+    return _ring_exposure(model, cp, core_time, sent, kv_transfer, bw, total, 0.0)
+
+
+def _ring_exposure(model: ModelConfig, cp: int, core_time: float, sent: dict[str, float], kv_transfer: float,
+                   bw: float, total: float, exposed_before: float) -> tuple[float, float]:
+    """(total, exposed) of a ring of ``cp`` ranks: each of its CP - 1 K/V transfers overlaps one block's compute,
+    the last dK/dV transfer shows."""
     forward_block, backward_block = core_time / 3 / cp, core_time * 2 / 3 / cp
     steps = cp - 1
-    kv_transfer = context_parallel_bytes(model, layout, dtype_bytes)["forward"] / steps / bw
     grad_transfer = (sent["backward"] / bw - steps * kv_transfer) / cp
     passes = 2 if model.recompute_granularity in ("full", "selective") else 1
     exposed = (passes * steps * max(0.0, kv_transfer - forward_block)
                + steps * max(0.0, kv_transfer + grad_transfer - backward_block) + grad_transfer)
-    return total, exposed
+    return total, exposed_before + exposed
 
 
 def all_to_all_bytes(model: ModelConfig, layout: Layout, num_micro_batches: int, dtype_bytes: int = 2) -> float:

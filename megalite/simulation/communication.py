@@ -75,6 +75,10 @@ def _group_kinds() -> dict[int, str]:
     for info in state.tensor_shares.values():   # the TP/G ranks sharing a key/value head
         if info.group is not None:
             kinds.setdefault(id(info.group), "tensor_share")
+    for inner, outer in state.context_shares.values():   # --cp-comm-type a2a+p2p's two levels
+        for info, kind in ((inner, "context_a2a"), (outer, "context_ring")):
+            if info.group is not None:
+                kinds.setdefault(id(info.group), kind)
     return kinds
 
 

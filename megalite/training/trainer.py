@@ -83,8 +83,9 @@ class MicroBatch:
         packing = (packed_documents(inputs, eod, reset_position_ids=d.reset_position_ids,
                                     reset_attention_mask=d.reset_attention_mask, eod_mask_loss=d.eod_mask_loss)
                    if eod is not None else None)
+        levels = cfg.parallel.hierarchical_context_parallel()   # --cp-comm-type a2a+p2p: (a2a size, p2p size)
         shard = shard_sequence(inputs.shape[1], samples.device, comm_type=cfg.parallel.cp_comm_type,
-                               positions=packing.positions if packing else None,
+                               a2a_size=levels[0] if levels else 1, positions=packing.positions if packing else None,
                                documents=packing.documents if packing else None)
         loss_mask = packing.loss_mask if packing is not None else torch.ones_like(labels, dtype=torch.float32)
         return cls(shard.take(inputs), shard.take(labels), shard.take(loss_mask), shard)

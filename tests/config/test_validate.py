@@ -147,7 +147,7 @@ def test_tiny_config_is_valid_on_several_world_sizes():
      "--cp-comm-type a2a splits each tensor-parallel rank's 2 attention heads (--num-attention-heads 4 / "
      "--tensor-model-parallel-size 2) over --context-parallel-size 4, which does not divide them"),
     (tiny_config(parallel={"context_parallel_size": 2, "cp_comm_type": "ring"}), 2,
-     "--cp-comm-type must be p2p, a2a or allgather, got 'ring'"),
+     "--cp-comm-type must be p2p, a2a, allgather or a2a+p2p, got 'ring'"),
     (tiny_config(model={"attention_dropout": 0.1}, parallel={"context_parallel_size": 2}), 2,
      "--cp-comm-type p2p computes attention blockwise without dropout: set --attention-dropout 0"),
     (tiny_config(tp=2, model={"seq_length": 34}, parallel={"context_parallel_size": 2, "cp_comm_type": "a2a",

@@ -55,8 +55,8 @@ def _sdpa(q, k, v, mask=None):
 
 
 @requires_world(4)
-@pytest.mark.parametrize("cp", [2, 4])
-@pytest.mark.parametrize("comm_type", ["p2p", "a2a", "allgather"])
+@pytest.mark.parametrize("cp, comm_type", [(cp, kind) for kind in ("p2p", "a2a", "allgather") for cp in (2, 4)] +
+                         [(4, "a2a+p2p")])   # hierarchical: a2a inside pairs of CP ranks, the ring across them
 def test_attention_over_the_whole_sequence(cp, comm_type):
     torch.manual_seed(0)
     batch, heads, groups, length, dim = 2, 4, 2, 32, 8
@@ -67,7 +67,8 @@ def test_attention_over_the_whole_sequence(cp, comm_type):
         if not member:
             return
         for docs in (None, documents):
-            shard = shard_sequence(length, q.device, documents=docs, comm_type=comm_type)
+            shard = shard_sequence(length, q.device, documents=docs, comm_type=comm_type,
+                                   a2a_size=2 if comm_type == "a2a+p2p" else 1)
             full = [t.clone().requires_grad_() for t in (q, k, v)]
             expected = _sdpa(*full, None if docs is None else shard.whole_sequence_mask())
             grad = torch.randn_like(expected)
@@ -100,6 +101,8 @@ def test_attention_over_the_whole_sequence(cp, comm_type):
     ("a2a CP=4", 4, "a2a", 1, {}, {}, {}),
     ("allgather CP=2 x DP=2, multi-latent attention", 2, "allgather", 1, MLA, {}, {}),
     ("allgather CP=4", 4, "allgather", 1, {}, {}, {}),
+    ("a2a+p2p CP=4 (2 x 2), Llama-style (rotary, GQA)", 4, "a2a+p2p", 1, LLAMA,
+     {"hierarchical_context_parallel_sizes": "2 2"}, {}),
     ("p2p CP=2 x TP=2, sequence parallel, Llama-style (rotary, GQA)", 2, "p2p", 2, LLAMA,
      {"sequence_parallel": True}, {}),
     ("p2p CP=2 x DP=2, distributed optimizer over DP x CP, selective recompute, multi-latent attention", 2, "p2p",
@@ -245,6 +248,32 @@ def test_communication_per_step_is_the_planner_s(comm_type, op):
         print(f"ring vs analytic minimum: forward {forward:.0f} block(s) / 1, backward {backward:.0f} / 2 "
               f"(K/V again and the dK/dV accumulator, which also makes the trip home)")
         assert (forward, backward) == (1, 3)
+
+
+@requires_world(4)
+def test_hierarchical_communication_is_the_planner_s():
+    """a2a+p2p at CP=4 (2 x 2), one step: the all-to-alls stay inside the pairs of adjacent CP ranks and the ring's
+    sends run between the pairs, each as many elements as the planner's levels (megalite.planner.performance)."""
+    from bench.comm_counter import count_communication   # noqa: PLC0415 - the benchmarks' counter, run as a test
+
+    from megalite.planner import Layout   # noqa: PLC0415
+    from megalite.planner.performance import _hierarchical_bytes   # noqa: PLC0415
+
+    cfg = cp_config(4, "a2a+p2p", model=LLAMA, parallel={"hierarchical_context_parallel_sizes": "2 2"},
+                    training={"train_iters": 1}, data={"eval_interval": 0})
+    with layout(cp=4):
+        trainer = Trainer.on_registered_layout(cfg, CPU)
+        with count_communication() as counter:
+            trainer.train_step()
+    per_step = cfg.model.num_layers * trainer.num_micro_batches / 4   # fp32: 4 bytes an element
+    a2a, ring = (sum(level) * per_step for level in _hierarchical_bytes(
+        cfg.model, Layout(cp=4, cp_comm_type="a2a+p2p", cp_a2a=2, micro_batch_size=cfg.training.micro_batch_size), 4))
+    counted_a2a = counter.elements("all_to_all_single", "context_a2a") / 2   # whole inputs; half leaves the rank
+    counted_ring = counter.elements("send", "context_ring")
+    print(f"a2a+p2p CP=4 (2 x 2): {counted_a2a:,.0f} elements all-to-all inside the pairs, {counted_ring:,.0f} sent "
+          f"around the ring per step and rank; the planner's {a2a:,.0f} and {ring:,.0f}")
+    assert (counted_a2a, counted_ring) == (a2a, ring)
+    assert counter.elements("all_to_all_single", "context") == counter.elements("send", "context") == 0
 
 
 @requires_world(4)

@@ -95,9 +95,6 @@ def model_config(args: argparse.Namespace, vocab_size: int) -> ModelConfig:
     refuse_unsupported(args)
     if getattr(args, "disable_bias_linear", None) is not None:   # foundation-model checkpoints store this spelling
         args = argparse.Namespace(**{**vars(args), "add_bias_linear": not args.disable_bias_linear})
-    if model.multi_latent_attention:   # as the import refuses Megatron's (UNSUPPORTED)
-        raise CheckpointError("model option multi_latent_attention=True: megalite exports no multi-latent attention "
-                              "to Megatron-LM")
     values: dict[str, Any] = {}
     for option in (*MODEL_DEFINING, *CARRIED):
         if option == "vocab_size" or option in MEGALITE_ONLY:

@@ -179,8 +179,8 @@ class Muon:
             updates[id(piece.main)] = grad.lerp(buf, s.momentum) if s.nesterov else buf
         orthogonal = self._orthogonalize(updates)
         for piece in self.pieces:
-            piece.main.mul_(1 - lr * self.weight_decay).add_(orthogonal[id(piece.main)].view_as(piece.main),
-                                                             alpha=-lr)
+            update = orthogonal[id(piece.main)].reshape(piece.main.shape)
+            piece.main.mul_(1 - lr * self.weight_decay).add_(update, alpha=-lr)
 
     def _orthogonalize(self, updates: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
         result = {}
@@ -219,7 +219,7 @@ class Muon:
                 if owner[id(param)] == engine.dp_rank:
                     first, last = (i - bucket.start for i in engine.range(param))
                     orthogonal[first:last] = self.settings.orthogonalize(full[first:last].view(param.shape),
-                                                                         param).view(-1)
+                                                                         param).reshape(-1)
             shard = torch.empty(end - start, dtype=torch.float32, device=engine.device)
             _reduce_scatter(shard, orthogonal, group=engine.group.group)
             for piece in pieces:

@@ -35,6 +35,7 @@ class Layout:
     cp_comm_type: str = "p2p"            # p2p (ring) | a2a | allgather
     ep: int = 1                          # expert-parallel size (carved from DP x CP): E / EP experts per rank
     experts_split: bool = True           # routed experts split over TP (--expert-tensor-parallel-size TP), or whole
+    muon: bool = False                   # --optimizer muon: the hidden matrices keep one state buffer, not two
 
     @functools.cached_property
     def dims(self) -> ParallelDims:
@@ -130,4 +131,4 @@ class Layout:
                    sequence_parallel=p.sequence_parallel, recompute=cfg.model.recompute_granularity,
                    optimizer_cpu_offload=o.optimizer_cpu_offload, offload_params=o.offload_params, cp=cp,
                    cp_comm_type=p.cp_comm_type, ep=p.expert_model_parallel_size,
-                   experts_split=p.expert_tensor_parallel_size in (None, tp))
+                   experts_split=p.expert_tensor_parallel_size in (None, tp), muon=o.optimizer == "muon")

@@ -199,6 +199,13 @@ def test_tiny_config_is_valid_on_several_world_sizes():
     (tiny_config(model={"softmax_type": "learnable"}, parallel={"context_parallel_size": 2}), 2,
      "--softmax-type learnable is not supported with --context-parallel-size 2 (the context-parallel attention has "
      "no sink)"),
+    (tiny_config(optimizer={"optimizer": "sgd"}), 1, "--optimizer must be adam or muon, got 'sgd'"),
+    (tiny_config(optimizer={"optimizer": "muon", "zero_stage": 3}), 2, "--optimizer muon does not run with "
+     "--zero-stage 3 yet"),
+    (tiny_config(optimizer={"optimizer": "muon", "optimizer_cpu_offload": True}), 1,
+     "--optimizer muon does not run with --optimizer-cpu-offload"),
+    (tiny_config(optimizer={"muon_tp_mode": "gathered"}), 1,
+     "--muon-tp-mode must be duplicated, distributed or blockwise, got 'gathered'"),
 ])
 def test_bad_values_name_the_numbers(cfg, world, message):
     with pytest.raises(ConfigError) as error:

@@ -113,7 +113,8 @@ class MegaliteOptimizer:
     def state_bytes(self) -> int:
         """Bytes of Adam and Muon states (and separate fp32 main copies) held by this rank."""
         held = list(self.inner.state.values()) + (list(self.muon.state.values()) if self.muon is not None else [])
-        states = sum(t.numel() * t.element_size() for s in held for t in s.values() if torch.is_tensor(t) and t.dim() > 0)
+        states = sum(t.numel() * t.element_size() for s in held for t in s.values()
+                     if torch.is_tensor(t) and t.dim() > 0)
         mains = sum(p.main.numel() * 4 for p in self.pieces if not p.aliased)
         return states + mains
 

@@ -26,7 +26,7 @@ import torch
 from megalite.checkpoint.digests import digest_file, digest_ranges
 from megalite.checkpoint.directory import find_checkpoint
 from megalite.checkpoint.errors import CheckpointError
-from megalite.checkpoint.keys import OPTIMIZER_STATES, model_key, optimizer_key, optimizer_pieces, rng_key
+from megalite.checkpoint.keys import model_key, optimizer_key, optimizer_pieces, rng_key, stored_states
 from megalite.checkpoint.manifest import Manifest, TensorSpec
 from megalite.checkpoint.reshard import coverage_problem
 from megalite.checkpoint.storage import check_files, read_metadata, read_tensors, safe_reader, tensor_metadata
@@ -135,7 +135,7 @@ class Checkpoint:
     def _verify_optimizer_slice(self, name: str, spec: TensorSpec, rank: int, shape: tuple[int, ...],
                                 pieces: dict) -> None:
         numel = int(torch.Size(shape).numel())
-        for state in OPTIMIZER_STATES:
+        for state in stored_states(pieces, name):
             ranges = pieces.get((name, spec.slices, rank, state), [])
             problem = coverage_problem(ranges, numel) if ranges else "no pieces at all"
             if problem is not None:

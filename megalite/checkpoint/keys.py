@@ -22,6 +22,7 @@ from collections.abc import Iterable
 from megalite.tensor_parallel import Partition
 
 OPTIMIZER_STATES = ("main", "exp_avg", "exp_avg_sq")   # fp32 main parameter and AdamW's two moments
+MUON_STATES = ("main", "momentum_buffer")   # a matrix stepped by Muon (--optimizer muon): its one buffer
 
 _OPTIMIZER_KEY = re.compile(r"optim/(?P<name>[^/]+)/tp(?P<world>\d+)_(?P<rank>\d+)/(?P<lo>\d+)-(?P<hi>\d+)/"
                             r"(?P<state>\w+)")
@@ -63,3 +64,8 @@ def optimizer_pieces(keys: Iterable[str]) -> dict[tuple[str, int, int, str], lis
             slot = (match["name"], int(match["world"]), int(match["rank"]), match["state"])
             pieces[slot].append((int(match["lo"]), int(match["hi"])))
     return {slot: sorted(ranges) for slot, ranges in pieces.items()}
+
+
+def stored_states(pieces: dict[tuple[str, int, int, str], list], name: str) -> tuple[str, ...]:
+    """The states a checkpoint stores for parameter ``name`` (from :func:`optimizer_pieces`): Muon's or AdamW's."""
+    return MUON_STATES if any(slot[0] == name and slot[3] == "momentum_buffer" for slot in pieces) else OPTIMIZER_STATES

@@ -29,7 +29,7 @@ from megalite.checkpoint.contents import NO_DIGESTS, Checkpoint, open_load_check
 from megalite.checkpoint.digests import even_shares
 from megalite.checkpoint.errors import CheckpointError
 from megalite.checkpoint.identity import check_same_model
-from megalite.checkpoint.keys import OPTIMIZER_STATES, fp8_key, model_key, optimizer_key, optimizer_pieces, rng_key
+from megalite.checkpoint.keys import fp8_key, model_key, optimizer_key, optimizer_pieces, rng_key, stored_states
 from megalite.checkpoint.manifest import Manifest, SavedLayout
 from megalite.checkpoint.model_specs import check_fits
 from megalite.checkpoint.reshard import assemble, merge, split
@@ -210,9 +210,14 @@ def _load_parameters(checkpoint: Checkpoint, parameters: list[tuple[str, torch.n
         spec = manifest.params[name]
         model_keys = [model_key(name, spec.slices, r) for r in range(spec.slices)]
         wants_state = with_optimizer and bool(mine[id(param)])   # this rank updates some of it
+        kinds = ("main",) + optimizer.state_kinds(param) if wants_state else ()
+        if wants_state and (saved := stored_states(stored, name)) != kinds:
+            raise CheckpointError(f"{checkpoint.path}: the optimizer state of {name} is {', '.join(saved[1:])}, this "
+                                  f"run's optimizer keeps {', '.join(kinds[1:])} (saved with another --optimizer; "
+                                  f"--no-load-optim starts a fresh one)")
         state_keys = {(state, r): [(lo, hi, optimizer_key(name, spec.slices, r, lo, hi, state))
                                    for lo, hi in stored[(name, spec.slices, r, state)]]
-                      for state in OPTIMIZER_STATES for r in range(spec.slices)} if wants_state else {}
+                      for state in kinds for r in range(spec.slices)}
         data = checkpoint.read(model_keys + [key for ranges in state_keys.values() for _, _, key in ranges])
         with torch.no_grad():
             full = merge([data[key] for key in model_keys], spec)
@@ -224,7 +229,7 @@ def _load_parameters(checkpoint: Checkpoint, parameters: list[tuple[str, torch.n
                 continue
             shapes = spec.slice_shapes()
             param_start = optimizer.engine.range(param)[0]
-            for state in OPTIMIZER_STATES:
+            for state in kinds:
                 slices = [assemble({(lo, hi): data[key] for lo, hi, key in state_keys[(state, r)]},
                                    data[model_keys[r]].numel()).view(shapes[r]) for r in range(spec.slices)]
                 local = split(merge(slices, spec), param.partition, tp_rank, tp).view(-1)
@@ -243,7 +248,10 @@ def _load_parameters(checkpoint: Checkpoint, parameters: list[tuple[str, torch.n
 def _install_moments(optimizer: MegaliteOptimizer, moments: dict[int, dict[str, torch.Tensor]],
                      manifest: Manifest) -> None:
     """Adam's state through the optimizer's own load_state_dict, which puts each tensor on its parameter's device
-    and dtype; the step count is shared by every parameter."""
+    and dtype; the step count is shared by every parameter. Muon's momentum buffers are copied into its own."""
+    muon = optimizer.muon.pieces if optimizer.muon is not None else []
+    for piece in muon:
+        optimizer.muon.momentum_buffer(piece).copy_(moments.pop(id(piece.main))["momentum_buffer"])
     inner = optimizer.inner
     state_dict = inner.state_dict()
     ordered = [p for group in inner.param_groups for p in group["params"]]

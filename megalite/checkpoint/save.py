@@ -252,9 +252,7 @@ def _optimizer_tensors(optimizer: MegaliteOptimizer, at: _Coordinates,
         world, rank = slice_of(param.partition, at.tp_rank, at.tp)
         param_start = engine.range(param)[0]
         lo, hi = piece.start - param_start, piece.end - param_start
-        state = optimizer.inner.state[piece.main]
-        for kind, tensor in (("main", piece.main), ("exp_avg", state["exp_avg"]),
-                             ("exp_avg_sq", state["exp_avg_sq"])):
+        for kind, tensor in {"main": piece.main, **optimizer.piece_states(piece)}.items():
             tensors[optimizer_key(names[id(param)], world, rank, lo, hi, kind)] = tensor.detach()
     return tensors
 

@@ -401,7 +401,9 @@ _SCHEDULES_SETTING_LR = ("WarmupLR", "WarmupDecayLR")   # their warmup_max_lr, n
 
 def _optimizer(r: _Reader) -> None:
     """Adam/AdamW onto megalite's AdamW; omitted parameters take the defaults of DeepSpeed's Adam (lr 1e-3, betas
-    (0.9, 0.999), eps 1e-8, weight decay 0). Also gradient clipping."""
+    (0.9, 0.999), eps 1e-8, weight decay 0). Muon onto --optimizer muon as DeepSpeed's Muon updates (Keller Jordan's
+    muon_update: Nesterov, 5 Newton-Schulz steps, the update scaled by sqrt(max(1, rows/cols))), its momentum
+    (default 0.95) mapped, its auxiliary Adam read as above. Also gradient clipping."""
     _clipping(r)
     if r.block("optimizer") is None:
         return
@@ -413,12 +415,16 @@ def _optimizer(r: _Reader) -> None:
     else:
         kind = r.take("optimizer.type", str)
         kind = kind.lower()   # DeepSpeed compares the names in lower case
-        if kind not in ("adam", "adamw"):
-            r.refuse("optimizer.type", r.peek("optimizer.type"), "megalite's optimizer is AdamW")
+        if kind not in ("adam", "adamw", "muon"):
+            r.refuse("optimizer.type", r.peek("optimizer.type"), "megalite's optimizers are AdamW and Muon")
             r.read.add("optimizer.params")
             return
-        r.matches("optimizer.type", r.peek("optimizer.type"), "megalite's optimizer is AdamW" + (
-            " (DeepSpeed's Adam is AdamW unless adam_w_mode is false)" if kind == "adam" else ""))
+        if kind == "muon":
+            _muon(r)
+            kind = "adamw"   # the rest: its auxiliary Adam, decoupled (DeepSpeed's adam_update with lr x wd)
+        else:
+                r.matches("optimizer.type", r.peek("optimizer.type"), "megalite's optimizer is AdamW" + (
+                " (DeepSpeed's Adam is AdamW unless adam_w_mode is false)" if kind == "adam" else ""))
     p = "optimizer.params"
     r.block(p)
     adam_w_mode = r.take(f"{p}.adam_w_mode", bool)
@@ -451,6 +457,26 @@ def _optimizer(r: _Reader) -> None:
     decay = r.peek(f"{p}.weight_decay")   # DeepSpeed decays what the script's parameter groups say, often all
     r.param(f"{p}.weight_decay", float, "optimizer.weight_decay", 0.0,
             note="megalite does not decay biases and norm weights" if decay not in (_MISSING, AUTO, 0) else "")
+
+
+def _muon(r: _Reader) -> None:
+    """DeepSpeed's Muon (the hidden 2-D weights; AdamW for the rest, as megalite's split) at one learning rate."""
+    r.map("optimizer.type", r.peek("optimizer.type"),
+          {"optimizer.optimizer": "muon", "optimizer.muon_use_nesterov": True, "optimizer.muon_num_ns_steps": 5,
+           "optimizer.muon_scale_mode": "shape_scaling", "optimizer.muon_extra_scale_factor": 1.0},
+          "DeepSpeed's Muon update: Nesterov, 5 Newton-Schulz steps, scaled by sqrt(max(1, rows/cols))")
+    p = "optimizer.params"
+    r.block(p)
+    r.param(f"{p}.momentum", float, "optimizer.muon_momentum", 0.95)
+    lr = r.peek(f"{p}.lr")
+    for key in ("muon_lr", "adam_lr"):
+        value = r.peek(f"{p}.{key}")
+        if value is _MISSING or value == AUTO:
+            continue
+        if lr not in (_MISSING, AUTO) and value == lr:
+            r.matches(f"{p}.{key}", value, "the same as lr")
+        else:
+            r.refuse(f"{p}.{key}", value, "megalite steps the Muon and AdamW parameters at one learning rate, lr")
 
 
 def _clipping(r: _Reader) -> None:

@@ -509,6 +509,27 @@ class OptimizerConfig:
     adam_beta1: float = option(0.9, "Adam beta1.")
     adam_beta2: float = option(0.999, "Adam beta2.")
     adam_eps: float = option(1e-8, "Adam epsilon.")
+    optimizer: str = option(
+        "adam", "adam (AdamW for every parameter) or muon: Muon (momentum orthogonalized by Newton-Schulz) for the "
+                "2-D hidden weights (each routed expert's on its own), AdamW for the embeddings, the output layer, "
+                "norms and biases.")
+    muon_momentum: float = option(0.95, "With --optimizer muon: the momentum of the matrices' update.")
+    muon_use_nesterov: bool = option(False, "With --optimizer muon: Nesterov momentum.")
+    muon_num_ns_steps: int = option(5, "With --optimizer muon: Newton-Schulz iterations per update.")
+    muon_scale_mode: str = option(
+        "spectral", "With --optimizer muon: the orthogonalized update of an m x n matrix is multiplied by "
+                    "sqrt(max(m, n)) (spectral), sqrt(max(1, m/n)) (shape_scaling) or sqrt(m/n) (unit_rms_norm), "
+                    "then by --muon-extra-scale-factor.")
+    muon_extra_scale_factor: float = option(
+        0.2, "With --optimizer muon: a further factor on the update; 0.2 with spectral gives the update AdamW's RMS "
+             "(Moonlight), so AdamW's learning rate and weight decay carry over (Megatron's default is 1.0).")
+    muon_tp_mode: str = option(
+        "duplicated", "With --optimizer muon and tensor parallelism: duplicated (each TP rank gathers the whole "
+                      "matrix and orthogonalizes it), distributed (Newton-Schulz on the shards, its Gram matrices "
+                      "summed over TP) or blockwise (each shard orthogonalized on its own: the result depends on TP; "
+                      "Megatron's default).")
+    muon_no_split_qkv: bool = option(
+        False, "With --optimizer muon: orthogonalize the fused query/key/value weight as one matrix, not as three.")
     use_distributed_optimizer: bool = option(
         False, "Shard fp32 main parameters and Adam states over data-parallel ranks (ZeRO-1; see zero_stage).")
     zero_stage: int = option(

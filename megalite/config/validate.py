@@ -10,7 +10,7 @@ from typing import Any, Iterable, Optional
 from megalite.config.batches import batch_schedule
 from megalite.config.dims import ParallelDims
 from megalite.config.flags import FLAG
-from megalite.config.schema import TOKENIZER_TYPES, ConfigError, MegaliteConfig, ModelConfig, sections
+from megalite.config.schema import TOKENIZER_TYPES, ConfigError, MegaliteConfig, ModelConfig, OptimizerConfig, sections
 
 
 # Megatron's tokenizer names that megalite.data.tokenizer serves beside its SentencePiece and Null tokenizers.
@@ -581,6 +581,7 @@ def _check_optimizer(cfg: MegaliteConfig, dims: ParallelDims) -> None:
     _at_least(0, [("weight_decay", o.weight_decay)])
     _require(not (t.bf16 and t.fp16), f"{FLAG.bf16} and {FLAG.fp16} exclude each other")
     _one_of("zero_stage", o.zero_stage, (1, 2, 3))
+    _check_muon(o)
     _require(o.zero_stage != 2 or o.use_distributed_optimizer,
              f"{FLAG.zero_stage} 2 needs {FLAG.use_distributed_optimizer}")
     _require(not o.overlap_param_gather or o.use_distributed_optimizer,
@@ -601,6 +602,23 @@ def _check_optimizer(cfg: MegaliteConfig, dims: ParallelDims) -> None:
     _require(0 < o.min_loss_scale <= o.initial_loss_scale,
              f"need 0 < {FLAG.min_loss_scale} <= {FLAG.initial_loss_scale}, got {o.min_loss_scale} and "
              f"{o.initial_loss_scale}")
+
+
+def _check_muon(o: OptimizerConfig) -> None:
+    _one_of("optimizer", o.optimizer, ("adam", "muon"))
+    _one_of("muon_scale_mode", o.muon_scale_mode, ("spectral", "shape_scaling", "unit_rms_norm"))
+    _one_of("muon_tp_mode", o.muon_tp_mode, ("duplicated", "distributed", "blockwise"))
+    _require(0 <= o.muon_momentum < 1, f"{FLAG.muon_momentum} must be in [0, 1), got {o.muon_momentum}")
+    _at_least(1, [("muon_num_ns_steps", o.muon_num_ns_steps)])
+    _require(o.muon_extra_scale_factor > 0,
+             f"{FLAG.muon_extra_scale_factor} must be > 0, got {o.muon_extra_scale_factor}")
+    if o.optimizer != "muon":
+        return
+    _require(not o.optimizer_cpu_offload,
+             f"{FLAG.optimizer} muon does not run with {FLAG.optimizer_cpu_offload} (the CPU optimizer is AdamW only)")
+    _require(o.zero_stage != 3,
+             f"{FLAG.optimizer} muon does not run with {FLAG.zero_stage} 3 yet (Newton-Schulz needs whole matrices, "
+             f"which FSDP2 shards by rows); use {FLAG.use_distributed_optimizer} with {FLAG.zero_stage} 1 or 2")
 
 
 def _check_fully_sharded(cfg: MegaliteConfig, dims: ParallelDims) -> None:

@@ -98,6 +98,7 @@ class SelfAttention(nn.Module):
         self.linear_qkv = ColumnParallelLinear(cfg.hidden_size, cfg.query_size + 2 * kv_size, fused=fused,
                                                bias=bias or cfg.add_qkv_bias, init_std=cfg.init_method_std,
                                                sequence_parallel=sequence_parallel, fp8=fp8)
+        self.linear_qkv.weight.is_qkv = True   # blocks [q; k; v], which Muon orthogonalizes one by one
         self.linear_proj = RowParallelLinear(cfg.query_size, cfg.hidden_size, bias=bias, init_std=output_std,
                                              sequence_parallel=sequence_parallel, fp8=fp8)
         self._init_sink(cfg)

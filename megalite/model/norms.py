@@ -85,4 +85,5 @@ def norm(cfg: ModelConfig, sequence_parallel: bool = False, kernels: KernelPolic
 def position_embedding(max_positions: int, hidden_size: int, init_std: float) -> nn.Embedding:
     table = nn.Embedding(max_positions, hidden_size)
     mark(table.weight, table.weight.shape, REPLICATED, normal_init(init_std))
+    table.weight.is_position_embedding = True   # a table, not a map: AdamW steps it under --optimizer muon
     return table

@@ -1,4 +1,4 @@
-"""AdamW over fp32 main parameters: whole, or sharded over data-parallel ranks (the distributed optimizer).
+"""AdamW (or Muon for the matrices) over fp32 main parameters: whole, or sharded over data-parallel ranks.
 
 The optimizer steps the data-parallel engine's *pieces*: for each model parameter, the part of it this rank updates
 (see megalite.distributed.engine). Without the distributed optimizer a piece is the whole parameter; with it, it is
@@ -9,7 +9,9 @@ bf16/fp16, and a CPU copy with ``optimizer_cpu_offload`` (stepped by the fused C
 fused kernel (:func:`fused_adamw`).
 
 One step: unscale fp16 gradients and skip the step on every rank if any rank overflowed; the exact global norm and
-clipping; AdamW; write main copies back into the parameters; all-gather the shards (distributed optimizer).
+clipping; AdamW; write main copies back into the parameters; all-gather the shards (distributed optimizer). With
+``--optimizer muon`` the hidden matrices' pieces are stepped by :class:`~megalite.optimizer.muon.Muon` instead of
+AdamW (same main copies, same clipped gradients; one momentum buffer per piece instead of two moments).
 """
 
 from __future__ import annotations
@@ -25,6 +27,10 @@ from megalite.config import OptimizerConfig, TrainingConfig
 from megalite.distributed.engine import DataParallelEngine, Piece
 from megalite.optimizer.clip_grads import clip_by_global_norm_, global_grad_norm
 from megalite.optimizer.loss_scaler import ConstantLossScaler, DynamicLossScaler
+from megalite.optimizer.muon import Muon, MuonSettings, is_muon_matrix
+
+ADAM_STATES = ("exp_avg", "exp_avg_sq")
+MUON_STATES = ("momentum_buffer",)
 
 
 def is_embedding_or_output(param: torch.nn.Parameter) -> bool:
@@ -64,12 +70,16 @@ class MegaliteOptimizer:
     def __init__(self, engine: DataParallelEngine, cfg: OptimizerConfig, training: TrainingConfig):
         self.engine, self.cfg = engine, cfg
         self.pieces = [MainPiece.of(piece, cfg.optimizer_cpu_offload) for piece in engine.pieces()]
+        muon = [p for p in self.pieces if cfg.optimizer == "muon" and is_muon_matrix(p.param)]
+        self.muon = Muon(muon, engine, MuonSettings.from_config(cfg), cfg.weight_decay) if muon else None
+        stepped_by_muon = {id(p.main) for p in muon}
+        adam = [p for p in self.pieces if id(p.main) not in stepped_by_muon]
         # Weight decay for matrices only (not biases and norm weights); with --decoupled-lr the word embedding and
         # the output layer (flagged by the model) form groups of their own, stepped at their own rate.
         groups = []
         for decoupled in (False, True) if cfg.decoupled_lr is not None else (False,):
             for decay in (True, False):
-                params = [p.main for p in self.pieces if (p.param.dim() > 1) == decay
+                params = [p.main for p in adam if (p.param.dim() > 1) == decay
                           and decoupled == (cfg.decoupled_lr is not None and is_embedding_or_output(p.param))]
                 groups.append({"params": params, "weight_decay": cfg.weight_decay if decay else 0.0,
                                "decoupled": decoupled})
@@ -90,10 +100,21 @@ class MegaliteOptimizer:
     def loss_scale(self) -> float:
         return self.scaler.scale if self.scaler is not None else 1.0
 
+    def state_kinds(self, param: torch.nn.Parameter) -> tuple[str, ...]:
+        """The optimizer states a piece of ``param`` has (what a checkpoint stores beside its main copy)."""
+        return MUON_STATES if self.cfg.optimizer == "muon" and is_muon_matrix(param) else ADAM_STATES
+
+    def piece_states(self, piece: MainPiece) -> dict[str, torch.Tensor]:
+        """The states of one piece by kind (:meth:`state_kinds`), made if the optimizer has not stepped yet."""
+        if self.muon is not None and self.state_kinds(piece.param) == MUON_STATES:
+            return {"momentum_buffer": self.muon.momentum_buffer(piece)}
+        return {kind: self.inner.state[piece.main][kind] for kind in ADAM_STATES}
+
     def state_bytes(self) -> int:
-        """Bytes of Adam states (and separate fp32 main copies) held by this rank."""
-        states = sum(t.numel() * t.element_size() for s in self.inner.state.values()
-                     for t in s.values() if torch.is_tensor(t) and t.dim() > 0)
+        """Bytes of Adam and Muon states (and separate fp32 main copies) held by this rank."""
+        held = list(self.inner.state.values()) + (list(self.muon.state.values()) if self.muon is not None else [])
+        states = sum(t.numel() * t.element_size() for s in held for t in s.values()
+                     if torch.is_tensor(t) and t.dim() > 0)
         mains = sum(p.main.numel() * 4 for p in self.pieces if not p.aliased)
         return states + mains
 
@@ -130,6 +151,8 @@ class MegaliteOptimizer:
         for group in self.inner.param_groups:
             group["lr"] = decoupled_lr if group["decoupled"] else lr
         self.inner.step()
+        if self.muon is not None:
+            self.muon.step(lr)
         for p in self.pieces:
             p.main.grad = None
             if not p.aliased:

@@ -38,6 +38,7 @@ class Layout:
     ep: int = 1                          # expert-parallel size (carved from DP x CP): E / EP experts per rank
     experts_split: bool = True           # routed experts split over TP (--expert-tensor-parallel-size TP), or whole
     split: Optional[tuple[int, ...]] = None   # transformer layers per virtual stage when uneven; None: even
+    muon: bool = False                   # --optimizer muon: the hidden matrices keep one state buffer, not two
 
     @functools.cached_property
     def dims(self) -> ParallelDims:
@@ -146,5 +147,5 @@ class Layout:
                    optimizer_cpu_offload=o.optimizer_cpu_offload, offload_params=o.offload_params, cp=cp,
                    cp_comm_type=p.cp_comm_type, ep=p.expert_model_parallel_size,
                    cp_a2a=(p.hierarchical_context_parallel() or (1, 1))[0],
-                   experts_split=p.expert_tensor_parallel_size in (None, tp),
+                   experts_split=p.expert_tensor_parallel_size in (None, tp), muon=o.optimizer == "muon",
                    split=p.pipeline_split(cfg.model.num_layers, getattr(cfg.model, "mtp_num_layers", None) or 0))

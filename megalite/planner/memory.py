@@ -14,7 +14,9 @@ allocate; in fact exact, bucket padding included):
 - optimizer: Adam's exp_avg and exp_avg_sq in fp32 (8 bytes), plus a separate fp32 main copy (4 bytes) when the
   model is bf16/fp16 (an fp32 model steps its own storage: no copy), for this rank's parameters, or with the
   distributed optimizer for the real (not padding) elements of this rank's shard of each bucket;
-  ``--optimizer-cpu-offload`` moves all of it to the host.
+  ``--optimizer-cpu-offload`` moves all of it to the host. With ``--optimizer muon`` the hidden matrices (2-D, not
+  the embeddings or the output layer) keep Muon's one momentum buffer (4 bytes) instead of Adam's two; Muon's
+  transient work (the gathered matrix, Newton-Schulz's Gram products) is not counted.
 
 ZeRO-3 (``--zero-stage 3``, FSDP2, megalite.distributed.fully_sharded) holds no flat buffer: every tensor (this TP
 rank's slice) is cut by rows over DP, ceil(rows / DP) rows per rank, so DP rank 0 holds the most (tests: equal to the
@@ -152,10 +154,10 @@ def bytes_per_parameter(zero: int, dp: int, dtype_bytes: int = 2) -> float:
 
 class _Sized:
     """A stand-in for a parameter in megalite.distributed.buckets.plan_buckets, which needs only numel()."""
-    __slots__ = ("n",)
+    __slots__ = ("n", "tensor")
 
-    def __init__(self, n: int):
-        self.n = n
+    def __init__(self, n: int, tensor: Optional[Tensor] = None):
+        self.n, self.tensor = n, tensor
 
     def numel(self) -> int:
         return self.n
@@ -199,7 +201,7 @@ def model_state_bytes(model: ModelConfig, layout: Layout, pp_rank: int = 0, *, d
         return _STATES_CACHE[key]
     key = (dataclasses.astuple(model), layout.tp, layout.pp, layout.virtual_stages, replicas, layout.zero,
            layout.optimizer_cpu_offload, pp_rank, dtype_bytes, dp_rank, bucket_size, grad_bytes, layout.placement,
-           experts, layout.split)
+           experts, layout.split, layout.muon)
     if key not in _STATES_CACHE:   # the search asks again for every micro-batch size and recompute option
         _STATES_CACHE[key] = _model_state_bytes(model, *key[1:])
     return _STATES_CACHE[key]
@@ -210,24 +212,25 @@ _STATES_CACHE: dict[tuple, ModelStates] = {}
 
 def _model_state_bytes(model: ModelConfig, tp: int, pp: int, v: int, dp: int, zero: int, offload: bool, pp_rank: int,
                        dtype_bytes: int, dp_rank: int, bucket_size: Optional[int], grad_bytes: int,
-                       placement: str, experts: tuple[int, int], split: Optional[tuple[int, ...]]) -> ModelStates:
+                       placement: str, experts: tuple[int, int], split: Optional[tuple[int, ...]],
+                       muon: bool = False) -> ModelStates:
     """The engines' flat buffers: one over DP, and with a mixture of experts one for the routed experts over the
     expert-data-parallel ranks (megalite.distributed.expert_parallel), each planned as the engine plans it."""
     ep, expert_tp = experts
     tensors = [t for chunk in rank_tensors(model, tp, pp, v, pp_rank, placement, ep=ep, expert_tp=expert_tp,
                                            split=split) for t in chunk]
     dense = _engine_state_bytes([t for t in tensors if not t.expert], dp, zero, dtype_bytes, dp_rank,
-                                bucket_size or default_bucket_size(dp), grad_bytes, model.fp8_param_gather)
+                                bucket_size or default_bucket_size(dp), grad_bytes, model.fp8_param_gather, muon)
     routed = [t for t in tensors if t.expert]
     if not routed:
-        weights, gradients, owned = dense
+        weights, gradients, owned, matrices = dense
     else:   # (expert-data-parallel rank: the ranks of one expert-parallel group come first)
         expert_dp = dp // ep
         expert = _engine_state_bytes(routed, expert_dp, zero, dtype_bytes, dp_rank // ep,
-                                     bucket_size or default_bucket_size(expert_dp), grad_bytes)
-        weights, gradients, owned = (a + b for a, b in zip(dense, expert))
+                                     bucket_size or default_bucket_size(expert_dp), grad_bytes, muon=muon)
+        weights, gradients, owned, matrices = (a + b for a, b in zip(dense, expert))
     main_copy = 0 if dtype_bytes == 4 and not offload else 4
-    optimizer = owned * (8 + main_copy)
+    optimizer = owned * (8 + main_copy) - matrices * 4   # Muon's one buffer where Adam keeps two
     if offload:
         return ModelStates(weights, gradients, 0.0, optimizer)
     return ModelStates(weights, gradients, optimizer)
@@ -244,15 +247,16 @@ def expert_state_bytes(model: ModelConfig, layout: Layout, pp_rank: int = 0, *, 
         return 0.0 if not tensors else sum(t.numel for t in tensors) * (dtype_bytes + 4)
     if layout.zero == 3:
         return 16.0 * sum(shard_rows(t.dim0, layout.expert_dp, 0) * (t.numel // t.dim0) for t in tensors)
-    weights, gradients, owned = _engine_state_bytes(tensors, layout.expert_dp, layout.zero, dtype_bytes, 0,
-                                                    bucket_size or default_bucket_size(layout.expert_dp))
-    return weights + gradients + owned * (8 + (0 if dtype_bytes == 4 else 4))
+    weights, gradients, owned, matrices = _engine_state_bytes(tensors, layout.expert_dp, layout.zero, dtype_bytes, 0,
+                                                              bucket_size or default_bucket_size(layout.expert_dp),
+                                                              muon=layout.muon)
+    return weights + gradients + owned * (8 + (0 if dtype_bytes == 4 else 4)) - matrices * 4
 
 
 def engine_buckets(tensors: list[Tensor], dp: int, zero: int, bucket_size: int) -> tuple[BucketPlan, set[int]]:
     """One engine's bucket plan, as megalite.distributed.data_parallel makes it, and the indices of its buckets of
     FP8 linears' weights (their own buckets under the distributed optimizer)."""
-    params = [_Sized(t.numel) for t in tensors]
+    params = [_Sized(t.numel, t) for t in tensors]
     fp8 = [p for p, t in zip(params, tensors) if t.fp8] if zero in (1, 2) and dp > 1 else []
     plan = plan_buckets(params, bucket_size, dp, [p for p, t in zip(params, tensors) if t.deferred], fp8)
     return plan, {plan.bucket_of[id(p)] for p in fp8}
@@ -260,8 +264,9 @@ def engine_buckets(tensors: list[Tensor], dp: int, zero: int, bucket_size: int) 
 
 def _engine_state_bytes(tensors: list[Tensor], dp: int, zero: int, dtype_bytes: int, dp_rank: int,
                         bucket_size: int, grad_bytes: int = 4,
-                        fp8_param_gather: bool = False) -> tuple[float, float, int]:
-    """(weight bytes, gradient bytes, elements whose optimizer state this rank owns) of one engine's buffers."""
+                        fp8_param_gather: bool = False, muon: bool = False) -> tuple[float, float, int, int]:
+    """(weight bytes, gradient bytes, elements whose optimizer state this rank owns, of which Muon's matrices' with
+    ``muon``) of one engine's buffers."""
     plan, fp8_buckets = engine_buckets(tensors, dp, zero, bucket_size)
     weights = plan.total * dtype_bytes
     if fp8_param_gather:
@@ -270,16 +275,21 @@ def _engine_state_bytes(tensors: list[Tensor], dp: int, zero: int, dtype_bytes: 
         gradients = sum((b.end - b.start) // dp for b in plan.buckets) * grad_bytes
     else:
         gradients = plan.total * grad_bytes
-    if zero:   # the real elements of this rank's shard of each bucket
-        owned = 0
-        for bucket in plan.buckets:
-            first, last = bucket.shard(dp_rank, dp)
-            for p in bucket.params:
-                start, end = plan.ranges[id(p)]
-                owned += max(0, min(end, last) - max(start, first))
-    else:
-        owned = sum(t.numel for t in tensors)
-    return weights, gradients, owned
+    owned = matrices = 0
+    for bucket in plan.buckets:
+        first, last = bucket.shard(dp_rank, dp) if zero else (bucket.start, bucket.end)
+        for p in bucket.params:   # the real elements of this rank's shard of each bucket (without ZeRO: all)
+            start, end = plan.ranges[id(p)]
+            elements = max(0, min(end, last) - max(start, first))
+            owned += elements
+            matrices += elements if muon and is_muon_matrix(p.tensor) else 0
+    return weights, gradients, owned, matrices
+
+
+def is_muon_matrix(tensor: Tensor) -> bool:
+    """What --optimizer muon steps with Muon (megalite.optimizer.muon.is_muon_matrix): matrices but the embeddings
+    and the output layer."""
+    return tensor.rows > 0 and not tensor.name.startswith(("embedding.", "output_layer."))
 
 
 def shard_rows(rows: int, dp: int, dp_rank: int) -> int:

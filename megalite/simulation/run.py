@@ -158,8 +158,9 @@ def _named_tensors(trainer) -> dict[str, list[torch.Tensor]]:
     params = list(trainer.model.parameters())
     grads = [piece.grad for piece in trainer.engine.pieces()]
     grads += [t for p in params for t in (p.grad, getattr(p, "main_grad", None)) if t is not None]
-    inner = trainer.optimizer.inner
-    states = [t for state in inner.state.values() for t in state.values() if torch.is_tensor(t)]
+    optimizer = trainer.optimizer
+    held = list(optimizer.inner.state.values()) + (list(optimizer.muon.state.values()) if optimizer.muon else [])
+    states = [t for state in held for t in state.values() if torch.is_tensor(t)]
     return {"weights": params, "gradients": grads,
             "optimizer": [piece.main for piece in trainer.optimizer.pieces] + states}
 

@@ -652,3 +652,14 @@ def test_translate_returns_hydra_overrides(tmp_path):
     translation = translate(str(path), 1, MegaliteConfig())
     assert translation.overrides() == ["training.bf16=true", "optimizer.lr_warmup_iters=10", "optimizer.lr=0.001",
                                        "optimizer.lr_decay_style='constant'"]
+
+
+def test_muon_maps_onto_deepspeed_muon_update(ds):
+    """DeepSpeed's Muon: Nesterov, 5 steps, sqrt(max(1, rows/cols)); its auxiliary Adam read as Adam's params."""
+    o = ds({"optimizer": {"type": "Muon", "params": {"lr": 2e-2, "momentum": 0.9, "betas": [0.9, 0.95],
+                                                     "weight_decay": 0.1, "muon_lr": 2e-2}}}).config.optimizer
+    assert (o.optimizer, o.muon_momentum, o.muon_use_nesterov, o.muon_num_ns_steps, o.muon_scale_mode,
+            o.muon_extra_scale_factor) == ("muon", 0.9, True, 5, "shape_scaling", 1.0)
+    assert (o.lr, o.adam_beta2, o.weight_decay) == (2e-2, 0.95, 0.1)
+    assert "optimizer.params.adam_lr=0.0002" in error_of(ds, {"optimizer": {"type": "Muon", "params": {
+        "lr": 2e-2, "adam_lr": 2e-4}}})

@@ -77,7 +77,8 @@ def reference(cfg):
     configuration share it."""
     optimizer = dataclasses.replace(cfg.optimizer, use_distributed_optimizer=False, zero_stage=1,
                                     overlap_grad_reduce=False, overlap_param_gather=False,
-                                    optimizer_cpu_offload=False, offload_params=False, ddp_bucket_size=None)
+                                    optimizer_cpu_offload=False, offload_params=False, ddp_bucket_size=None,
+                                    muon_tp_mode="duplicated")   # how TP shards are orthogonalized: none at TP=1
     model = dataclasses.replace(cfg.model, moe_token_dispatcher_type="alltoall")
     cfg = dataclasses.replace(cfg, model=model, parallel=ParallelConfig(), optimizer=optimizer)
     if repr(cfg) not in _REFERENCES:

@@ -49,8 +49,8 @@ RESHARD = 1e-5
 
 
 @pytest.mark.parametrize("label, tp, pp, model, optimizer", [
-    ("TP=2 x DP=2 ZeRO-1, overlapped gather", 2, 1, {},
-     {"overlap_param_gather": True}),
+    ("TP=2 x DP=2 ZeRO-1, overlapped gather, Muon for the matrices", 2, 1, {},
+     {"overlap_param_gather": True, "optimizer": "muon", "muon_tp_mode": "distributed"}),
     ("PP=2 (V=2) x DP=2 ZeRO-2, tied embedding across stages", 1, 2, {"num_layers": 4},
      {"zero_stage": 2, "overlap_grad_reduce": True}),
 ])

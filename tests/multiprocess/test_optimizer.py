@@ -25,6 +25,7 @@ from .equivalence import CPU, check_against_reference
 
 BUCKET = 4000
 DIST = {"use_distributed_optimizer": True}
+MUON = {"optimizer": "muon"}
 
 
 @pytest.mark.parametrize("label, tp, pp, ranks, options", [
@@ -39,6 +40,10 @@ DIST = {"use_distributed_optimizer": True}
     ("PP=2 x DP=2 ZeRO-2 (tied embedding across stages)", 1, 2, None, {**DIST, "zero_stage": 2,
                                                                         "overlap_grad_reduce": True}),
     ("DP=2 ZeRO-1 CPU offload", 1, 1, [0, 1], {**DIST, "optimizer_cpu_offload": True}),
+    ("TP=2 Muon duplicated", 2, 1, [0, 1], MUON),
+    ("TP=2 x DP=2 ZeRO-1 Muon distributed, matrices layer-wise over DP", 2, 1, None,
+     {**DIST, **MUON, "muon_tp_mode": "distributed"}),
+    ("PP=2 x DP=2 ZeRO-2 Muon", 1, 2, None, {**DIST, **MUON, "zero_stage": 2}),
 ])
 def test_matches_single_process(label, tp, pp, ranks, options):
     cfg = tiny_config(tp=tp, pp=pp, optimizer={"ddp_bucket_size": BUCKET, **options},

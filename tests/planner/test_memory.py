@@ -57,11 +57,14 @@ def _measured_states(model, layout: Layout, pp_rank: int, dtype: torch.dtype, bu
                               embedding_group=parallel_state.get_embedding_group(),
                               tied_params=[w for c in chunks for w in c.tied_embedding_weights()],
                               bucket_size=bucket_size, zero=layout.zero, fp8_param_gather=model.fp8_param_gather)
-        optimizer = MegaliteOptimizer(engine, OptimizerConfig(**OptimizerConfig.zero_settings(layout.zero)),
+        optimizer = MegaliteOptimizer(engine, OptimizerConfig(**OptimizerConfig.zero_settings(layout.zero),
+                                                              optimizer="muon" if layout.muon else "adam"),
                                       TrainingConfig(bf16=dtype == torch.bfloat16))
         for piece in optimizer.pieces:   # Adam allocates its states on the first step
             piece.main.grad = torch.zeros_like(piece.main)
         optimizer.inner.step()
+        for piece in optimizer.muon.pieces if optimizer.muon is not None else []:
+            optimizer.muon.momentum_buffer(piece)
         weights = engine.param_buffer.untyped_storage().nbytes() + (
             sum(b.untyped_storage().nbytes() for b in engine.fp8.buffers.values()) if engine.fp8 else 0)
         grads = (sum(s.untyped_storage().nbytes() for s in engine.grad_shards) if engine.zero2
@@ -77,6 +80,7 @@ def _measured_states(model, layout: Layout, pp_rank: int, dtype: torch.dtype, bu
     (Layout(tp=2, pp=2, dp=2, zero=1), None),           # tied embedding copy on the last stage
     (Layout(pp=2, dp=3, virtual_stages=2, zero=2), 5000),
     (Layout(tp=4, dp=2), None),
+    (Layout(tp=2, pp=2, dp=2, zero=1, muon=True), None),   # Muon's one buffer for the hidden matrices
 ])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("fp8", [None, "param gather"])

@@ -64,6 +64,7 @@ def validate(cfg: MegaliteConfig, world_size: int) -> None:
         _require(value % tp == 0,
                  f"{getattr(FLAG, name)} {value} is not divisible by {FLAG.tensor_model_parallel_size} {tp}")
     _check_architecture(cfg)
+    _check_multi_token_prediction(cfg)
     _check_fp8(cfg, dims)
     _check_context_parallel(cfg)
     _check_experts(cfg, dims)
@@ -280,6 +281,22 @@ def _check_architecture(cfg: MegaliteConfig) -> None:
     else:
         _require(m.recompute_method is None,
                  f"{FLAG.recompute_method} applies to {FLAG.recompute_granularity} full only")
+
+
+def _check_multi_token_prediction(cfg: MegaliteConfig) -> None:
+    """MTP's depth and loss weight; positions the shifted tokens' embedding can take (Megatron's rule)."""
+    m = cfg.model
+    _require(m.mtp_loss_scaling_factor >= 0,
+             f"{FLAG.mtp_loss_scaling_factor} must be >= 0, got {m.mtp_loss_scaling_factor}")
+    if m.mtp_num_layers is None:
+        return
+    _at_least(1, [("mtp_num_layers", m.mtp_num_layers)])
+    _require(m.mtp_num_layers < m.seq_length,
+             f"{FLAG.mtp_num_layers} {m.mtp_num_layers} leaves no token to predict in {FLAG.seq_length} "
+             f"{m.seq_length}")
+    _require(not m.learned_positions,
+             f"{FLAG.mtp_num_layers} needs {FLAG.position_embedding_type} rope or none (Megatron's rule: the "
+             f"multi-token prediction modules embed shifted tokens, and learned absolute positions are not supported)")
 
 
 # FP8 matrix products (torch._scaled_mm on Hopper) take dimensions that are multiples of this.

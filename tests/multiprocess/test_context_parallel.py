@@ -99,12 +99,13 @@ def test_attention_over_the_whole_sequence(cp, comm_type):
     ("a2a CP=4", 4, "a2a", 1, {}, {}, {}),
     ("allgather CP=2 x DP=2", 2, "allgather", 1, {}, {}, {}),
     ("allgather CP=4", 4, "allgather", 1, {}, {}, {}),
-    ("p2p CP=2 x TP=2, sequence parallel, Llama-style (rotary, GQA)", 2, "p2p", 2, LLAMA,
-     {"sequence_parallel": True}, {}),
+    ("p2p CP=2 x TP=2, sequence parallel, Llama-style (rotary, GQA), 2-depth MTP", 2, "p2p", 2,
+     {**LLAMA, "mtp_num_layers": 2}, {"sequence_parallel": True}, {}),
     ("p2p CP=2 x DP=2, distributed optimizer over DP x CP, selective recompute", 2, "p2p", 1,
      {"recompute_granularity": "selective"}, {}, {"use_distributed_optimizer": True, "overlap_grad_reduce": True}),
-    ("p2p CP=2 x DP=2, ZeRO-3 over DP x CP, full recompute", 2, "p2p", 1,
-     {"recompute_granularity": "full", "recompute_method": "uniform"}, {}, {"zero_stage": 3}),
+    ("p2p CP=2 x DP=2, ZeRO-3 over DP x CP, full recompute, rotary, MTP", 2, "p2p", 1,
+     {"recompute_granularity": "full", "recompute_method": "uniform", "position_embedding_type": "rope",
+      "mtp_num_layers": 1}, {}, {"zero_stage": 3}),
 ], ids=slug)
 def test_losses_and_weights_match_single_process(label, cp, comm_type, tp, model, parallel, optimizer):
     cfg = cp_config(cp, comm_type, tp, model=model, parallel=parallel, optimizer=optimizer)
@@ -145,8 +146,8 @@ def packed_data(directory):
 @pytest.mark.parametrize("label, cp, comm_type, pp, model", [
     ("packed documents, p2p CP=2 x DP=2", 2, "p2p", 1, {}),
     ("packed documents, a2a CP=4", 4, "a2a", 1, {}),
-    ("packed documents, allgather CP=2 x PP=2 (V=2, interleaved), rotary", 2, "allgather", 2,
-     {"num_layers": 4, "position_embedding_type": "rope"}),
+    ("packed documents, allgather CP=2 x PP=2 (V=2, interleaved), rotary, MTP", 2, "allgather", 2,
+     {"num_layers": 4, "position_embedding_type": "rope", "mtp_num_layers": 1}),
 ], ids=slug)
 def test_packed_documents_match_single_process(packed_data, label, cp, comm_type, pp, model):
     cfg = cp_config(cp, comm_type, pp=pp, model=model, data=packed_data,

@@ -48,7 +48,8 @@ QWEN2_ROPE_SCALING = {"add_qkv_bias": True, "use_rope_scaling": True, "rope_scal
 
 
 @pytest.mark.parametrize("label, tp, pp, model, parallel, optimizer", [
-    ("llama-like + yarn rope scaling TP=2 x PP=2", 2, 2, {**LLAMA, **YARN}, {}, {}),
+    ("llama-like + yarn rope scaling + 2-depth MTP TP=2 x PP=2", 2, 2, {**LLAMA, **YARN, "mtp_num_layers": 2}, {},
+     {}),
     ("llama-like + sliding window + learnable sinks + sequence parallel + selective recompute TP=2 x PP=2", 2, 2,
      {**LLAMA, **SELECTIVE, **WINDOW, "softmax_type": "learnable"}, SP, {}),
     ("GPT + tanh GeLU + sequence parallel + full block recompute TP=2 x DP=2 ZeRO-2", 2, 1,

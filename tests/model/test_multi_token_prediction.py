@@ -1,6 +1,7 @@
 """Multi-token prediction in one process: the model's MTP losses equal a reference written out here (DeepSeek-V3's
 modules step by step, with plain torch ops), the shifted targets respect sample ends, documents and the loss mask,
-and a training step's ``loss`` stays the language-model loss of the same run without MTP."""
+and a training step's ``loss`` stays the language-model loss of the same run without MTP (a mixture of experts whose
+last layer, and so the MTP module's, is MoE: its statistics count the MTP layer too)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from megalite.model.multi_token_prediction import multi_token_targets
 from megalite.tensor_parallel import TensorParallelRNG
 from megalite.training.trainer import Trainer
 
-from ..helpers import tiny_config
+from ..helpers import TINY_MOE, tiny_config
 
 pytestmark = pytest.mark.usefixtures("single_process_layout")   # tests/conftest.py
 
@@ -74,11 +75,12 @@ def test_targets_stop_at_the_sample_end_and_at_documents():
 
 def test_logged_loss_is_the_language_model_loss():
     records = {}
-    for name, options in (("plain", {}), ("mtp", MTP)):
-        cfg = tiny_config(model={**MTP, **options, "mtp_num_layers": options.get("mtp_num_layers")},
-                          training={"train_iters": 1}, data={"eval_interval": 0})
+    for name, depth in (("plain", None), ("mtp", 2)):
+        cfg = tiny_config(model={**MTP, **TINY_MOE, "moe_layer_freq": "[0,1]", "mtp_num_layers": depth},
+                          training={"train_iters": 1, "global_batch_size": 2}, data={"eval_interval": 0})
         records[name] = Trainer.on_registered_layout(cfg, torch.device("cpu")).train_step()
     assert records["mtp"]["loss"] == records["plain"]["loss"]   # the same initial weights, the same samples
+    assert records["plain"]["moe_layers"] == [1] and records["mtp"]["moe_layers"] == [1, 2, 3]
     assert "mtp_loss" not in records["plain"] and abs(records["mtp"]["mtp_loss"] - 5.7) < 0.3   # ~ ln 301
     assert len(records["mtp"]["mtp_losses"]) == 2
     assert records["mtp"]["grad_norm"] != records["plain"]["grad_norm"]

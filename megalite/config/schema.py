@@ -247,6 +247,15 @@ class ModelConfig:
     moe_grouped_gemm: bool = option(
         False, "Run a rank's experts as one grouped matrix product (torch._grouped_mm where this torch and device "
                "offer it for the dtype and shapes) instead of a loop over experts.", role=NUMERICS_NEUTRAL)
+    # Multi-token prediction (megalite.model.multi_token_prediction), DeepSeek-V3's.
+    mtp_num_layers: Optional[int] = option(
+        None, "Multi-token prediction (DeepSeek-V3's MTP): this many sequential modules after the last layer, module k "
+              "predicting the token k + 1 places ahead from the previous depth's hidden states and the embedding of "
+              "the token k places ahead (one transformer layer each, built like the last layer; the embedding and "
+              "output layer shared with the model); on the last pipeline stage. Default: none.")
+    mtp_loss_scaling_factor: float = option(
+        0.1, "With --mtp-num-layers: the training loss adds this times the mean over the depths of each depth's "
+             "cross-entropy (the logged loss stays the language-model loss; mtp_loss is logged beside it).", role=RUN)
 
     @property
     def ffn_size(self) -> int:

@@ -64,6 +64,7 @@ def validate(cfg: MegaliteConfig, world_size: int) -> None:
         _require(value % tp == 0,
                  f"{getattr(FLAG, name)} {value} is not divisible by {FLAG.tensor_model_parallel_size} {tp}")
     _check_architecture(cfg)
+    _check_multi_token_prediction(cfg)
     _check_fp8(cfg, dims)
     _check_context_parallel(cfg)
     _check_experts(cfg, dims)
@@ -180,11 +181,11 @@ def _check_uneven_pipeline(cfg: MegaliteConfig) -> Optional[tuple[int, ...]]:
                  f"{FLAG.pipeline_schedule} zbv puts the first and last virtual stages on rank 0: split it with "
                  f"{FLAG.pipeline_model_parallel_layout} instead of {FLAG.decoder_first_pipeline_num_layers}/"
                  f"{FLAG.decoder_last_pipeline_num_layers}")
-        return p.pipeline_split(m.num_layers, getattr(m, "mtp_num_layers", None) or 0)
+        return p.pipeline_split(m.num_layers, m.mtp_num_layers or 0)
     _require(p.num_layers_per_virtual_pipeline_stage is None,
              f"{FLAG.pipeline_model_parallel_layout} sets each virtual stage's layers: drop "
              f"{FLAG.num_layers_per_virtual_pipeline_stage}")
-    split = p.pipeline_split(m.num_layers, getattr(m, "mtp_num_layers", None) or 0)
+    split = p.pipeline_split(m.num_layers, m.mtp_num_layers or 0)
     v = p.virtual_stages(m.num_layers)
     _require(p.num_virtual_stages_per_pipeline_rank in (None, v),
              f"{FLAG.pipeline_model_parallel_layout} has {v} virtual stage(s) per rank, "
@@ -317,7 +318,7 @@ def _check_architecture(cfg: MegaliteConfig) -> None:
     if m.recompute_granularity == "full":
         _require(m.recompute_method is not None,
                  f"{FLAG.recompute_granularity} full needs {FLAG.recompute_method} uniform|block")
-        per_chunk = max(p.pipeline_split(m.num_layers, getattr(m, "mtp_num_layers", None) or 0) or
+        per_chunk = max(p.pipeline_split(m.num_layers, m.mtp_num_layers or 0) or
                         [m.num_layers // (p.pipeline_model_parallel_size * p.virtual_stages(m.num_layers))])
         _require(1 <= m.recompute_num_layers <= per_chunk,
                  f"{FLAG.recompute_num_layers} must be between 1 and the {per_chunk} layers of the largest model "
@@ -370,6 +371,22 @@ def _check_latent_attention(m: ModelConfig) -> None:
     _require(m.qk_pos_emb_head_dim >= 2 and m.qk_pos_emb_head_dim % 2 == 0,
              f"{FLAG.qk_pos_emb_head_dim} must be even and >= 2 (rope rotates channel pairs), got "
              f"{m.qk_pos_emb_head_dim}")
+
+
+def _check_multi_token_prediction(cfg: MegaliteConfig) -> None:
+    """MTP's depth and loss weight; positions the shifted tokens' embedding can take (Megatron's rule)."""
+    m = cfg.model
+    _require(m.mtp_loss_scaling_factor >= 0,
+             f"{FLAG.mtp_loss_scaling_factor} must be >= 0, got {m.mtp_loss_scaling_factor}")
+    if m.mtp_num_layers is None:
+        return
+    _at_least(1, [("mtp_num_layers", m.mtp_num_layers)])
+    _require(m.mtp_num_layers < m.seq_length,
+             f"{FLAG.mtp_num_layers} {m.mtp_num_layers} leaves no token to predict in {FLAG.seq_length} "
+             f"{m.seq_length}")
+    _require(not m.learned_positions,
+             f"{FLAG.mtp_num_layers} needs {FLAG.position_embedding_type} rope or none (Megatron's rule: the "
+             f"multi-token prediction modules embed shifted tokens, and learned absolute positions are not supported)")
 
 
 # FP8 matrix products (torch._scaled_mm on Hopper) take dimensions that are multiples of this.

@@ -4,7 +4,9 @@ Model FLOPs per iteration (Korthikanti et al. 2022, appendix; Narayanan et al. 2
 72 B L s h^2 (1 + s/(6h) + V/(12 h L)) for GPT shapes (f = 4h, no grouping). Written here for the exact
 architecture: 6 B s (L (dense multiply-adds per token per layer) + 2 L s h + V h) - forward 2 FLOPs per
 multiply-add, backward twice the forward, the attention scores over the full s x s square as in the paper - which is
-the formula above when a layer's matrices are 12 h^2. Recompute is work that MFU does not count.
+the formula above when a layer's matrices are 12 h^2. Recompute is work that MFU does not count. Multi-token
+prediction adds, per depth, a layer like the last one, its 2h x h projection and another output layer (Megatron's
+count, which also adds 3h multiply-adds for the norms).
 
 The trainer (MFU in the metrics), the planner (step time) and tools/gpu_check.py all use these.
 """
@@ -58,7 +60,7 @@ def dense_macs_per_token_per_layer(model: ModelConfig) -> int:
 def macs_per_token_per_layer(model: ModelConfig, index: int) -> int:
     """Layer ``index``'s multiply-adds per token of its *active* parameters: a dense layer's, or for an MoE layer
     attention, the router (h x E), the k experts a token goes to and the shared expert (not the E - k others)."""
-    if not model.moe_layers()[index]:
+    if not model.moe_layers()[min(index, model.num_layers - 1)]:   # MTP's layers (after the last) are like the last
         return dense_macs_per_token_per_layer(model)
     attention = dense_macs_per_token_per_layer(model) - _mlp_macs(model, model.ffn_size)
     shared = model.moe_shared_expert_intermediate_size or 0
@@ -70,7 +72,9 @@ def macs_per_token_per_layer(model: ModelConfig, index: int) -> int:
 def model_flops_per_iteration(model: ModelConfig, global_batch_size: int) -> float:
     """Model FLOPs of one training iteration (forward + backward, no recompute): see the module docstring. A mixture
     of experts counts its active parameters (each token's k experts), as MFU is reported for MoE models."""
-    s, L, h = model.seq_length, model.num_layers, model.hidden_size
+    s, h = model.seq_length, model.hidden_size
+    depth = model.mtp_num_layers or 0
+    L = model.num_layers + depth
     per_token = (sum(macs_per_token_per_layer(model, i) for i in range(L)) + L * s * core_width(model)
-                 + model.vocab_size * h)
+                 + (1 + depth) * model.vocab_size * h + depth * (2 * h * h + 3 * h))
     return 6.0 * global_batch_size * s * per_token

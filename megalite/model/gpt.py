@@ -12,7 +12,9 @@ same name and the same initial value whatever the layout.
 
 With the output layer tied to the word embedding and the two on different pipeline stages, the last stage holds a
 copy of the embedding weight: named ``embedding.word.weight`` canonically, so it starts with the same values, and
-flagged ``is_embedding_copy`` so its gradient is summed with the original's and the norm counts it once.
+flagged ``is_embedding_copy`` so its gradient is summed with the original's and the norm counts it once. Multi-token
+prediction (megalite.model.multi_token_prediction, on the last stage) embeds tokens there: a last stage without the
+embedding then holds a copy of the whole embedding module, tied the same way (and a tied output layer uses it).
 
 ``kernels`` (a :class:`~megalite.kernels.KernelPolicy`, from ``--use-fused-kernels`` and the per-op switches, resolved
 by ``megalite.kernels.prepare``) says which ops run as fused CUDA kernels on GPU tensors; on CPU tensors every op is
@@ -34,6 +36,7 @@ from megalite.config import ModelConfig
 from megalite.kernels import DEFAULT_POLICY, KernelPolicy
 from megalite.model.context_parallel import SequenceShard
 from megalite.model.kv_cache import KVCache
+from megalite.model.multi_token_prediction import MultiTokenPrediction, MultiTokenTargets
 from megalite.model.norms import norm, position_embedding
 from megalite.model.transformer import TransformerLayer, run_layers
 from megalite.tensor_parallel import (ColumnParallelLinear, Fp8History, TensorParallelRNG, VocabParallelEmbedding,
@@ -88,24 +91,30 @@ class GPTModel(nn.Module):
         self.pre_process, self.post_process = pre_process, post_process
         self.layer_offset = layer_offset
         self.tie_output_to_embedding = not cfg.untie_embeddings_and_output_weights
-        self.embedding = (GPTEmbedding(cfg, self.padded_vocab_size, rng, sequence_parallel) if pre_process
+        mtp = post_process and cfg.mtp_num_layers is not None
+        # Tied, or embedding tokens for multi-token prediction: the last stage needs the embedding (a copy, if not
+        # the first stage too).
+        self.ties_embedding = self.tie_output_to_embedding or cfg.mtp_num_layers is not None
+        self.embedding = (GPTEmbedding(cfg, self.padded_vocab_size, rng, sequence_parallel) if pre_process or mtp
                           else None)
         count = cfg.num_layers if num_layers is None else num_layers
         self.layers = nn.ModuleList(TransformerLayer(cfg, rng, sequence_parallel, kernels, layer_offset + i)
                                     for i in range(count))
-        # Tied and on the same stage as the embedding: reuse its weight. Tied on another stage: hold a copy.
-        self.holds_embedding_copy = post_process and self.tie_output_to_embedding and not pre_process
+        # Tied and on a stage with the embedding: reuse its weight. Tied on another stage: hold a copy.
+        self.holds_embedding_copy = post_process and self.ties_embedding and not pre_process
+        self.mtp = MultiTokenPrediction(cfg, rng, sequence_parallel, kernels) if mtp else None
         if post_process:
             self.final_norm = norm(cfg, sequence_parallel, kernels)
             self.output_layer = ColumnParallelLinear(
                 cfg.hidden_size, cfg.vocab_size, bias=False, init_std=cfg.init_method_std,
                 padded_output_size=self.padded_vocab_size,
-                weight_from_caller=self.tie_output_to_embedding and pre_process,
+                weight_from_caller=self.tie_output_to_embedding and self.embedding is not None,
                 sequence_parallel=sequence_parallel)
             if self.holds_embedding_copy:
-                self.output_layer.weight.is_embedding_copy = True
+                self._embedding_copy().is_embedding_copy = True
         # What --decoupled-lr steps at its own rate (Megatron's is_embedding_or_output_parameter).
-        for module in (self.embedding.word if pre_process else None, self.output_layer if post_process else None):
+        for module in (self.embedding.word if self.embedding is not None else None,
+                       self.output_layer if post_process else None):
             if module is not None and module.weight is not None:
                 module.weight.is_embedding_or_output = True
 
@@ -120,7 +129,7 @@ class GPTModel(nn.Module):
         optimizer: the MoE routers' expert biases)."""
         buffers = ((name, b) for name, b in self.named_buffers() if hasattr(b, "full_shape"))
         for name, param in itertools.chain(self.named_parameters(), buffers):
-            if name == "output_layer.weight" and self.holds_embedding_copy:
+            if name == "output_layer.weight" and self.holds_embedding_copy and self.embedding is None:
                 name = "embedding.word.weight"
             yield self._canonical(name), param
 
@@ -137,17 +146,25 @@ class GPTModel(nn.Module):
     def output_weight(self) -> torch.Tensor:
         return self.embedding.word.weight if self.output_layer.weight is None else self.output_layer.weight
 
+    def _embedding_copy(self) -> torch.nn.Parameter:
+        """The last stage's copy of the word embedding: its embedding's (multi-token prediction), else the output
+        layer's."""
+        return self.embedding.word.weight if self.embedding is not None else self.output_layer.weight
+
     def tied_embedding_weights(self) -> list[torch.nn.Parameter]:
         """This chunk's copies of the tied word embedding that must agree with the other stage's."""
-        if not self.tie_output_to_embedding:
+        if not self.ties_embedding:
             return []
         if self.pre_process:
             return [self.embedding.word.weight]
-        return [self.output_layer.weight] if self.post_process else []
+        return [self._embedding_copy()] if self.post_process else []
 
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None,
-                shard: SequenceShard | None = None, cache: KVCache | None = None) -> torch.Tensor:
-        """Per-token loss [batch, seq] when ``labels`` are given, else this rank's vocabulary slice of the logits.
+                shard: SequenceShard | None = None, cache: KVCache | None = None,
+                mtp: MultiTokenTargets | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Per-token loss [batch, seq] when ``labels`` are given, else this rank's vocabulary slice of the logits;
+        with multi-token prediction's targets ``mtp`` (the last stage, training) also its per-token losses
+        [depth, batch, seq], unmasked: (loss, MTP losses).
         A chunk without the embedding takes the previous stage's hidden states as ``tokens``; one without the
         output layer returns its hidden states. ``shard`` (megalite.model.context_parallel) says which tokens of
         the samples these are and which documents they belong to; without one, tokens 0, 1, ... of one document
@@ -162,10 +179,19 @@ class GPTModel(nn.Module):
             cache.advance(tokens.shape[1])
         if not self.post_process:
             return hidden
-        logits = self.output_layer(self.final_norm(hidden), self.output_weight())
+        hidden = self.final_norm(hidden)
+        logits = self.output_layer(hidden, self.output_weight())
         if labels is None:
             return logits
-        return vocab_parallel_cross_entropy(logits, labels, self.cfg.vocab_size, self.kernels)
+        loss = vocab_parallel_cross_entropy(logits, labels, self.cfg.vocab_size, self.kernels)
+        if mtp is None:
+            return loss
+        return loss, self.mtp(hidden, mtp, shard, lambda ids: self.embedding(ids, shard), self._loss)
+
+    def _loss(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Per-token cross-entropy of the output layer's logits of (normalized) hidden states."""
+        return vocab_parallel_cross_entropy(self.output_layer(hidden, self.output_weight()), labels,
+                                            self.cfg.vocab_size, self.kernels)
 
     def full_logits(self, tokens: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         """Logits over the whole, unpadded vocabulary (gathered over TP): for evaluation, generation and tests."""

@@ -30,12 +30,14 @@ class TransformerLayer(nn.Module):
                  kernels: KernelPolicy = DEFAULT_POLICY, layer_number: int = 0):
         super().__init__()
         self.input_norm = norm(cfg, sequence_parallel, kernels)
-        window = None if cfg.window_size is None else cfg.attention_windows()[layer_number]   # --window-size
+        # Multi-token prediction's layers, numbered after the model's, are built like its last (Megatron's builder).
+        kind = min(layer_number, cfg.num_layers - 1)
+        window = None if cfg.window_size is None else cfg.attention_windows()[kind]   # --window-size
         attention = LatentAttention if cfg.multi_latent_attention else SelfAttention   # --multi-latent-attention
         self.self_attention = attention(cfg, rng, sequence_parallel, kernels, window)
         self.pre_mlp_norm = norm(cfg, sequence_parallel, kernels)
         # layer_number (global): whether --moe-layer-freq makes this an MoE layer
-        moe = cfg.num_experts is not None and cfg.moe_layers()[layer_number]
+        moe = cfg.num_experts is not None and cfg.moe_layers()[kind]
         self.mlp = MoELayer(cfg, sequence_parallel, kernels, layer_number) if moe else MLP(cfg, sequence_parallel, kernels)
         self.dropout = nn.Dropout(cfg.hidden_dropout)
         self.rng = rng

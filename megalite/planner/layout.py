@@ -125,7 +125,7 @@ class Layout:
 
     def _split_options(self, model: ModelConfig) -> dict:
         """The split as Megatron's layout string (the other ways of splitting cleared), or none at all."""
-        layout = None if self.split is None else layout_text(self.split, getattr(model, "mtp_num_layers", None) or 0)
+        layout = None if self.split is None else layout_text(self.split, model.mtp_num_layers or 0)
         return dict(pipeline_model_parallel_layout=layout, decoder_first_pipeline_num_layers=None,
                     decoder_last_pipeline_num_layers=None, account_for_embedding_in_pipeline_split=False,
                     account_for_loss_in_pipeline_split=False)
@@ -148,4 +148,4 @@ class Layout:
                    cp_comm_type=p.cp_comm_type, ep=p.expert_model_parallel_size,
                    cp_a2a=(p.hierarchical_context_parallel() or (1, 1))[0],
                    experts_split=p.expert_tensor_parallel_size in (None, tp), muon=o.optimizer == "muon",
-                   split=p.pipeline_split(cfg.model.num_layers, getattr(cfg.model, "mtp_num_layers", None) or 0))
+                   split=p.pipeline_split(cfg.model.num_layers, cfg.model.mtp_num_layers or 0))

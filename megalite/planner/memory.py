@@ -108,7 +108,10 @@ dropout is on), which is what the tests measure.
 
 Per micro-batch and stage, besides the layers: the first stage keeps the token ids and the embedding dropout mask;
 a stage's output is freed once sent (the engine keeps only its graph); the last stage keeps the final norm's and output layer's inputs and the fp32 softmax of vocab-parallel cross
-entropy, 4 x b s V / t bytes, plus transiently the logits and two fp32 working copies of them.
+entropy, 4 x b s V / t bytes, plus transiently the logits and two fp32 working copies of them. Multi-token
+prediction adds on the last stage, per depth, a layer like the last one (under full recompute its input only, the
+layer rerun alone), the shifted tokens' embedding as on the first stage, the embedding norm's input and the 2h
+concatenation (the hidden norm's input is the previous output layer's), and the output layer's and loss's share again.
 
 Micro-batches in flight: counted by running megalite's own schedules (megalite.pipeline.schedules). The first stage
 of 1F1B holds PP micro-batches of its L/PP layers, L layers' worth; interleaved 1F1B holds L (1 + (PP - 1)/(PP V))
@@ -433,6 +436,7 @@ def layer_activation_bytes(model: ModelConfig, tp: int, sequence_parallel: bool,
     :func:`context_parallel_core_bytes`)."""
     whole = model.seq_length
     s, b, h, a = whole // cp, micro_batch_size, model.hidden_size, model.num_attention_heads
+    index = min(index, model.num_layers - 1)   # multi-token prediction's layers are like the last
     g, d, f = model.query_groups, model.head_dim, model.ffn_size
     p, m = numerics.activation_bytes, numerics.mask_bytes
     sbh = s * b * h
@@ -665,6 +669,18 @@ def _chunk_activation_bytes(model: ModelConfig, layout: Layout, num_layers: int,
     if is_last:
         kept += output_activation_bytes(model, tp, sp, b, numerics)
         transient = max(transient, logits_working_bytes(model, tp, b, numerics))
+        for k in range(model.mtp_num_layers or 0):
+            layer = layer_activation_bytes(dataclasses.replace(model, seq_length=model.seq_length * layout.cp), tp,
+                                           sp, b, numerics, cp=layout.cp, cp_comm_type=layout.cp_comm_type,
+                                           index=model.num_layers + k, expert_tp=layout.expert_tp)
+            if model.recompute_granularity == "full":
+                transient = max(transient, layer)
+                layer = layer_activation_bytes(model, tp, sp, b, numerics, recomputed=True)
+            share = 1 / tp if sp else 1.0
+            s_b = model.seq_length * b
+            modules = (3 * numerics.activation_bytes * s_b * model.hidden_size + 2 * _norm_statistics(model) * s_b)
+            kept += (layer + modules * share + embedding_activation_bytes(model, tp, sp, b, numerics)
+                     + output_activation_bytes(model, tp, sp, b, numerics))
     # A sent output is freed once its transfer completes (the pipeline engine keeps only its graph): not kept.
     return kept, transient
 

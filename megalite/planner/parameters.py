@@ -13,7 +13,9 @@ built on the ``meta`` device, for every config in ``configs/model``, at several 
   replicated; with learnable attention sinks (--softmax-type learnable), one logit per head, split over TP; with
   multi-latent attention, its replicated down-projections and latent norms and its up-projections split by heads;
 - final norm, and the output layer (padded vocabulary x h over TP) unless it is tied to the word embedding; tied and
-  on another pipeline stage, the last stage holds a copy of the embedding (real memory, not a new parameter).
+  on another pipeline stage, the last stage holds a copy of the embedding (real memory, not a new parameter);
+- multi-token prediction (--mtp-num-layers, on the last stage): per depth two norms, the h x 2h projection (split over
+  TP) and one transformer layer like the last one; a last stage without the embedding holds a copy of it.
 
 For GPT-2/3 shapes (f = 4h, no grouping) the layers sum to 12 L h^2 + 13 L h, the familiar approximation.
 
@@ -65,13 +67,16 @@ def _row(name: str, rows: int, cols: int, tp: int) -> Tensor:
     return Tensor(name, rows * cols // tp, rows * cols, rows=rows)
 
 
-def layer_tensors(cfg: ModelConfig, tp: int, index: int, ep: int = 1, expert_tp: int | None = None) -> list[Tensor]:
+def layer_tensors(cfg: ModelConfig, tp: int, index: int, ep: int = 1, expert_tp: int | None = None,
+                  prefix: str | None = None) -> list[Tensor]:
     """One transformer layer's parameters at TP ``tp`` (megalite.model.transformer, attention, mlp or moe). An MoE
-    layer holds its router, E / ``ep`` experts (split over ``expert_tp``, default TP) and its shared expert."""
+    layer holds its router, E / ``ep`` experts (split over ``expert_tp``, default TP) and its shared expert. Layers
+    numbered after the model's (multi-token prediction's, named ``prefix``) are built like its last."""
     h, d = cfg.hidden_size, cfg.head_dim
     qkv = cfg.query_size + 2 * cfg.query_groups * d
     bias = not cfg.disable_bias_linear
-    p = f"layers.{index}"
+    p = prefix or f"layers.{index}"
+    index = min(index, cfg.num_layers - 1)
 
     def fp8(weight: Tensor, expert: bool) -> Tensor:
         """The weight of an FP8 linear (--fp8-format: attention, MLP and shared expert; routed experts stay bf16)."""
@@ -141,28 +146,46 @@ def _latent_attention(cfg: ModelConfig, tp: int, prefix: str, column, row) -> li
     return tensors + row(f"{prefix}.linear_proj", heads * cfg.v_head_dim)
 
 
+def mtp_tensors(cfg: ModelConfig, tp: int, ep: int = 1, expert_tp: int | None = None) -> list[Tensor]:
+    """Multi-token prediction's modules (megalite.model.multi_token_prediction), in definition order."""
+    tensors: list[Tensor] = []
+    for k in range(cfg.mtp_num_layers or 0):
+        p = f"mtp.layers.{k}"
+        tensors += (_norm(cfg, f"{p}.enorm") + _norm(cfg, f"{p}.hnorm")
+                    + [_column(f"{p}.eh_proj.weight", cfg.hidden_size, 2 * cfg.hidden_size, tp)]
+                    + layer_tensors(cfg, tp, cfg.num_layers + k, ep, expert_tp, f"{p}.transformer_layer")
+                    + _norm(cfg, f"{p}.final_norm"))
+    return tensors
+
+
 def chunk_tensors(cfg: ModelConfig, tp: int, first_layer: int, num_layers: int, pre_process: bool,
                   post_process: bool, ep: int = 1, expert_tp: int | None = None) -> list[Tensor]:
     """A model chunk's parameters in definition order (megalite.model.gpt.GPTModel)."""
     h = cfg.hidden_size
     vocab = cfg.padded_vocab_size(tp)
     tied = not cfg.untie_embeddings_and_output_weights
+    mtp = post_process and cfg.mtp_num_layers is not None
     tensors: list[Tensor] = []
+    if mtp and not pre_process:   # the embedding's copy, tied to the first stage's
+        tensors.append(Tensor("embedding.word.weight", vocab * h // tp, cfg.vocab_size * h, vocab // tp,
+                              deferred=True))
     if pre_process:
         # A tied embedding is "deferred" whether or not the output layer sits on the same stage (the trainer passes
         # every chunk's tied_embedding_weights() to the data-parallel engine).
         tensors.append(Tensor("embedding.word.weight", vocab * h // tp, cfg.vocab_size * h, vocab // tp,
-                              deferred=tied))
+                              deferred=tied or cfg.mtp_num_layers is not None))
         if cfg.learned_positions:
             tensors.append(Tensor("embedding.position.weight", cfg.max_positions * h, cfg.max_positions * h,
                                   cfg.max_positions))
     for i in range(first_layer, first_layer + num_layers):
         tensors += layer_tensors(cfg, tp, i, ep, expert_tp)
+    if mtp:
+        tensors += mtp_tensors(cfg, tp, ep, expert_tp)
     if post_process:
         tensors += _norm(cfg, "final_norm")
         if not tied:
             tensors.append(Tensor("output_layer.weight", vocab * h // tp, cfg.vocab_size * h, vocab // tp))
-        elif not pre_process:
+        elif not pre_process and not mtp:
             tensors.append(Tensor("embedding.word.weight", vocab * h // tp, cfg.vocab_size * h, vocab // tp,
                                   deferred=True))
     return tensors

@@ -30,7 +30,10 @@ class MoEStatistics(StepHook):
     def __init__(self, chunks, cfg: ModelConfig, micro_batch_size: int, device: torch.device):
         self.cfg, self.device = cfg, device
         self.layers = moe_layers(chunks)
-        self.layer_numbers = [i for i, moe in enumerate(cfg.moe_layers()) if moe]
+        pattern = cfg.moe_layers()
+        # Multi-token prediction's layers (numbered after the model's) are MoE layers where the last one is.
+        pattern += [pattern[-1]] * (cfg.mtp_num_layers or 0)
+        self.layer_numbers = [i for i, moe in enumerate(pattern) if moe]
         self.micro_batch_size = micro_batch_size
 
     def before_forward_backward(self, loss_scale: float, global_batch_size: int) -> None:

@@ -8,6 +8,11 @@ tokens left by ``--eod-mask-loss``, counted over every rank), so each rank backp
 mean and the DP reduction is a plain sum: the result is the same whatever the DP size or micro-batch size, which is
 what the equivalence tests check. Under context parallelism each rank holds some tokens of every sample of its DP
 rank's micro-batches (megalite.model.context_parallel); their loss sums over DP x CP like the DP ranks' do.
+
+With multi-token prediction each depth's loss is normalized likewise, by the tokens that count at that depth over the
+global batch (fewer: the last k of each sample have no label k + 1 places ahead); the objective adds
+--mtp-loss-scaling-factor times their mean over the depths to the loss. ``loss`` stays the language-model loss (the
+same number a run without MTP reports); ``mtp_loss`` is that mean over the depths (``mtp_losses``: each depth's).
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from megalite.data import build_datasets, micro_batch_indices
 from megalite.data.packing import packed_documents
 from megalite.distributed import is_expert
 from megalite.model.context_parallel import SequenceShard, shard_sequence
+from megalite.model.multi_token_prediction import MultiTokenTargets, multi_token_targets
 from megalite.model.flops import model_flops_per_iteration
 from megalite.run import Run
 from megalite.optimizer import LRSchedule, MegaliteOptimizer
@@ -74,6 +80,7 @@ class MicroBatch:
     labels: torch.Tensor      # [micro-batch, local tokens]
     loss_mask: torch.Tensor   # [micro-batch, local tokens], fp32
     shard: SequenceShard
+    mtp: MultiTokenTargets | None = None   # with --mtp-num-layers
 
     @classmethod
     def of(cls, samples: torch.Tensor, cfg: MegaliteConfig, eod: int | None) -> "MicroBatch":
@@ -88,7 +95,10 @@ class MicroBatch:
                                a2a_size=levels[0] if levels else 1, positions=packing.positions if packing else None,
                                documents=packing.documents if packing else None)
         loss_mask = packing.loss_mask if packing is not None else torch.ones_like(labels, dtype=torch.float32)
-        return cls(shard.take(inputs), shard.take(labels), shard.take(loss_mask), shard)
+        depth = cfg.model.mtp_num_layers
+        mtp = (multi_token_targets(samples, depth, loss_mask, packing.documents if packing else None, shard)
+               if depth else None)
+        return cls(shard.take(inputs), shard.take(labels), shard.take(loss_mask), shard, mtp)
 
 
 @dataclass
@@ -218,12 +228,18 @@ class Trainer:
         :meth:`samples`) through the pipeline schedule (``record_steps``: with its steps' times, clocks aligned over
         the pipeline).
 
-        Returns (loss summed over this rank's tokens, token count of the whole global batch, schedule stats)."""
+        Returns (loss summed over this rank's tokens, token count of the whole global batch, schedule stats).
+        Training with multi-token prediction leaves in ``mtp_sums`` each depth's loss summed over this rank's tokens
+        and in ``mtp_tokens`` its token count of the whole global batch."""
         micro_batches = self.micro_batches(samples)
-        if self.cfg.data.eod_mask_loss:   # the tokens that count, over every rank's share of the global batch
+        m = self.cfg.model
+        mtp = m.mtp_num_layers is not None and not forward_only   # evaluation reports the language-model loss only
+        if self.cfg.data.eod_mask_loss or mtp:   # the tokens that count, over every rank's share of the global batch
             # Waited for only where the first loss is scaled by it: overlapped parameter gathers still in flight on
-            # this group come before it, and the first forward need not wait for them all.
-            counted = torch.stack([b.loss_mask.sum() for b in micro_batches]).sum()
+            # this group come before it, and the first forward need not wait for them all. With MTP: each depth's.
+            counted = torch.stack([torch.cat([b.loss_mask.sum().reshape(1)] +
+                                             ([b.mtp.loss_mask.sum(dim=(1, 2))] if mtp else []))
+                                   for b in micro_batches]).sum(dim=0)
             work = parallel_state.get_data_parallel_group(with_context_parallel=True).start_sum(counted)
 
             def global_tokens_now() -> torch.Tensor:
@@ -233,27 +249,42 @@ class Trainer:
                     work = None
                 return counted.clamp(min=1.0)
         else:   # every token counts (our samples have no padding): the count needs no all-reduce
-            tokens = torch.tensor(float(global_batch_size * self.cfg.model.seq_length), device=self.device)
+            tokens = torch.tensor([float(global_batch_size * m.seq_length)], device=self.device)
             global_tokens_now = lambda: tokens   # noqa: E731
         loss_sums: list[torch.Tensor] = []
+        mtp_sums: list[torch.Tensor] = []
         loss_scale = self.optimizer.loss_scale   # 1 unless fp16
 
         def forward_step(chunk_index: int, micro_batch: int, input_tensor: torch.Tensor | None) -> torch.Tensor:
             chunk, batch = self.model[chunk_index], micro_batches[micro_batch]
             mask = batch.loss_mask
             output = chunk(batch.inputs if chunk.pre_process else input_tensor,
-                           batch.labels if chunk.post_process else None, batch.shard)
+                           batch.labels if chunk.post_process else None, batch.shard,
+                           mtp=batch.mtp if mtp and chunk.post_process else None)
             if not chunk.post_process:
                 return output
+            if mtp:
+                output, mtp_losses = output
             loss_sum = (output.float() * mask).sum()
             loss_sums.append(loss_sum.detach())
-            return loss_sum * (loss_scale / global_tokens_now())
+            counts = global_tokens_now()
+            objective = loss_sum * (loss_scale / counts[0])
+            if mtp:   # each depth's mean over the global batch, their mean over the depths, scaled
+                depth_sums = (mtp_losses.float() * batch.mtp.loss_mask).sum(dim=(1, 2))
+                mtp_sums.append(depth_sums.detach())
+                weight = m.mtp_loss_scaling_factor / m.mtp_num_layers * loss_scale
+                objective = objective + (depth_sums / counts[1:]).sum() * weight
+            return objective
 
         if record_steps:
             self.step_times.align()
         stats = self.pipeline.run(len(micro_batches), forward_step, forward_only)
         loss_sum = torch.stack(loss_sums).sum() if loss_sums else torch.zeros((), device=self.device)
-        return loss_sum, global_tokens_now(), stats
+        if mtp:
+            self.mtp_sums = (torch.stack(mtp_sums).sum(dim=0) if mtp_sums
+                             else torch.zeros(m.mtp_num_layers, device=self.device))
+            self.mtp_tokens = global_tokens_now()[1:]
+        return loss_sum, global_tokens_now()[0], stats
 
     def forward_backward(self, dataset, consumed_samples: int, global_batch_size: int | None = None,
                          samples: list[torch.Tensor] | None = None):
@@ -300,7 +331,12 @@ class Trainer:
         # them, and the next forward behind it).
         local_bad = not bool(torch.isfinite(loss_sum))
         data_context = parallel_state.get_data_parallel_group(with_context_parallel=True)
-        loss = data_context.sum(loss_sum.clone()) / global_tokens
+        mtp = self.cfg.model.mtp_num_layers is not None
+        if mtp:   # each depth's loss summed with it (one all-reduce), over its own token count
+            summed = data_context.sum(torch.cat([loss_sum.reshape(1), self.mtp_sums]))
+            loss, mtp_losses = summed[0] / global_tokens, summed[1:] / self.mtp_tokens
+        else:
+            loss = data_context.sum(loss_sum.clone()) / global_tokens
 
         iteration = self.state.iteration + 1
         o, consumed = self.cfg.optimizer, self.state.consumed_samples + batch
@@ -322,11 +358,17 @@ class Trainer:
         measured = stats.busy_s is not None
         schedule_stats = torch.tensor([stats.busy_s if measured else -1.0, stats.total_s if measured else -1.0,
                                        float(stats.peak_in_flight)], dtype=torch.float64, device=self.device)
-        per_stage = _gather_over_pipeline(torch.cat([loss.double().reshape(1), schedule_stats]))
+        per_stage = _gather_over_pipeline(torch.cat([loss.double().reshape(1), schedule_stats] +
+                                                    ([mtp_losses.double()] if mtp else [])))
         self.state.iteration = iteration
         self.state.consumed_samples = consumed
         record = {"iteration": iteration, "loss": float(per_stage[self.pipeline.loss_rank][0]),
                   "grad_norm": step["grad_norm"], "lr": lr, "consumed_samples": self.state.consumed_samples}
+        if mtp:
+            depths = per_stage[self.pipeline.loss_rank][4:].tolist()
+            record["mtp_loss"] = sum(depths) / len(depths)
+            if len(depths) > 1:
+                record["mtp_losses"] = depths
         if decoupled_lr is not None:
             record["decoupled_lr"] = decoupled_lr
         if self.batches.ramps:

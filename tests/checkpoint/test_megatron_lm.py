@@ -123,6 +123,7 @@ def test_inspect_shows_the_args_and_whole_tensors(megatron_saves):
 @pytest.mark.parametrize("name, value, flag", [("squared_relu", True, "--squared-relu"),
                                                ("multi_latent_attention", True, "--multi-latent-attention"),
                                                ("window_size", (16, 0), "--window-size"),
+                                               ("mtp_num_layers", 1, "--mtp-num-layers"),
                                                ("position_embedding_type", "mrope", "--position-embedding-type")])
 def test_what_megalite_cannot_compute_is_refused_by_its_flag(megatron_saves, tmp_path, name, value, flag):
     source = tmp_path / "changed"
@@ -141,6 +142,8 @@ def test_what_megalite_cannot_compute_is_refused_by_its_flag(megatron_saves, tmp
     ({"softmax_type": "off-by-one"}, "softmax_type='off-by-one': megalite exports no attention sink to Megatron-LM"),
     ({"multi_latent_attention": True}, "multi_latent_attention=True: megalite exports no multi-latent attention to "
                                        "Megatron-LM"),
+    ({"mtp_num_layers": 1, "position_embedding_type": "rope"},
+     "mtp_num_layers=1: megalite exports no multi-token prediction to Megatron-LM"),
 ])
 def test_a_sliding_window_or_a_sink_is_not_exported_to_megatron(option, message):
     """Megatron's window and softmax type are refused on import (above), and megalite's on export."""

@@ -14,11 +14,11 @@ from ..helpers import tiny_config
 
 def test_unknown_flags_are_listed_at_once_with_the_nearest_spelling():
     with pytest.raises(ConfigError) as error:
-        parse_args(["--num-layer", "2", "--lr", "1e-3", "--mtp-num-layers", "2", "--tensor-model-paralel-size", "2",
+        parse_args(["--num-layer", "2", "--lr", "1e-3", "--mtp-num-layer", "2", "--tensor-model-paralel-size", "2",
                     "--sequence-paralel", "--moe-latent-size", "4"])
     message = str(error.value)
-    assert message == ("unknown flags --num-layer (did you mean --num-layers?), --mtp-num-layers (did you mean "
-                       "--num-layers?), "
+    assert message == ("unknown flags --num-layer (did you mean --num-layers?), --mtp-num-layer (did you mean "
+                       "--mtp-num-layers?), "
                        "--tensor-model-paralel-size (did you mean --tensor-model-parallel-size?), --sequence-paralel "
                        "(did you mean --sequence-parallel?), --moe-latent-size (see --help)")
 

@@ -213,6 +213,14 @@ def test_tiny_config_is_valid_on_several_world_sizes():
      "--optimizer muon does not run with --optimizer-cpu-offload"),
     (tiny_config(optimizer={"muon_tp_mode": "gathered"}), 1,
      "--muon-tp-mode must be duplicated, distributed or blockwise, got 'gathered'"),
+    (tiny_config(model={"mtp_num_layers": 1}), 1,
+     "--mtp-num-layers needs --position-embedding-type rope or none (Megatron's rule: the multi-token prediction "
+     "modules embed shifted tokens, and learned absolute positions are not supported)"),
+    (tiny_config(model={"mtp_num_layers": 0, "position_embedding_type": "rope"}), 1,
+     "--mtp-num-layers must be >= 1, got 0"),
+    (tiny_config(model={"mtp_num_layers": 32, "position_embedding_type": "rope"}), 1,
+     "--mtp-num-layers 32 leaves no token to predict in --seq-length 32"),
+    (tiny_config(model={"mtp_loss_scaling_factor": -0.1}), 1, "--mtp-loss-scaling-factor must be >= 0, got -0.1"),
 ])
 def test_bad_values_name_the_numbers(cfg, world, message):
     with pytest.raises(ConfigError) as error:

@@ -2,7 +2,8 @@
 
 ``check_against_reference`` trains both (10 iterations by default) and asserts per-iteration losses and gradient norms
 within 1e-5 relative and final weights within 1e-5 absolute (gathered over TP, compared by canonical name); for a
-mixture of experts also each MoE layer's per-iteration metrics (balancing losses, expert loads, dropped tokens).
+mixture of experts also each MoE layer's per-iteration metrics (balancing losses, expert loads, dropped tokens); with
+multi-token prediction its per-iteration losses.
 """
 
 from __future__ import annotations
@@ -119,9 +120,14 @@ def check_against_reference(cfg, ranks=None, label="") -> list[dict] | None:
     norm_diff = max_relative_difference([r["grad_norm"] for r in records], [r["grad_norm"] for r in expected_records])
     weight_diff, worst = max((float((params[n] - expected_params[n]).abs().max()), n) for n in params)
     moe_diff = _moe_metrics_difference(records, expected_records)
+    mtp_diff = max((max_relative_difference([r[key]] if key == "mtp_loss" else r[key], [e[key]] if key == "mtp_loss"
+                                            else e[key]) for r, e in zip(records, expected_records)
+                    for key in ("mtp_loss", "mtp_losses") if key in e), default=0.0)
+    assert all(("mtp_loss" in r) == ("mtp_loss" in e) for r, e in zip(records, expected_records))
     print(f"{label}: max rel loss diff {loss_diff:.2e}, eval loss diff {eval_diff:.2e}, grad norm diff {norm_diff:.2e}, "
-          f"max abs weight diff {weight_diff:.2e} ({worst})" + (f", moe metrics diff {moe_diff:.2e}" if moe_diff else ""))
-    assert loss_diff < RTOL and eval_diff < RTOL
+          f"max abs weight diff {weight_diff:.2e} ({worst})" + (f", moe metrics diff {moe_diff:.2e}" if moe_diff else "")
+          + (f", mtp loss diff {mtp_diff:.2e}" if "mtp_loss" in expected_records[0] else ""))
+    assert loss_diff < RTOL and eval_diff < RTOL and mtp_diff < RTOL
     assert moe_diff < RTOL
     assert norm_diff < RTOL
     assert weight_diff < RTOL

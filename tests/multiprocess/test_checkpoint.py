@@ -141,27 +141,37 @@ LLAMA_STYLE = {"position_embedding_type": "rope", "normalization": "RMSNorm", "s
 
 def test_reshard_llama_style_model(directory):
     """Fused blocks of unequal sizes (grouped-query QKV), SwiGLU's [gate; up], RMSNorm, rotary positions, learnable
-    attention sinks (one logit per head, split over TP with the heads, saved whole) and, where available, sequence
-    parallelism: saved at TP=2 x PP=2, resumed at PP=4, iteration 4 equals the uninterrupted run."""
+    attention sinks (one logit per head, split over TP with the heads, saved whole), multi-token prediction (its
+    module saved whole, the last stage's embedding copy not at all) and, where available, sequence parallelism:
+    saved at TP=2 x PP=2, resumed at PP=4, iteration 4 (its loss and MTP loss) equals the uninterrupted run."""
     model_fields = {f.name for f in dataclasses.fields(ModelConfig)}
     if not set(LLAMA_STYLE) <= model_fields:
         pytest.skip("these model options are not in this version")
-    cfg = tiny_config(tp=2, pp=2, model={"num_layers": 4, **LLAMA_STYLE, "softmax_type": "learnable"},
+    cfg = tiny_config(tp=2, pp=2, model={"num_layers": 4, **LLAMA_STYLE, "softmax_type": "learnable",
+                                         "mtp_num_layers": 1},
                       training={"train_iters": 4},
                       optimizer={"use_distributed_optimizer": True, "adam_eps": 1e-5}, data={"eval_interval": 0})
     if "sequence_parallel" in {f.name for f in dataclasses.fields(ParallelConfig)}:
         cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, sequence_parallel=True))
     with layout(2, 2):
-        uninterrupted = losses(Trainer.on_registered_layout(with_checkpoint(cfg, save=directory, save_interval=3), CPU).train())
+        records = Trainer.on_registered_layout(with_checkpoint(cfg, save=directory, save_interval=3), CPU).train()
+    uninterrupted = losses(records)
     saved = full_tensors(open_checkpoint(f"{directory}/iter_0000003"))   # each TP rank's slice, merged
     sinks = {name: tuple(tensor.shape) for name, tensor in saved.items() if name.endswith("softmax_offset")}
-    assert sinks == {f"layers.{i}.self_attention.softmax_offset": (cfg.model.num_attention_heads,) for i in range(4)}
+    assert sinks == {f"{layer}.self_attention.softmax_offset": (cfg.model.num_attention_heads,)
+                     for layer in [*(f"layers.{i}" for i in range(4)), "mtp.layers.0.transformer_layer"]}
+    h = cfg.model.hidden_size
+    assert tuple(saved["mtp.layers.0.eh_proj.weight"].shape) == (h, 2 * h)
+    assert "mtp.layers.0.transformer_layer.mlp.linear_fc2.weight" in saved
     resumed_cfg = dataclasses.replace(
         with_checkpoint(cfg, load=f"{directory}/iter_0000003"),
         parallel=dataclasses.replace(ParallelConfig(), pipeline_model_parallel_size=4))
     with layout(1, 4):
-        resumed = losses(Trainer.on_registered_layout(resumed_cfg, CPU).train())
+        resumed_records = Trainer.on_registered_layout(resumed_cfg, CPU).train()
+    resumed = losses(resumed_records)
     difference = max_relative_difference(resumed, uninterrupted[3:])
+    assert max_relative_difference([r["mtp_loss"] for r in resumed_records if "mtp_loss" in r],
+                                   [r["mtp_loss"] for r in records if "mtp_loss" in r][3:]) < RESHARD
     print(f"Llama-style model saved at TP=2 x PP=2 (ZeRO-1), resumed at PP=4: iteration 4 rel loss diff "
           f"{difference:.1e}")
     assert difference < RESHARD

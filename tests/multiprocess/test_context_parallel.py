@@ -4,7 +4,9 @@ Same seed and global batch, dropout off, fp32, sequence 64: 10 iterations, per-i
 1e-5 relative, final weights within 1e-5 (tests/multiprocess/equivalence.py). Layouts of one model share one reference
 run. The attention cores are also compared directly with SDPA over the whole sequence (outputs and the gradients of
 q, k and v), with grouped-query attention and packed documents, in fp64 where the ring's blockwise softmax must agree
-to rounding.
+to rounding. Multi-token prediction rides along in three layouts (TP x CP with sequence parallelism, ZeRO-3 with full
+recompute, packed documents under PP): its tokens k places ahead are cut from the whole sample before CP takes its
+load-balanced chunks, and its loss is compared too.
 """
 
 from __future__ import annotations
@@ -103,12 +105,13 @@ def test_attention_over_the_whole_sequence(cp, comm_type):
     ("allgather CP=4", 4, "allgather", 1, {}, {}, {}),
     ("a2a+p2p CP=4 (2 x 2), Llama-style (rotary, GQA)", 4, "a2a+p2p", 1, LLAMA,
      {"hierarchical_context_parallel_sizes": "2 2"}, {}),
-    ("p2p CP=2 x TP=2, sequence parallel, Llama-style (rotary, GQA)", 2, "p2p", 2, LLAMA,
-     {"sequence_parallel": True}, {}),
+    ("p2p CP=2 x TP=2, sequence parallel, Llama-style (rotary, GQA), MTP", 2, "p2p", 2,
+     {**LLAMA, "mtp_num_layers": 1}, {"sequence_parallel": True}, {}),
     ("p2p CP=2 x DP=2, distributed optimizer over DP x CP, selective recompute, multi-latent attention", 2, "p2p",
      1, {"recompute_granularity": "selective", **MLA}, {}, {"use_distributed_optimizer": True, "overlap_grad_reduce": True}),
-    ("p2p CP=2 x DP=2, ZeRO-3 over DP x CP, full recompute", 2, "p2p", 1,
-     {"recompute_granularity": "full", "recompute_method": "uniform"}, {}, {"zero_stage": 3}),
+    ("p2p CP=2 x DP=2, ZeRO-3 over DP x CP, full recompute, rotary, MTP", 2, "p2p", 1,
+     {"recompute_granularity": "full", "recompute_method": "uniform", "position_embedding_type": "rope",
+      "mtp_num_layers": 1}, {}, {"zero_stage": 3}),
 ], ids=slug)
 def test_losses_and_weights_match_single_process(label, cp, comm_type, tp, model, parallel, optimizer):
     cfg = cp_config(cp, comm_type, tp, model=model, parallel=parallel, optimizer=optimizer)
@@ -149,8 +152,8 @@ def packed_data(directory):
 @pytest.mark.parametrize("label, cp, comm_type, pp, model", [
     ("packed documents, p2p CP=2 x DP=2", 2, "p2p", 1, {}),
     ("packed documents, a2a CP=4", 4, "a2a", 1, {}),
-    ("packed documents, allgather CP=2 x PP=2 (V=2, interleaved), rotary", 2, "allgather", 2,
-     {"num_layers": 4, "position_embedding_type": "rope"}),
+    ("packed documents, allgather CP=2 x PP=2 (V=2, interleaved), rotary, MTP", 2, "allgather", 2,
+     {"num_layers": 4, "position_embedding_type": "rope", "mtp_num_layers": 1}),
 ], ids=slug)
 def test_packed_documents_match_single_process(packed_data, label, cp, comm_type, pp, model):
     cfg = cp_config(cp, comm_type, pp=pp, model=model, data=packed_data,

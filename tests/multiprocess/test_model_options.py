@@ -5,7 +5,8 @@ single process (10 iterations, fp32, dropout off: losses and gradient norms with
 within 1e-5):
 
 - Llama-like (rotary positions, RMSNorm, SwiGLU, grouped-query attention with 2 key/value heads, no biases, untied
-  output layer) at TP=2 x PP=2: one key/value head per TP rank;
+  output layer) at TP=2 x PP=2: one key/value head per TP rank; with yarn rope scaling and two multi-token prediction
+  modules (DeepSeek-V3's), whose last stage holds a copy of the word embedding tied to the first stage's;
 - the same with a sliding window (each query and the 7 tokens before it, of 32) in layers 1, 3 and 4 (layer 2
   global: a 0/1 skip pattern), gpt-oss' learnable attention sinks, sequence parallelism and selective recompute at
   TP=2 x PP=2: pipeline stages send sequence shards, the recomputed core rebuilds the windowed mask, and each rank
@@ -55,7 +56,8 @@ QWEN2_ROPE_SCALING = {"add_qkv_bias": True, "use_rope_scaling": True, "rope_scal
 
 
 @pytest.mark.parametrize("label, tp, pp, model, parallel, optimizer", [
-    ("llama-like + yarn rope scaling TP=2 x PP=2", 2, 2, {**LLAMA, **YARN}, {}, {}),
+    ("llama-like + yarn rope scaling + 2-depth MTP TP=2 x PP=2", 2, 2, {**LLAMA, **YARN, "mtp_num_layers": 2}, {},
+     {}),
     ("llama-like + sliding window + learnable sinks + sequence parallel + recompute of core_attn, mlp and layernorm "
      "TP=2 x PP=2", 2, 2, {**LLAMA, **DENSE_MODULES, **WINDOW, "softmax_type": "learnable"}, SP, {}),
     ("multi-latent attention + yarn with mscale + sequence parallel + recompute of core_attn, mla_up_proj and "

@@ -38,9 +38,9 @@ from .groups import layout, requires_world
 OVERLAPPED = {"use_distributed_optimizer": True, "overlap_grad_reduce": True, "ddp_bucket_size": 4000}
 
 
-def _config(tp, pp, schedule, v=None, layers=4, optimizer=OVERLAPPED, parallel=None):
+def _config(tp, pp, schedule, v=None, layers=4, optimizer=OVERLAPPED, parallel=None, model=None):
     """6 iterations, evaluated after 3 and 6 (check_against_reference wants two evaluations)."""
-    return tiny_config(tp=tp, pp=pp, model={"num_layers": layers}, optimizer=optimizer,
+    return tiny_config(tp=tp, pp=pp, model={"num_layers": layers, **(model or {})}, optimizer=optimizer,
                        parallel={"pipeline_schedule": schedule, "num_virtual_stages_per_pipeline_rank": v,
                                  **(parallel or {})},
                        training={"micro_batch_size": 1, "train_iters": 6}, data={"eval_interval": 3})
@@ -53,7 +53,8 @@ def _config(tp, pp, schedule, v=None, layers=4, optimizer=OVERLAPPED, parallel=N
     ("zero-bubble PP=4", _config(1, 4, "zero-bubble"), None),
     ("zero-bubble PP=2 x V=2", _config(1, 2, "zero-bubble", v=2), [0, 1]),
     ("zbv PP=2 x DP=2", _config(1, 2, "zbv"), None),
-    ("zbv PP=4", _config(1, 4, "zbv", layers=8), None),
+    ("zbv PP=4, multi-token prediction (rank 0: the embedding, the last chunk and its copy)",
+     _config(1, 4, "zbv", layers=8, model={"position_embedding_type": "rope", "mtp_num_layers": 1}), None),
     # Uneven pipelines (Megatron's options): 6 layers as 1/2/2/1, and chunks holding only the embedding or the loss.
     ("1f1b PP=4, first/last stage 1 layer", _config(1, 4, "1f1b", layers=6, parallel={
         "decoder_first_pipeline_num_layers": 1, "decoder_last_pipeline_num_layers": 1}), None),

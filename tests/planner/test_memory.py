@@ -23,6 +23,8 @@ from megalite import parallel_state
 from megalite.config import OptimizerConfig, TrainingConfig
 from megalite.distributed import DataParallel
 from megalite.model import GPTModel
+from megalite.model.context_parallel import shard_sequence
+from megalite.model.multi_token_prediction import multi_token_targets
 from megalite.optimizer import MegaliteOptimizer
 from megalite.pipeline.partition import chunks_of_rank
 from megalite.planner import (Layout, Numerics, bytes_per_parameter, count_parameters, load_model_config,
@@ -177,8 +179,15 @@ def _measured_activations(model, tp: int, sequence_parallel: bool, pre: bool, po
         first = tokens[:, :-1] if pre else torch.randn(b, s // (tp if sequence_parallel else 1), h,
                                                         requires_grad=True)
 
+        depth = model.mtp_num_layers
+        shard = shard_sequence(s, torch.device("cpu"))
+        targets = multi_token_targets(tokens, depth, torch.ones(b, s), None, shard) if depth and post else None
+
         def step(x):   # as the trainer's forward_step: chunk, then the loss mask on the last stage
-            out = chunk(x, tokens[:, 1:] if post else None)
+            out = chunk(x, tokens[:, 1:] if post else None, shard, mtp=targets)
+            if targets is not None:
+                out, mtp = out
+                return (out.float() * torch.ones(b, s)).sum() + (mtp.float() * targets.loss_mask).sum()
             return (out.float() * torch.ones(b, s)).sum() if post else out
 
         measured, _ = saved_bytes(step, first, exclude=list(chunk.parameters()))
@@ -205,6 +214,9 @@ def _measured_activations(model, tp: int, sequence_parallel: bool, pre: bool, po
     (1, False, True, True, 2, {**TINY_MOE, **MODULES, "moe_shared_expert_intermediate_size": 32,
                                "recompute_modules": "layernorm moe_act shared_experts"}),
     (1, False, True, True, 2, {**TINY_MOE, **MODULES, "recompute_modules": "core_attn moe"}),
+    (2, True, False, True, 2, {**LLAMA, "mtp_num_layers": 2}),                # multi-token prediction's modules
+    (1, False, True, True, 2, {**LLAMA, "mtp_num_layers": 1, "recompute_granularity": "full",
+                               "recompute_method": "uniform"}),
 ])
 def test_activations_match_what_autograd_keeps(local_collectives, tp, sp, pre, post, b, options):
     model = tiny_config(model={"num_layers": 2, **options}).model

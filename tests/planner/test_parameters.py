@@ -86,6 +86,23 @@ def test_uneven_stages_count_their_layers():
     assert applied.parallel.decoder_first_pipeline_num_layers is None
 
 
+@pytest.mark.parametrize("name, options", [("llama_tiny", {}), ("llama_tiny", {"untie_embeddings_and_output_weights": False}),
+                                           ("moe_tiny", {})])
+def test_multi_token_prediction_is_counted_on_the_last_stage(name, options):
+    """Two MTP modules (norms, projection, a layer like the last one: MoE in moe_tiny), and on a last stage without
+    the embedding its tied copy."""
+    model = load_model_config(name, mtp_num_layers=2, **options)
+    for tp, pp in ((1, 1), (2, 2)):
+        for pp_rank in range(pp):
+            real = _real_stage(model, tp, pp, pp_rank)
+            planned = [t for chunk in rank_tensors(model, tp, pp, 1, pp_rank) for t in chunk]
+            assert [(n, p.numel(), p.shape[0]) for n, p in real] == [(t.name, t.numel, t.dim0) for t in planned]
+    plain = count_parameters(dataclasses.replace(model, mtp_num_layers=None))
+    h = model.hidden_size
+    extra = 2 * (sum(t.full_numel for t in layer_tensors(model, 1, model.num_layers - 1)) + 2 * h * h + 3 * h)
+    assert count_parameters(model).total == plain.total + extra
+
+
 def test_qkv_biases_are_counted():
     """--add-qkv-bias (Qwen2) on a model without biases: the QKV projection's bias, split over TP, and no other."""
     model = load_model_config("llama_tiny", add_qkv_bias=True)

@@ -114,6 +114,8 @@ def model_config(args: argparse.Namespace, vocab_size: int) -> ModelConfig:
         values.pop("num_query_groups", None)
     if values.get("num_experts") is None:
         values = {k: v for k, v in values.items() if not k.startswith("moe_")}
+    if not values.get("mtp_num_layers"):   # Megatron's 0 is no MTP (any other count was refused above)
+        values.pop("mtp_num_layers", None)
     values["vocab_size"] = vocab_size
     try:
         return ModelConfig(**values)
@@ -139,6 +141,9 @@ def megatron_args(model: ModelConfig, dims: ParallelDims, virtual_stages: Option
     if model.multi_latent_attention:   # as the import refuses Megatron's (UNSUPPORTED)
         raise CheckpointError("model option multi_latent_attention=True: megalite exports no multi-latent attention "
                               "to Megatron-LM")
+    if model.mtp_num_layers is not None:   # as the import refuses Megatron's (UNSUPPORTED)
+        raise CheckpointError(f"model option mtp_num_layers={model.mtp_num_layers}: megalite exports no "
+                              f"multi-token prediction to Megatron-LM (its mtp.layers.K.* weights are not mapped)")
     values: dict[str, Any] = {}
     for option in (*MODEL_DEFINING, *CARRIED):
         if option in MEGALITE_ONLY:

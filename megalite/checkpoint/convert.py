@@ -4,7 +4,8 @@ The Hugging Face architecture follows the model: a megalite model using any Llam
 SwiGLU, no biases, grouped-query attention, q/k/v biases, per-head q/k norms) exports as ``LlamaForCausalLM``, or
 ``Qwen2ForCausalLM`` with q/k/v biases, or ``Qwen3ForCausalLM`` with q/k norms, or ``MistralForCausalLM`` when asked
 for (``hf_llama``), any other as ``GPT2LMHeadModel`` (``hf_gpt2``); an import follows the ``model_type`` of
-config.json (``gpt2``, ``llama``, ``mistral``, ``qwen2``, ``qwen3``; mixtures of experts: ``hf_moe``).
+config.json (``gpt2``, ``llama``, ``mistral``, ``qwen2``, ``qwen3``; mixtures of experts: ``hf_moe``, and
+``gpt_oss``: ``hf_gpt_oss``).
 
 An export merges every parameter to its canonical tensor (whatever layout the checkpoint was saved at) and writes
 ``config.json`` + ``model.safetensors``, and the tokenizer's files where transformers' AutoTokenizer can read them
@@ -26,7 +27,7 @@ from typing import Optional
 
 import torch
 
-from megalite.checkpoint import hf_gpt2, hf_llama, hf_moe
+from megalite.checkpoint import hf_gpt2, hf_gpt_oss, hf_llama, hf_moe
 from megalite.checkpoint.contents import Checkpoint, open_checkpoint
 from megalite.checkpoint.errors import CheckpointError
 from megalite.checkpoint.keys import model_key
@@ -67,18 +68,19 @@ def _safetensors():
     return safetensors.torch
 
 
-HF_ARCHITECTURES = (hf_gpt2.ARCHITECTURE, *hf_llama.ARCHITECTURES, *hf_moe.MODEL_TYPES.values())
+HF_ARCHITECTURES = (hf_gpt2.ARCHITECTURE, *hf_llama.ARCHITECTURES, *hf_moe.MODEL_TYPES.values(),
+                    hf_gpt_oss.ARCHITECTURE)
 # Canonical tensors with a row per vocabulary entry.
 _VOCABULARY_ROWS = ("embedding.word.weight", "output_layer.weight")
 
 
 def hf_architecture(model: ModelConfig, name: Optional[str] = None) -> str:
     """The HF architecture a megalite model exports as: for a mixture of experts the one its options make it
-    (Mixtral, Qwen2-MoE or Qwen3-MoE: see hf_moe.architecture); else ``name`` if given (one of
+    (gpt-oss with biases, sinks or quick GeGLU; else Mixtral, Qwen2-MoE or Qwen3-MoE: see hf_moe.architecture); else ``name`` if given (one of
     :data:`HF_ARCHITECTURES`), else a Llama-family one if it uses any Llama option (it must then be a whole Llama:
     see hf_llama.export_architecture), else ``GPT2LMHeadModel``."""
     if model.num_experts is not None:
-        moe = hf_moe.architecture(model)
+        moe = hf_gpt_oss.ARCHITECTURE if hf_gpt_oss.is_gpt_oss_shaped(model) else hf_moe.architecture(model)
         if name not in (None, moe):
             raise CheckpointError(f"a mixture of experts with these options exports as {moe}, not {name}")
         return moe
@@ -97,7 +99,10 @@ def export_hf(load: str | os.PathLike, output: str | os.PathLike, dtype: Optiona
     model = checkpoint.manifest.megalite_config().model
     name = hf_architecture(model, architecture)
     family = hf_llama.ARCHITECTURES.get(name)
-    if name in hf_moe.MODEL_TYPES.values():   # each checked before any tensor is read
+    if name == hf_gpt_oss.ARCHITECTURE:   # each checked before any tensor is read
+        hf_gpt_oss.check_exportable(model)
+        tensors = hf_gpt_oss.to_hf(full_tensors(checkpoint, progress), model)
+    elif name in hf_moe.MODEL_TYPES.values():
         hf_moe.check_exportable(model)
         tensors = hf_moe.to_hf(full_tensors(checkpoint, progress), model)
     elif family is None:
@@ -112,7 +117,9 @@ def export_hf(load: str | os.PathLike, output: str | os.PathLike, dtype: Optiona
     eod = tokenizer.eod if tokenizer is not None else None
     out = Path(output)
     out.mkdir(parents=True, exist_ok=True)
-    if name in hf_moe.MODEL_TYPES.values():
+    if name == hf_gpt_oss.ARCHITECTURE:
+        hf_gpt_oss.write_hf_config(model, out, eod, dtype)
+    elif name in hf_moe.MODEL_TYPES.values():
         hf_moe.write_hf_config(model, out, eod, dtype)
     elif family is None:
         (out / HF_CONFIG).write_text(json.dumps(hf_gpt2.hf_config_from(model, eod, dtype), indent=2) + "\n")
@@ -175,7 +182,7 @@ def read_hf_tensors(directory: Path) -> dict[str, torch.Tensor]:
 
 
 def import_hf(source: str | os.PathLike, save: str | os.PathLike, progress: bool = True) -> Path:
-    """Turn an HF GPT-2, Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen2-MoE or Qwen3-MoE directory into a megalite
+    """Turn an HF GPT-2, Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen2-MoE, Qwen3-MoE or gpt-oss directory into a megalite
     checkpoint (iteration 0, weights only, fp32, with the directory's tokenizer if it has one); returns it.
     ``progress``: a bar on a terminal while the tensors are converted."""
     directory = Path(source)
@@ -184,7 +191,8 @@ def import_hf(source: str | os.PathLike, save: str | os.PathLike, progress: bool
     hf = _read_json_object(directory / HF_CONFIG)
     model_type = hf.get("model_type", "gpt2")   # GPT-2 configs of old transformers versions may not say
     family = (None if not isinstance(model_type, str) else hf_llama if model_type in hf_llama.BY_MODEL_TYPE
-              else hf_gpt2 if model_type == "gpt2" else hf_moe if model_type in hf_moe.MODEL_TYPES else None)
+              else hf_gpt2 if model_type == "gpt2" else hf_moe if model_type in hf_moe.MODEL_TYPES
+              else hf_gpt_oss if model_type == hf_gpt_oss.MODEL_TYPE else None)
     if family is not None:
         try:
             model = family.model_config_from(hf)
@@ -199,7 +207,8 @@ def import_hf(source: str | os.PathLike, save: str | os.PathLike, progress: bool
     else:
         raise CheckpointError(f"model_type {model_type!r}: only {hf_gpt2.ARCHITECTURE} (gpt2), "
                               f"{', '.join(f'{a.name} ({a.model_type})' for a in hf_llama.ARCHITECTURES.values())} "
-                              f"and {', '.join(f'{a} ({t})' for t, a in hf_moe.MODEL_TYPES.items())} can be imported")
+                              f"{', '.join(f'{a} ({t})' for t, a in hf_moe.MODEL_TYPES.items())} and "
+                              f"{hf_gpt_oss.ARCHITECTURE} ({hf_gpt_oss.MODEL_TYPE}) can be imported")
     tokenizer = hf_tokenizer(directory)
     if tokenizer is not None and tokenizer.vocab_size != model.vocab_size:
         if tokenizer.vocab_size > model.vocab_size:

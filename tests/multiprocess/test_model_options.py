@@ -5,7 +5,8 @@ single process (10 iterations, fp32, dropout off: losses and gradient norms with
 within 1e-5):
 
 - Llama-like (rotary positions, RMSNorm, SwiGLU, grouped-query attention with 2 key/value heads, no biases, untied
-  output layer) at TP=2 x PP=2: one key/value head per TP rank;
+  output layer) at TP=2 x PP=2: one key/value head per TP rank; there with gpt-oss' MLP (clamped quick GeGLU with
+  offset 1) in place of SwiGLU, and YaRN with gpt-oss' unrounded correction range;
 - the same with a sliding window (each query and the 7 tokens before it, of 32) in layers 1, 3 and 4 (layer 2
   global: a 0/1 skip pattern), gpt-oss' learnable attention sinks, sequence parallelism and selective recompute at
   TP=2 x PP=2: pipeline stages send sequence shards, the recomputed core rebuilds the windowed mask, and each rank
@@ -43,12 +44,14 @@ WINDOW = {"window_size": "7,0", "window_attn_skip_freq": "[1,0,1,1]"}
 ZERO2 = {"use_distributed_optimizer": True, "zero_stage": 2, "overlap_grad_reduce": True, "ddp_bucket_size": 4000}
 YARN = {"use_rope_scaling": True, "rope_scaling_type": "yarn", "rope_scaling_factor": 4.0,
         "rope_scaling_original_max_position_embeddings": 8, "beta_fast": 4.0, "beta_slow": 0.5}
+GPT_OSS_MLP = {"swiglu": False, "quick_geglu": True, "glu_linear_offset": 1.0, "activation_func_clamp_value": 0.1}
 QWEN2_ROPE_SCALING = {"add_qkv_bias": True, "use_rope_scaling": True, "rope_scaling_factor": 4.0,
                       "rope_scaling_original_max_position_embeddings": 16}
 
 
 @pytest.mark.parametrize("label, tp, pp, model, parallel, optimizer", [
-    ("llama-like + yarn rope scaling TP=2 x PP=2", 2, 2, {**LLAMA, **YARN}, {}, {}),
+    ("llama-like + gpt-oss' clamped quick GeGLU + unrounded yarn rope scaling TP=2 x PP=2", 2, 2,
+     {**LLAMA, **YARN, **GPT_OSS_MLP, "yarn_unrounded_correction_range": True}, {}, {}),
     ("llama-like + sliding window + learnable sinks + sequence parallel + selective recompute TP=2 x PP=2", 2, 2,
      {**LLAMA, **SELECTIVE, **WINDOW, "softmax_type": "learnable"}, SP, {}),
     ("GPT + tanh GeLU + sequence parallel + full block recompute TP=2 x DP=2 ZeRO-2", 2, 1,

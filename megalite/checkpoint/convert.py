@@ -76,9 +76,9 @@ _VOCABULARY_ROWS = ("embedding.word.weight", "output_layer.weight")
 
 def hf_architecture(model: ModelConfig, name: Optional[str] = None) -> str:
     """The HF architecture a megalite model exports as: for a mixture of experts the one its options make it
-    (gpt-oss with biases, sinks or quick GeGLU; else Mixtral, Qwen2-MoE or Qwen3-MoE: see hf_moe.architecture); else ``name`` if given (one of
-    :data:`HF_ARCHITECTURES`), else a Llama-family one if it uses any Llama option (it must then be a whole Llama:
-    see hf_llama.export_architecture), else ``GPT2LMHeadModel``."""
+    (gpt-oss with biases, sinks or quick GeGLU; else Mixtral, Qwen2-MoE or Qwen3-MoE: see hf_moe.architecture); else
+    ``name`` if given (one of :data:`HF_ARCHITECTURES`), else a Llama-family one if it uses any Llama option (it
+    must then be a whole Llama: see hf_llama.export_architecture), else ``GPT2LMHeadModel``."""
     if model.num_experts is not None:
         moe = hf_gpt_oss.ARCHITECTURE if hf_gpt_oss.is_gpt_oss_shaped(model) else hf_moe.architecture(model)
         if name not in (None, moe):
@@ -182,8 +182,8 @@ def read_hf_tensors(directory: Path) -> dict[str, torch.Tensor]:
 
 
 def import_hf(source: str | os.PathLike, save: str | os.PathLike, progress: bool = True) -> Path:
-    """Turn an HF GPT-2, Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen2-MoE, Qwen3-MoE or gpt-oss directory into a megalite
-    checkpoint (iteration 0, weights only, fp32, with the directory's tokenizer if it has one); returns it.
+    """Turn an HF GPT-2, Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen2-MoE, Qwen3-MoE or gpt-oss directory into a
+    megalite checkpoint (iteration 0, weights only, fp32, with the directory's tokenizer if it has one); returns it.
     ``progress``: a bar on a terminal while the tensors are converted."""
     directory = Path(source)
     if not (directory / HF_CONFIG).is_file():

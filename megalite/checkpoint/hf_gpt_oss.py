@@ -51,7 +51,8 @@ _HF_DEFAULTS = {"num_hidden_layers": 36, "num_local_experts": 128, "vocab_size":
                 "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
                                  "truncate": False, "original_max_position_embeddings": 4096}}
 
-_ATTENTION = [("input_norm.weight", "input_layernorm.weight"), ("pre_mlp_norm.weight", "post_attention_layernorm.weight"),
+_ATTENTION = [("input_norm.weight", "input_layernorm.weight"),
+              ("pre_mlp_norm.weight", "post_attention_layernorm.weight"),
               ("self_attention.linear_proj.weight", "self_attn.o_proj.weight"),
               ("self_attention.linear_proj.bias", "self_attn.o_proj.bias"),
               ("self_attention.softmax_offset", "self_attn.sinks"),
@@ -140,8 +141,9 @@ def from_hf(tensors: dict[str, torch.Tensor], model: ModelConfig) -> dict[str, t
               "final_norm.weight": take("model.norm.weight", (h,))}
     if model.untie_embeddings_and_output_weights:
         result["output_layer.weight"] = take("lm_head.weight", (v, h))
-    shapes = {"input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,), "self_attn.o_proj.weight": (h, q),
-              "self_attn.o_proj.bias": (h,), "self_attn.sinks": (heads,), "mlp.router.weight": (e, h),
+    shapes = {"input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
+              "self_attn.o_proj.weight": (h, q), "self_attn.o_proj.bias": (h,), "self_attn.sinks": (heads,),
+              "mlp.router.weight": (e, h),
               "mlp.router.bias": (e,)}
     for i in range(model.num_layers):
         ours, theirs = f"layers.{i}.", f"model.layers.{i}."

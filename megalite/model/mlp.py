@@ -56,9 +56,9 @@ class MLP(nn.Module):
         self.gelu_approximation = "tanh" if cfg.openai_gelu else "none"   # F.gelu's names
         fc1_size = 2 * cfg.ffn_size if cfg.gated_linear_unit else cfg.ffn_size
         fp8 = Fp8Recipe.of(cfg)   # --fp8-format: both linears' products in FP8
-        self.linear_fc1 = ColumnParallelLinear(cfg.hidden_size, fc1_size, fused=2 if cfg.gated_linear_unit else 1, bias=bias,
-                                               init_std=cfg.init_method_std, sequence_parallel=sequence_parallel,
-                                               fp8=fp8)
+        self.linear_fc1 = ColumnParallelLinear(cfg.hidden_size, fc1_size, fused=2 if cfg.gated_linear_unit else 1,
+                                               bias=bias, init_std=cfg.init_method_std,
+                                               sequence_parallel=sequence_parallel, fp8=fp8)
         self.linear_fc2 = RowParallelLinear(cfg.ffn_size, cfg.hidden_size, bias=bias, init_std=output_std,
                                             sequence_parallel=sequence_parallel, fp8=fp8)
 

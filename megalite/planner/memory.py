@@ -647,7 +647,8 @@ def weight_gradient_bytes(model: ModelConfig, layout: Layout, num_layers: int, i
     share = 1 / tp if layout.sequence_parallel else 1.0
     qkv = h + 2 * model.query_groups * model.head_dim
     inputs = 2 * h * share + h / tp + f / tp
-    grads = qkv / tp + 2 * h * (share if model.fp8_format is None else 1.0) + f * (2 if model.gated_linear_unit else 1) / tp
+    grads = (qkv / tp + 2 * h * (share if model.fp8_format is None else 1.0)
+             + f * (2 if model.gated_linear_unit else 1) / tp)
     linear_bytes = 1 if model.fp8_format is not None and model.fp8_recipe != "rowwise" else p
     total = num_layers * linear_bytes * sb * (inputs + grads)
     if is_last:

@@ -40,7 +40,8 @@ def test_import_export_logits_and_generation_equal_transformers(tmp_path):
     hf = perturb_and_save(hf, tmp_path / "hf")
     model = assert_import_matches(hf, tmp_path / "hf", tmp_path / "ckpt", "gpt-oss")
     imported = model.config.model
-    assert (imported.quick_geglu, imported.glu_linear_offset, imported.activation_func_clamp_value) == (True, 1.0, LIMIT)
+    assert (imported.quick_geglu, imported.glu_linear_offset, imported.activation_func_clamp_value) == \
+        (True, 1.0, LIMIT)
     assert (imported.softmax_type, imported.disable_bias_linear, imported.kv_channels) == ("learnable", False, 24)
     assert (imported.window_size, imported.window_attn_skip_freq) == ("7,0", "[1,0]")
     assert imported.yarn_unrounded_correction_range and imported.rope_scaling_type == "yarn"

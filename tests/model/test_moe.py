@@ -102,7 +102,8 @@ DEEPSEEK_V3_ROUTER = {"num_experts": 8, "moe_router_topk": 4, "moe_router_num_gr
 def _routed(options: dict, bias: bool) -> tuple[MoELayer, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(layer, tokens [T, h], its routing weights [T, E], the plain top-k map without groups) for 64 tokens."""
     torch.manual_seed(0)
-    layer = _layer(**{"disable_bias_linear": True, **options}, moe_router_enable_expert_bias=bias).eval()   # no router bias
+    # DeepSeek's router has no bias: without the linears' biases, megalite's has none either
+    layer = _layer(**{"disable_bias_linear": True, **options}, moe_router_enable_expert_bias=bias).eval()
     if bias:
         layer.router.expert_bias.copy_(torch.randn(layer.cfg.num_experts) * 0.3)
     tokens = torch.randn(64, 64)

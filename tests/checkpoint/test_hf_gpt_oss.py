@@ -4,6 +4,7 @@ relative to the largest) and its greedy generation; what megalite would compute 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -67,8 +68,7 @@ def test_options_map_and_refusals():
                             ({"moe_layer_freq": "[1,0]"}, "moe_layer_freq='\\[1,0\\]' has no"),
                             ({"moe_router_pre_softmax": True}, "moe_router_pre_softmax=True has no GptOss")]:
         with pytest.raises(CheckpointError, match=message):
-            check_exportable(model_config_from({**_config().to_dict(), "model_type": "gpt_oss"}).__class__(
-                **{**vars(model_config_from(_config().to_dict())), **change}))
+            check_exportable(dataclasses.replace(model_config_from(_config().to_dict()), **change))
 
 
 def test_import_refuses_a_quantized_directory_in_one_line(tmp_path):

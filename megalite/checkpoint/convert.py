@@ -4,8 +4,8 @@ The Hugging Face architecture follows the model: a megalite model using any Llam
 SwiGLU, no biases, grouped-query attention, q/k/v biases, per-head q/k norms) exports as ``LlamaForCausalLM``, or
 ``Qwen2ForCausalLM`` with q/k/v biases, or ``Qwen3ForCausalLM`` with q/k norms, or ``MistralForCausalLM`` when asked
 for (``hf_llama``), any other as ``GPT2LMHeadModel`` (``hf_gpt2``); an import follows the ``model_type`` of
-config.json (``gpt2``, ``llama``, ``mistral``, ``qwen2``, ``qwen3``; mixtures of experts: ``hf_moe``; ``deepseek_v3``:
-``hf_deepseek``).
+config.json (``gpt2``, ``llama``, ``mistral``, ``qwen2``, ``qwen3``; mixtures of experts: ``hf_moe``, and
+``gpt_oss``: ``hf_gpt_oss``; ``deepseek_v3``: ``hf_deepseek``).
 
 An export merges every parameter to its canonical tensor (whatever layout the checkpoint was saved at) and writes
 ``config.json`` + ``model.safetensors``, and the tokenizer's files where transformers' AutoTokenizer can read them
@@ -27,7 +27,7 @@ from typing import Optional
 
 import torch
 
-from megalite.checkpoint import hf_deepseek, hf_gpt2, hf_llama, hf_moe
+from megalite.checkpoint import hf_deepseek, hf_gpt2, hf_gpt_oss, hf_llama, hf_moe
 from megalite.checkpoint.contents import Checkpoint, open_checkpoint
 from megalite.checkpoint.errors import CheckpointError
 from megalite.checkpoint.keys import model_key
@@ -69,23 +69,23 @@ def _safetensors():
 
 
 HF_ARCHITECTURES = (hf_gpt2.ARCHITECTURE, *hf_llama.ARCHITECTURES, *hf_moe.MODEL_TYPES.values(),
-                    hf_deepseek.ARCHITECTURE)
+                    hf_gpt_oss.ARCHITECTURE, hf_deepseek.ARCHITECTURE)
 # Canonical tensors with a row per vocabulary entry.
 _VOCABULARY_ROWS = ("embedding.word.weight", "output_layer.weight")
 
 
 def hf_architecture(model: ModelConfig, name: Optional[str] = None) -> str:
     """The HF architecture a megalite model exports as: for a mixture of experts the one its options make it
-    (Mixtral, Qwen2-MoE or Qwen3-MoE: see hf_moe.architecture); else ``name`` if given (one of
-    :data:`HF_ARCHITECTURES`), else a Llama-family one if it uses any Llama option (it must then be a whole Llama:
-    see hf_llama.export_architecture), else ``GPT2LMHeadModel``. Multi-latent attention exports as
-    DeepSeek-V3 (hf_deepseek)."""
+    (gpt-oss with biases, sinks or quick GeGLU; else Mixtral, Qwen2-MoE or Qwen3-MoE: see hf_moe.architecture); else
+    ``name`` if given (one of :data:`HF_ARCHITECTURES`), else a Llama-family one if it uses any Llama option (it
+    must then be a whole Llama: see hf_llama.export_architecture), else ``GPT2LMHeadModel``. Multi-latent attention
+    exports as DeepSeek-V3 (hf_deepseek)."""
     if model.multi_latent_attention:
         if name not in (None, hf_deepseek.ARCHITECTURE):
             raise CheckpointError(f"a multi-latent-attention model exports as {hf_deepseek.ARCHITECTURE}, not {name}")
         return hf_deepseek.ARCHITECTURE
     if model.num_experts is not None:
-        moe = hf_moe.architecture(model)
+        moe = hf_gpt_oss.ARCHITECTURE if hf_gpt_oss.is_gpt_oss_shaped(model) else hf_moe.architecture(model)
         if name not in (None, moe):
             raise CheckpointError(f"a mixture of experts with these options exports as {moe}, not {name}")
         return moe
@@ -107,6 +107,9 @@ def export_hf(load: str | os.PathLike, output: str | os.PathLike, dtype: Optiona
     if name == hf_deepseek.ARCHITECTURE:   # each checked before any tensor is read
         hf_deepseek.check_exportable(model)
         tensors = hf_deepseek.to_hf(full_tensors(checkpoint, progress), model)
+    elif name == hf_gpt_oss.ARCHITECTURE:   # each checked before any tensor is read
+        hf_gpt_oss.check_exportable(model)
+        tensors = hf_gpt_oss.to_hf(full_tensors(checkpoint, progress), model)
     elif name in hf_moe.MODEL_TYPES.values():
         hf_moe.check_exportable(model)
         tensors = hf_moe.to_hf(full_tensors(checkpoint, progress), model)
@@ -124,6 +127,8 @@ def export_hf(load: str | os.PathLike, output: str | os.PathLike, dtype: Optiona
     out.mkdir(parents=True, exist_ok=True)
     if name == hf_deepseek.ARCHITECTURE:
         hf_deepseek.write_hf_config(model, out, eod, dtype)
+    elif name == hf_gpt_oss.ARCHITECTURE:
+        hf_gpt_oss.write_hf_config(model, out, eod, dtype)
     elif name in hf_moe.MODEL_TYPES.values():
         hf_moe.write_hf_config(model, out, eod, dtype)
     elif family is None:
@@ -187,8 +192,8 @@ def read_hf_tensors(directory: Path) -> dict[str, torch.Tensor]:
 
 
 def import_hf(source: str | os.PathLike, save: str | os.PathLike, progress: bool = True) -> Path:
-    """Turn an HF GPT-2, Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen2-MoE or Qwen3-MoE directory into a megalite
-    checkpoint (iteration 0, weights only, fp32, with the directory's tokenizer if it has one); returns it.
+    """Turn an HF GPT-2, Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen2-MoE, Qwen3-MoE or gpt-oss directory into a
+    megalite checkpoint (iteration 0, weights only, fp32, with the directory's tokenizer if it has one); returns it.
     ``progress``: a bar on a terminal while the tensors are converted."""
     directory = Path(source)
     if not (directory / HF_CONFIG).is_file():
@@ -197,7 +202,8 @@ def import_hf(source: str | os.PathLike, save: str | os.PathLike, progress: bool
     model_type = hf.get("model_type", "gpt2")   # GPT-2 configs of old transformers versions may not say
     family = (None if not isinstance(model_type, str) else hf_llama if model_type in hf_llama.BY_MODEL_TYPE
               else hf_gpt2 if model_type == "gpt2" else hf_moe if model_type in hf_moe.MODEL_TYPES
-              else hf_deepseek if model_type == hf_deepseek.MODEL_TYPE else None)
+              else hf_deepseek if model_type == hf_deepseek.MODEL_TYPE
+              else hf_gpt_oss if model_type == hf_gpt_oss.MODEL_TYPE else None)
     if family is not None:
         try:
             model = family.model_config_from(hf)
@@ -215,6 +221,7 @@ def import_hf(source: str | os.PathLike, save: str | os.PathLike, progress: bool
         raise CheckpointError(f"model_type {model_type!r}: only {hf_gpt2.ARCHITECTURE} (gpt2), "
                               f"{', '.join(f'{a.name} ({a.model_type})' for a in hf_llama.ARCHITECTURES.values())} "
                               f"{', '.join(f'{a} ({t})' for t, a in hf_moe.MODEL_TYPES.items())} and "
+                              f"{hf_gpt_oss.ARCHITECTURE} ({hf_gpt_oss.MODEL_TYPE}) and "
                               f"{hf_deepseek.ARCHITECTURE} ({hf_deepseek.MODEL_TYPE}) can be imported")
     tokenizer = hf_tokenizer(directory)
     if tokenizer is not None and tokenizer.vocab_size != model.vocab_size:

@@ -59,7 +59,7 @@ _MAPPED_FIELDS = {"num_layers", "hidden_size", "ffn_hidden_size", "num_attention
                   "use_rope_scaling", "rope_scaling_factor", "rope_scaling_low_freq_factor",
                   "rope_scaling_high_freq_factor", "rope_scaling_original_max_position_embeddings",
                   "rope_scaling_type", "beta_fast", "beta_slow", "mscale", "mscale_all_dim",
-                  "rope_scaling_attention_factor",
+                  "rope_scaling_attention_factor", "yarn_unrounded_correction_range",
                   "group_query_attention", "num_query_groups", "add_qkv_bias", "kv_channels",   # HF's head_dim
                   "qk_layernorm",   # Qwen3's q_norm and k_norm
                   "window_size", "window_attn_skip_freq",   # Mistral's sliding_window, Qwen2's layer types
@@ -310,10 +310,9 @@ def _yarn(hf: dict[str, Any], rope: dict[str, Any]) -> dict[str, Any]:
     """megalite's options of HF's yarn parameters, popped from ``rope``: as transformers v5 reads them (the original
     context the config's own key, else the rope parameter's, else max_position_embeddings; beta_fast and beta_slow 32
     and 1 when unset or 0; mscale and mscale_all_dim used only together)."""
-    if rope.pop("truncate", True) is not True:
-        raise CheckpointError("rope parameter truncate=False is not supported (megalite's yarn rounds the correction "
-                              "range outwards, as Megatron's does)")
     options = {option: rope.pop(key, None) for key, option in _YARN_KEYS.items()}
+    if rope.pop("truncate", True) is False:   # gpt-oss: the correction range's bounds left fractional
+        options["yarn_unrounded_correction_range"] = True
     options["rope_scaling_original_max_position_embeddings"] = (
         hf.get("original_max_position_embeddings") or options["rope_scaling_original_max_position_embeddings"]
         or hf["max_position_embeddings"])
@@ -430,6 +429,8 @@ def _rope_scaling(model: ModelConfig) -> dict[str, Any]:
         return {"rope_type": "llama3", **{key: getattr(model, option) for key, option in _LLAMA3_KEYS.items()}}
     rope = {"rope_type": "yarn", **{key: getattr(model, option) for key, option in _YARN_KEYS.items()
                                     if getattr(model, option) is not None}}
+    if model.yarn_unrounded_correction_range:
+        rope["truncate"] = False
     if model.mscale_all_dim:   # validation: mscale is 1 otherwise, and unused
         rope.update(mscale=model.mscale, mscale_all_dim=model.mscale_all_dim)
     return rope

@@ -109,19 +109,35 @@ class ModelConfig:
         1.0, "With yarn rope scaling and --mscale-all-dim: the attention factor is (0.1 mscale ln factor + 1) / "
              "(0.1 mscale_all_dim ln factor + 1) (DeepSeek's; Megatron's flag); without, 0.1 ln factor + 1.")
     mscale_all_dim: float = option(0.0, "With yarn rope scaling: see --mscale (0: unused).")
+    yarn_unrounded_correction_range: bool = option(
+        False, "With yarn rope scaling: keep the fractional channel bounds of the ramp between kept and divided "
+               "frequencies (Hugging Face's truncate: false, gpt-oss; Megatron's yarn_correction_range_round_to_int "
+               "false); default rounded outwards.")
     rope_scaling_attention_factor: Optional[float] = option(
         None, "With yarn rope scaling: the factor cos and sin are multiplied by (Hugging Face's attention_factor); "
               "default derived from the factor, --mscale and --mscale-all-dim.")
     normalization: str = option("LayerNorm", "LayerNorm or RMSNorm (a learned scale only: no bias, no centering).")
     swiglu: bool = option(
         False, "SwiGLU MLP: down(silu(gate(x)) * up(x)), gate and up each of --ffn-hidden-size (Llama's MLP).")
+    quick_geglu: bool = option(
+        False, "Gated MLP with quick GeLU: down(quick_gelu(gate(x)) * (up(x) + --glu-linear-offset)), quick_gelu(y) = "
+               "y sigmoid(1.702 y) (Megatron's --quick-geglu; gpt-oss' experts with the offset 1 and "
+               "--activation-func-clamp-value 7).")
+    glu_linear_offset: float = option(
+        0.0, "With a gated MLP (--swiglu or --quick-geglu): added to the linear (up) half before the product "
+             "(Megatron's glu_linear_offset; gpt-oss: 1).")
+    activation_func_clamp_value: Optional[float] = option(
+        None, "With a gated MLP: the gate half clamped to at most this and the linear half to [-this, this] before "
+              "the activation (Megatron's activation_func_clamp_value; gpt-oss: 7); default none.")
     openai_gelu: bool = option(
         False, "The GeLU MLP uses the tanh approximation of GeLU (OpenAI's GPT-2, Hugging Face gelu_new, Megatron's "
                "--openai-gelu) instead of the exact erf form.")
     group_query_attention: bool = option(
         False, "Grouped-query attention: the query heads share --num-query-groups key/value heads.")
     num_query_groups: int = option(1, "With --group-query-attention: number of key/value heads (1: multi-query).")
-    disable_bias_linear: bool = option(False, "No biases in the attention and MLP linear layers.")
+    disable_bias_linear: bool = option(
+        False, "No biases in the attention and MLP linear layers (nor in the MoE router and experts: with biases "
+               "the router's logits have one per expert, as Megatron's).")
     add_qkv_bias: bool = option(
         False, "A bias on the query/key/value projection even with --disable-bias-linear (Qwen2's attention).")
     qk_layernorm: bool = option(
@@ -260,6 +276,11 @@ class ModelConfig:
     @property
     def ffn_size(self) -> int:
         return self.ffn_hidden_size or 4 * self.hidden_size
+
+    @property
+    def gated_linear_unit(self) -> bool:
+        """Whether the MLP's first linear is [gate; up] (SwiGLU or quick GeGLU)."""
+        return self.swiglu or self.quick_geglu
 
     @property
     def head_dim(self) -> int:

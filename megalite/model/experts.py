@@ -4,7 +4,8 @@ With expert parallelism a rank holds E / EP consecutive experts; each is its own
 index (``layers.3.mlp.experts.5.linear_fc1.weight`` on whichever rank holds expert 5), so names, initial values and
 checkpoints are the same whatever EP is, and a checkpoint reshards across EP like across TP: by name.
 
-An expert is the dense MLP's maths (GeLU, or SwiGLU with fc1 = [gate; up]) without the tensor-parallel linears:
+An expert is the dense MLP's maths (GeLU, or a gated unit with fc1 = [gate; up]: SwiGLU, or gpt-oss' clamped quick
+GeGLU with its offset) without the tensor-parallel linears:
 split over TP (``--expert-tensor-parallel-size`` = TP) its fc1 keeps a block of output rows and fc2 a block of
 input columns, exactly as ColumnParallelLinear/RowParallelLinear cut them, and the partial outputs are summed over
 TP once for all experts (and the input gradients once in backward); with expert tensor-parallel size 1 every TP rank
@@ -29,6 +30,7 @@ from torch import nn
 
 from megalite import parallel_state
 from megalite.config import ModelConfig
+from megalite.model.mlp import gated_activation
 from megalite.tensor_parallel import DiscardedOutput, copy_to_tensor_parallel, reduce_from_tensor_parallel
 from megalite.tensor_parallel.partition import REPLICATED, Partition, local_shape, mark, normal_init, zeros_init
 
@@ -54,9 +56,9 @@ class ExpertMLP(nn.Module):
     def __init__(self, cfg: ModelConfig, split: bool, world: int):
         super().__init__()
         h, f = cfg.hidden_size, cfg.expert_ffn_size
-        fc1 = 2 * f if cfg.swiglu else f
+        fc1 = 2 * f if cfg.gated_linear_unit else f
         bias = not cfg.disable_bias_linear
-        rows = Partition(dim=0, fused=2 if cfg.swiglu else 1) if split else REPLICATED
+        rows = Partition(dim=0, fused=2 if cfg.gated_linear_unit else 1) if split else REPLICATED
         self.linear_fc1 = ExpertLinear((fc1, h), rows, rows if bias else None, cfg.init_method_std, world)
         self.linear_fc2 = ExpertLinear((h, f), Partition(dim=1) if split else REPLICATED, REPLICATED if bias else None,
                                        cfg.init_method_std / math.sqrt(2.0 * cfg.num_layers), world)
@@ -86,7 +88,8 @@ class LocalExperts(nn.ModuleDict):
         world = parallel_state.get_expert_tensor_parallel_world_size()
         split = world > 1
         super().__init__({str(first + i): ExpertMLP(cfg, split, world) for i in range(per_rank)})
-        self.first, self.swiglu, self.grouped, self.split = first, cfg.swiglu, cfg.moe_grouped_gemm, split
+        self.first, self.grouped, self.split = first, cfg.moe_grouped_gemm, split
+        self.glu = gated_activation(cfg) if cfg.gated_linear_unit else None
         self.recompute_activation = "moe_act" in cfg.recomputed_modules()   # --recompute-modules moe_act
         self._lay_out_stacked()
 
@@ -148,10 +151,7 @@ class LocalExperts(nn.ModuleDict):
         return out
 
     def _activation(self, y: torch.Tensor) -> torch.Tensor:
-        if self.swiglu:
-            gate, up = y.chunk(2, dim=-1)
-            return F.silu(gate) * up
-        return F.gelu(y)
+        return F.gelu(y) if self.glu is None else self.glu(y)
 
 
 def _laid_out_stacked(tensors) -> bool:

@@ -92,6 +92,7 @@ class YarnScaling:
     mscale: float
     mscale_all_dim: float
     attention_factor_override: Optional[float] = None
+    rounded: bool = True   # the correction range's channel bounds rounded outwards (Hugging Face's truncate)
 
     @property
     def attention_factor(self) -> float:
@@ -109,8 +110,10 @@ class YarnScaling:
         def channel(rotations: float) -> float:
             """The (fractional) channel pair whose frequency turns ``rotations`` times over the original context."""
             return head_dim * math.log(self.original_max_positions / (rotations * 2 * math.pi)) / (2 * math.log(base))
-        low = max(math.floor(channel(self.beta_fast)), 0)
-        high = min(math.ceil(channel(self.beta_slow)), head_dim - 1)
+        low, high = channel(self.beta_fast), channel(self.beta_slow)
+        if self.rounded:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, head_dim - 1)
         if low == high:
             high += 0.001   # as Hugging Face: no division by zero
         ramp = torch.clamp((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
@@ -130,7 +133,8 @@ def rope_scaling(cfg: ModelConfig) -> Optional[RopeScaling]:
         return LinearScaling(cfg.rope_scaling_factor)
     if cfg.rope_scaling_type == "yarn":
         return YarnScaling(cfg.rope_scaling_factor, cfg.rope_scaling_original_max_position_embeddings, cfg.beta_fast,
-                           cfg.beta_slow, cfg.mscale, cfg.mscale_all_dim, cfg.rope_scaling_attention_factor)
+                           cfg.beta_slow, cfg.mscale, cfg.mscale_all_dim, cfg.rope_scaling_attention_factor,
+                           rounded=not cfg.yarn_unrounded_correction_range)
     return Llama3Scaling(cfg.rope_scaling_factor, cfg.rope_scaling_low_freq_factor, cfg.rope_scaling_high_freq_factor,
                          cfg.rope_scaling_original_max_position_embeddings)
 

@@ -1,7 +1,8 @@
 """The MoE router: score every expert for each token, keep the top k, drop what exceeds an expert's capacity, and
 attach the load-balancing losses (Megatron-core's TopKRouter, in one module).
 
-Scores, for logits z = x W^T (W: [experts, hidden], replicated over TP), in fp32 whatever the model dtype:
+Scores, for logits z = x W^T (+ b with the linears' biases, as Megatron's router and gpt-oss'; W: [experts,
+hidden] and b replicated over TP), in fp32 whatever the model dtype:
 
 - softmax (Mixtral, Qwen3-MoE): softmax over the k largest logits, weights summing to 1; with ``pre_softmax`` the
   softmax runs over all experts first and the k largest probabilities are used as they are (Qwen2-MoE);
@@ -78,6 +79,8 @@ class TopKRouter(nn.Module):
         self.num_experts, self.topk = cfg.num_experts, cfg.moe_router_topk
         self.weight = mark(nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size)),
                            (cfg.num_experts, cfg.hidden_size), REPLICATED, normal_init(cfg.init_method_std))
+        self.bias = (None if cfg.disable_bias_linear else
+                     mark(nn.Parameter(torch.empty(cfg.num_experts)), (cfg.num_experts,), REPLICATED, zeros_init))
         # State, not a parameter: initialized and saved in checkpoints like one, never stepped by the optimizer.
         self.register_buffer("expert_bias", self._marked_bias(torch.zeros(cfg.num_experts))
                              if cfg.moe_router_enable_expert_bias else None)
@@ -115,7 +118,7 @@ class TopKRouter(nn.Module):
     # ---- routing ----------------------------------------------------------------------------------------------
     def forward(self, tokens: torch.Tensor, num_sequences: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Routing weights [T, E] (zero off the chosen experts; the model dtype) and the routing map [T, E]."""
-        logits = F.linear(tokens, self.weight)
+        logits = F.linear(tokens, self.weight, self.bias)
         counting = self.training and torch.is_grad_enabled()
         if counting and self.cfg.moe_z_loss_coeff is not None:
             logits = self._attach_z_loss(logits)

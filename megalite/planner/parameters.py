@@ -95,7 +95,7 @@ def layer_tensors(cfg: ModelConfig, tp: int, index: int, ep: int = 1, expert_tp:
         return [dataclasses.replace(t, expert=expert) for t in tensors]
 
     def mlp(name: str, f: int, world: int = tp, expert: bool = False) -> list[Tensor]:
-        return (column(f"{name}.linear_fc1", 2 * f if cfg.swiglu else f, world, expert)
+        return (column(f"{name}.linear_fc1", 2 * f if cfg.gated_linear_unit else f, world, expert)
                 + row(f"{name}.linear_fc2", f, world, expert))
 
     attention = _norm(cfg, f"{p}.input_norm")
@@ -114,6 +114,8 @@ def layer_tensors(cfg: ModelConfig, tp: int, index: int, ep: int = 1, expert_tp:
         return attention + mlp(f"{p}.mlp", cfg.ffn_size)
     experts = cfg.num_experts
     tensors = attention + [Tensor(f"{p}.mlp.router.weight", experts * h, experts * h, rows=experts)]
+    if bias:   # the router's logits have a bias with the linears' (Megatron's; gpt-oss)
+        tensors.append(Tensor(f"{p}.mlp.router.bias", experts, experts))
     for e in range(experts // ep):   # the experts of expert-parallel rank 0 (every rank holds as many)
         tensors += mlp(f"{p}.mlp.experts.{e}", cfg.expert_ffn_size, tp if expert_tp is None else expert_tp, True)
     if cfg.moe_shared_expert_intermediate_size:

@@ -198,7 +198,6 @@ def test_tool_picks_the_architecture_and_round_trips(tmp_path, capsys):
 
 @pytest.mark.parametrize("model_type, overrides, message", [
     ("llama", {"rope_scaling": {"rope_type": "dynamic", "factor": 4.0}}, "rope scaling 'dynamic' is not supported"),
-    ("llama", {"rope_scaling": {**YARN_ROPE, "truncate": False}}, "rope parameter truncate=False is not supported"),
     ("llama", {"rope_scaling": {**LLAMA3_ROPE, "partial_rotary_factor": 0.5}},
      "rope parameter partial_rotary_factor=0.5 is not supported"),
     ("llama", {"attention_bias": True}, "attention_bias=True is not supported"),
@@ -213,7 +212,7 @@ def test_tool_picks_the_architecture_and_round_trips(tmp_path, capsys):
     ("qwen3", {"attention_bias": True}, "attention_bias=True is not supported"),
     ("qwen3", {"rope_scaling": {"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8,
                                 "original_max_position_embeddings": 16}}, "rope scaling 'longrope' is not supported"),
-], ids=["llama-dynamic", "llama-yarn-no-truncate", "llama-partial-rotary", "llama-attention-bias", "llama-mlp-bias", "llama-gelu",
+], ids=["llama-dynamic", "llama-partial-rotary", "llama-attention-bias", "llama-mlp-bias", "llama-gelu",
         "qwen2-layer-types", "qwen3-window", "qwen3-layer-types-window", "qwen3-attention-bias", "qwen3-longrope"])
 def test_tool_refuses_what_megalite_would_compute_differently(tmp_path, capsys, model_type, overrides, message):
     _hf_config(model_type, **overrides).save_pretrained(tmp_path / "hf")   # refused on reading config.json

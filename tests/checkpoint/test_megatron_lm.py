@@ -124,6 +124,7 @@ def test_inspect_shows_the_args_and_whole_tensors(megatron_saves):
                                                ("multi_latent_attention", True, "--multi-latent-attention"),
                                                ("window_size", (16, 0), "--window-size"),
                                                ("mtp_num_layers", 1, "--mtp-num-layers"),
+                                               ("activation_func_clamp_value", 7.0, "--activation-func-clamp-value"),
                                                ("position_embedding_type", "mrope", "--position-embedding-type")])
 def test_what_megalite_cannot_compute_is_refused_by_its_flag(megatron_saves, tmp_path, name, value, flag):
     source = tmp_path / "changed"
@@ -132,7 +133,9 @@ def test_what_megalite_cannot_compute_is_refused_by_its_flag(megatron_saves, tmp
     common = torch.load(common_file, weights_only=False)
     setattr(common["args"], name, value)
     torch.save(common, common_file)
-    with pytest.raises(CheckpointError, match=flag):
+    converted = {"window_size": "converts no such model", "activation_func_clamp_value": "converts no such model",
+                 "position_embedding_type": "megalite has"}.get(name, "no such option")
+    with pytest.raises(CheckpointError, match=f"{flag}.*{converted}"):
         import_megatron(source, tmp_path / "out", progress=False)
     assert not (tmp_path / "out").exists()
 
@@ -144,6 +147,9 @@ def test_what_megalite_cannot_compute_is_refused_by_its_flag(megatron_saves, tmp
                                        "Megatron-LM"),
     ({"mtp_num_layers": 1, "position_embedding_type": "rope"},
      "mtp_num_layers=1: megalite exports no multi-token prediction to Megatron-LM"),
+    ({"quick_geglu": True}, "quick_geglu=True: megalite exports no gpt-oss activation"),
+    ({"position_embedding_type": "rope", "use_rope_scaling": True, "rope_scaling_type": "llama3",
+      "yarn_unrounded_correction_range": True}, "yarn_unrounded_correction_range=True: Megatron's rope scaling fixes"),
 ])
 def test_a_sliding_window_or_a_sink_is_not_exported_to_megatron(option, message):
     """Megatron's window and softmax type are refused on import (above), and megalite's on export."""

@@ -40,6 +40,8 @@ def _reference(layer: MoELayer, x: torch.Tensor) -> torch.Tensor:
     out = torch.zeros_like(tokens)
     for t, token in enumerate(tokens):
         logits = layer.router.weight @ token
+        if layer.router.bias is not None:
+            logits = logits + layer.router.bias
         if cfg.moe_router_score_function == "sigmoid":
             scores = torch.sigmoid(logits)
             chosen = torch.topk(scores + (layer.router.expert_bias if layer.router.expert_bias is not None else 0),
@@ -58,6 +60,11 @@ def _reference(layer: MoELayer, x: torch.Tensor) -> torch.Tensor:
             if cfg.swiglu:
                 gate, up = h.chunk(2)
                 h = F.silu(gate) * up
+            elif cfg.quick_geglu:   # gpt-oss' experts (transformers' GptOssExperts._apply_gate, alpha 1.702)
+                gate, up = h.chunk(2)
+                gate, up = gate.clamp(max=cfg.activation_func_clamp_value), up.clamp(-cfg.activation_func_clamp_value,
+                                                                                   cfg.activation_func_clamp_value)
+                h = (up + 1) * (gate * torch.sigmoid(gate * 1.702))
             else:
                 h = F.gelu(h)
             y = expert.linear_fc2.weight @ h
@@ -67,9 +74,14 @@ def _reference(layer: MoELayer, x: torch.Tensor) -> torch.Tensor:
     return out.view_as(x)
 
 
+# gpt-oss' experts: clamped quick GeGLU with offset 1, biases (router's too); a clamp the tokens reach.
+GPT_OSS_EXPERTS = {"quick_geglu": True, "glu_linear_offset": 1.0, "activation_func_clamp_value": 0.5}
+
+
 @pytest.mark.parametrize("options", [
     {},
     {"moe_router_pre_softmax": True, "swiglu": True, "disable_bias_linear": True},
+    GPT_OSS_EXPERTS,
     {"moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True},
 ])
 def test_layer_equals_token_by_token_reference(options):
@@ -90,7 +102,8 @@ DEEPSEEK_V3_ROUTER = {"num_experts": 8, "moe_router_topk": 4, "moe_router_num_gr
 def _routed(options: dict, bias: bool) -> tuple[MoELayer, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(layer, tokens [T, h], its routing weights [T, E], the plain top-k map without groups) for 64 tokens."""
     torch.manual_seed(0)
-    layer = _layer(**options, moe_router_enable_expert_bias=bias).eval()
+    # DeepSeek's router has no bias: without the linears' biases, megalite's has none either
+    layer = _layer(**{"disable_bias_linear": True, **options}, moe_router_enable_expert_bias=bias).eval()
     if bias:
         layer.router.expert_bias.copy_(torch.randn(layer.cfg.num_experts) * 0.3)
     tokens = torch.randn(64, 64)
@@ -153,13 +166,14 @@ def test_group_limited_routing_equals_megatron(options, bias):
         assert torch.equal(routing != 0, expected_map)
 
 
-def test_grouped_experts_equal_the_loop_forward_and_backward():
+@pytest.mark.parametrize("options", [{"swiglu": True}, GPT_OSS_EXPERTS])
+def test_grouped_experts_equal_the_loop_forward_and_backward(options):
     with single_layout():
         x = torch.randn(2, 16, 64, requires_grad=True)
         assert grouped_mm_available(x, [64, 64, 32]), "this torch offers torch._grouped_mm on the CPU"
         results = []
         for grouped in (False, True):
-            layer = _layer(moe_grouped_gemm=grouped, swiglu=True)
+            layer = _layer(moe_grouped_gemm=grouped, **options)
             out = layer(x)
             out.backward(torch.ones_like(out))
             results.append((out.detach(), x.grad.clone(), [p.grad.clone() for p in layer.parameters()]))
@@ -192,7 +206,7 @@ def test_balancing_and_z_losses_enter_backward_scaled_by_the_loss_weight(kind):
         aux = layer.router.statistics(x.device)[4].item() / 0.25
         z = layer.router.statistics(x.device)[5].item() / 0.25
 
-        logits = x.reshape(-1, 64) @ layer.router.weight.t()
+        logits = F.linear(x.reshape(-1, 64), layer.router.weight, layer.router.bias)   # the router's bias too
         scores = torch.softmax(logits, -1)
         if kind == "aux_loss":
             expected_aux = _switch_loss(scores, 2, 0.1)
@@ -204,7 +218,9 @@ def test_balancing_and_z_losses_enter_backward_scaled_by_the_loss_weight(kind):
         layer.eval()   # the same forward without attached losses, plus the losses by their definitions
         total = layer(x).sum() + 0.25 * 8.0 * (expected_aux + expected_z)
         total.backward()
-        torch.testing.assert_close(attached, layer.router.weight.grad, rtol=1e-5, atol=1e-6)
+        # (rounding: sums of 16 tokens' terms in two orders; with the router's bias an element's gradient of ~0.1
+        # differs by 3e-6)
+        torch.testing.assert_close(attached, layer.router.weight.grad, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("policy", ["probs", "position"])

@@ -83,16 +83,17 @@ def test_an_offset_rotates_the_later_positions():
 YARN_CASES = [(64, 10000, 4.0, 2048, 32.0, 1.0, 1.0, 0.0, None),    # Qwen2.5's: attention factor 0.1 ln 4 + 1
               (128, 1000000, 40.0, 4096, 32.0, 1.0, 1.0, 1.0, None),   # DeepSeek-V3's mscale ratio (here 1)
               (32, 10000, 2.5, 64, 16.0, 2.0, 1.2, 0.8, None),   # a ratio other than 1; a ramp over a few channels
-              (16, 500000, 8.0, 16, 32.0, 1.0, 1.0, 0.0, 0.9)]   # attention factor given; every channel ramped
+              (16, 500000, 8.0, 16, 32.0, 1.0, 1.0, 0.0, 0.9),   # attention factor given; every channel ramped
+              (64, 150000, 32.0, 4096, 32.0, 1.0, 1.0, 0.0, None, False)]   # gpt-oss': the range's bounds unrounded
 
 
-@pytest.mark.parametrize("head_dim, base, factor, original, beta_fast, beta_slow, mscale, mscale_all_dim, attention",
-                         YARN_CASES)
+@pytest.mark.parametrize("head_dim, base, factor, original, beta_fast, beta_slow, mscale, mscale_all_dim, attention, "
+                         "rounded", [case + (True,) * (10 - len(case)) for case in YARN_CASES])
 def test_yarn_equals_transformers(head_dim, base, factor, original, beta_fast, beta_slow, mscale, mscale_all_dim,
-                                  attention):
-    """Frequencies and attention factor bit for bit those of transformers' yarn init function; the frequencies
-    between the kept (beta_fast) and the divided (beta_slow) ones."""
-    scaling = YarnScaling(factor, original, beta_fast, beta_slow, mscale, mscale_all_dim, attention)
+                                  attention, rounded):
+    """Frequencies and attention factor bit for bit those of transformers' yarn init function (``rounded`` false:
+    its truncate false); the frequencies between the kept (beta_fast) and the divided (beta_slow) ones."""
+    scaling = YarnScaling(factor, original, beta_fast, beta_slow, mscale, mscale_all_dim, attention, rounded)
     plain, scaled = inverse_frequencies(head_dim, base), inverse_frequencies(head_dim, base, scaling)
     assert torch.all(scaled <= plain) and torch.all(scaled >= plain / factor * (1 - 1e-6))
     rotations = original * plain.double() / (2 * math.pi)
@@ -105,6 +106,8 @@ def test_yarn_equals_transformers(head_dim, base, factor, original, beta_fast, b
         rope.update(mscale=mscale, mscale_all_dim=mscale_all_dim)
     if attention is not None:
         rope["attention_factor"] = attention
+    if not rounded:
+        rope["truncate"] = False
     config = transformers.LlamaConfig(hidden_size=head_dim * 4, num_attention_heads=4, rope_parameters=rope,
                                       max_position_embeddings=int(original * factor))
     inv_freq, attention_factor = ROPE_INIT_FUNCTIONS["yarn"](config, "cpu")

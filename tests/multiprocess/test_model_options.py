@@ -7,6 +7,8 @@ within 1e-5):
 - Llama-like (rotary positions, RMSNorm, SwiGLU, grouped-query attention with 2 key/value heads, no biases, untied
   output layer) at TP=2 x PP=2: one key/value head per TP rank; with yarn rope scaling and two multi-token prediction
   modules (DeepSeek-V3's), whose last stage holds a copy of the word embedding tied to the first stage's;
+  and (another case) gpt-oss' MLP (clamped quick GeGLU with offset 1) in place of SwiGLU, and YaRN with gpt-oss'
+  unrounded correction range;
 - the same with a sliding window (each query and the 7 tokens before it, of 32) in layers 1, 3 and 4 (layer 2
   global: a 0/1 skip pattern), gpt-oss' learnable attention sinks, sequence parallelism and selective recompute at
   TP=2 x PP=2: pipeline stages send sequence shards, the recomputed core rebuilds the windowed mask, and each rank
@@ -51,6 +53,7 @@ YARN = {"use_rope_scaling": True, "rope_scaling_type": "yarn", "rope_scaling_fac
 MLA = {"position_embedding_type": "rope", "normalization": "RMSNorm", "swiglu": True, "ffn_hidden_size": 176,
        "disable_bias_linear": True, "multi_latent_attention": True, "q_lora_rank": 24, "kv_lora_rank": 16,
        "qk_head_dim": 16, "qk_pos_emb_head_dim": 8, "v_head_dim": 12}
+GPT_OSS_MLP = {"swiglu": False, "quick_geglu": True, "glu_linear_offset": 1.0, "activation_func_clamp_value": 0.1}
 QWEN2_ROPE_SCALING = {"add_qkv_bias": True, "use_rope_scaling": True, "rope_scaling_factor": 4.0,
                       "rope_scaling_original_max_position_embeddings": 16}
 
@@ -64,6 +67,8 @@ QWEN2_ROPE_SCALING = {"add_qkv_bias": True, "use_rope_scaling": True, "rope_scal
      "layernorm TP=2 x PP=2", 2, 2,
      {**MLA, **YARN, "mscale_all_dim": 0.8, **SELECTIVE, "recompute_modules": "core_attn mla_up_proj layernorm"},
      SP, {}),
+    ("llama-like + gpt-oss' clamped quick GeGLU + unrounded yarn rope scaling TP=2 x PP=2", 2, 2,
+     {**LLAMA, **YARN, **GPT_OSS_MLP, "yarn_unrounded_correction_range": True}, {}, {}),
     ("GPT + tanh GeLU + sequence parallel + full block recompute TP=2 x DP=2 ZeRO-2", 2, 1,
      {**FULL_BLOCK, "openai_gelu": True}, SP, ZERO2),
     ("llama-like + q/k/v biases + rope scaling (key/value heads split over 2 ranks) + sequence parallel + full "

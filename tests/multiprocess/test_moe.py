@@ -5,7 +5,9 @@ MoE metrics (balancing losses, expert loads, dropped tokens) within 1e-5 relativ
 gathered by name, and the routers' expert biases) within 1e-5, at EP=2, EP=4, EP=2 x TP=2 (with sequence
 parallelism; and with whole experts on each TP rank), EP=2 x DP=4 with ZeRO-3, EP=2 carved from CP=2 x DP=2, and
 EP=2 x PP=2 x DP=4 (8 ranks; 1F1B, zero-bubble and ZB-V), with both dispatchers and with the distributed optimizer;
-DeepSeek-V3's group-limited routing at EP=2 and EP=2 x TP=2.
+DeepSeek-V3's group-limited routing at EP=2 and EP=2 x TP=2; gpt-oss' experts (clamped quick GeGLU with offset and
+biases, a router with a bias) and sinks at EP=2 (allgather, looped experts) and EP=2 x TP=2 (sequence parallelism,
+grouped products, experts and their biases split over TP).
 """
 
 from __future__ import annotations
@@ -37,6 +39,12 @@ DEEPSEEK_V3 = {**DEEPSEEK_LIKE, "num_experts": 8, "moe_router_topk": 4, "moe_rou
                "moe_router_group_topk": 2, "moe_router_topk_scaling_factor": 2.5, "moe_layer_freq": "[0,1]"}
 
 
+# gpt-oss in small: biases everywhere (the router's too), learnable sinks, experts of clamped quick GeGLU with offset 1
+# (a clamp of 0.1, which the tiny model's activations exceed, where gpt-oss has 7).
+GPT_OSS = {"quick_geglu": True, "glu_linear_offset": 1.0, "activation_func_clamp_value": 0.1,
+           "softmax_type": "learnable", "normalization": "RMSNorm", "position_embedding_type": "rope"}
+
+
 def moe_config(tp=1, pp=1, ep=1, model=None, parallel=None, **sections):
     return tiny_config(tp=tp, pp=pp, model={**TINY_MOE, **(model or {})},
                        parallel={"expert_model_parallel_size": ep, **(parallel or {})},
@@ -46,10 +54,10 @@ def moe_config(tp=1, pp=1, ep=1, model=None, parallel=None, **sections):
 @requires_world(4)
 @pytest.mark.parametrize("tp, ep, ranks, model, parallel, optimizer", [
     (1, 2, [0, 1], {}, {}, {}),
-    (1, 2, [0, 1], {"moe_token_dispatcher_type": "allgather"}, {}, {}),
+    (1, 2, [0, 1], {"moe_token_dispatcher_type": "allgather", **GPT_OSS}, {}, {}),
     (1, 4, None, DEEPSEEK_LIKE, {}, {"use_distributed_optimizer": True}),
     (1, 2, [0, 1], DEEPSEEK_V3, {}, {}),
-    (2, 2, None, {}, {"sequence_parallel": True}, {}),
+    (2, 2, None, {**GPT_OSS, "moe_grouped_gemm": True}, {"sequence_parallel": True}, {}),
     (2, 2, None, {**DEEPSEEK_V3, **MOE_MODULES}, {"sequence_parallel": True}, {}),
     (2, 2, None, {"moe_token_dispatcher_type": "allgather"}, {"expert_tensor_parallel_size": 1}, {}),
     (1, 2, None, {}, {}, {"zero_stage": 3}),

@@ -36,7 +36,7 @@ NEGATED = {"disable_bias_linear": "add_bias_linear", "no_position_embedding": "a
 # GPT has no linear or yarn scaling: YaRN is for multi-latent attention only).
 MEGALITE_ONLY = ("rope_scaling_low_freq_factor", "rope_scaling_high_freq_factor",
                  "rope_scaling_original_max_position_embeddings", "rope_scaling_type", "beta_fast", "beta_slow",
-                 "rope_scaling_attention_factor")
+                 "rope_scaling_attention_factor", "yarn_unrounded_correction_range")
 # Options read besides the model-defining ones: the sample length and vocabulary padding a resumed run keeps.
 CARRIED = ("seq_length", "make_vocab_size_divisible_by")
 
@@ -64,6 +64,8 @@ UNSUPPORTED = {
     "activation_func_clamp_value": ((None,), "--activation-func-clamp-value"),
     "moe_router_topk_limited_devices": ((None,), "--moe-router-topk-limited-devices"),
 }
+# Of those, the options megalite's model has but Megatron-LM conversion does not map (untested against Megatron).
+NOT_CONVERTED = ("window_size", "softmax_type", "quick_geglu", "glu_linear_offset", "activation_func_clamp_value")
 POSITION_EMBEDDINGS = ("learned_absolute", "rope")
 
 
@@ -72,8 +74,9 @@ def refuse_unsupported(args: argparse.Namespace) -> None:
     for name, (neutral, flag) in UNSUPPORTED.items():
         value = getattr(args, name, neutral[0])
         if value not in neutral:
-            raise CheckpointError(f"the Megatron checkpoint uses {flag} ({name}={value!r}): megalite's model has "
-                                  f"no such option")
+            raise CheckpointError(f"the Megatron checkpoint uses {flag} ({name}={value!r}): " + (
+                "megalite converts no such model from Megatron-LM" if name in NOT_CONVERTED else
+                "megalite's model has no such option"))
     kind = getattr(args, "position_embedding_type", "learned_absolute")
     if kind not in POSITION_EMBEDDINGS:
         raise CheckpointError(f"the Megatron checkpoint uses --position-embedding-type {kind}: megalite has "
@@ -144,6 +147,10 @@ def megatron_args(model: ModelConfig, dims: ParallelDims, virtual_stages: Option
     if model.mtp_num_layers is not None:   # as the import refuses Megatron's (UNSUPPORTED)
         raise CheckpointError(f"model option mtp_num_layers={model.mtp_num_layers}: megalite exports no "
                               f"multi-token prediction to Megatron-LM (its mtp.layers.K.* weights are not mapped)")
+    for option, default in (("quick_geglu", False), ("glu_linear_offset", 0.0), ("activation_func_clamp_value", None)):
+        if getattr(model, option) != default:   # as the import refuses Megatron's (UNSUPPORTED): untested there
+            raise CheckpointError(f"model option {option}={getattr(model, option)!r}: megalite exports no gpt-oss "
+                                  f"activation (quick GeGLU, its offset and clamp) to Megatron-LM")
     values: dict[str, Any] = {}
     for option in (*MODEL_DEFINING, *CARRIED):
         if option in MEGALITE_ONLY:

@@ -1,7 +1,8 @@
 """The transformer MLP: h -> ffn column-parallel, activation on this rank's slice, ffn -> h row-parallel.
 
-The activation is GeLU (exact, or with ``--openai-gelu`` its tanh approximation, as OpenAI's GPT-2), or SwiGLU
-(Shazeer 2020): silu(x W_gate) * (x W_up). SwiGLU's first weight is the stack
+The activation is GeLU (exact, or with ``--openai-gelu`` its tanh approximation, as OpenAI's GPT-2), or a gated
+linear unit (Shazeer 2020): SwiGLU silu(x W_gate) * (x W_up), or GeGLU (``--gated-linear-unit``) gelu(x W_gate) *
+(x W_up), the GeLU exact or tanh as above (Gemma's is tanh). A gated MLP's first weight is the stack
 [W_gate; W_up] (Hugging Face's gate_proj above up_proj), each block split over TP separately so a rank holds the
 gate and up rows of the same ffn channels and the product needs no communication.
 
@@ -30,11 +31,11 @@ class MLP(nn.Module):
         self.kernels = kernels
         output_std = cfg.init_method_std / math.sqrt(2.0 * cfg.num_layers)
         bias = not cfg.disable_bias_linear
-        self.swiglu = cfg.swiglu
+        self.swiglu, self.gated = cfg.swiglu, cfg.gated_mlp
         self.gelu_approximation = "tanh" if cfg.openai_gelu else "none"   # F.gelu's names
-        fc1_size = 2 * cfg.ffn_size if cfg.swiglu else cfg.ffn_size
+        fc1_size = 2 * cfg.ffn_size if self.gated else cfg.ffn_size
         fp8 = Fp8Recipe.of(cfg)   # --fp8-format: both linears' products in FP8
-        self.linear_fc1 = ColumnParallelLinear(cfg.hidden_size, fc1_size, fused=2 if cfg.swiglu else 1, bias=bias,
+        self.linear_fc1 = ColumnParallelLinear(cfg.hidden_size, fc1_size, fused=2 if self.gated else 1, bias=bias,
                                                init_std=cfg.init_method_std, sequence_parallel=sequence_parallel,
                                                fp8=fp8)
         self.linear_fc2 = RowParallelLinear(cfg.ffn_size, cfg.hidden_size, bias=bias, init_std=output_std,
@@ -42,12 +43,13 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.linear_fc1.bias
-        ops = None if self.swiglu or bias is None else self.kernels.ops(BIAS_GELU, x)
+        ops = None if self.gated or bias is None else self.kernels.ops(BIAS_GELU, x)
         if ops is not None:
             return self.linear_fc2(fused.bias_gelu(self.linear_fc1(x, skip_bias_add=True), bias, ops,
                                                    tanh=self.gelu_approximation == "tanh"))
         y = self.linear_fc1(x)
-        if self.swiglu:
+        if self.gated:
             gate, up = y.chunk(2, dim=-1)
-            return self.linear_fc2(F.silu(gate) * up)
+            activation = F.silu(gate) if self.swiglu else F.gelu(gate, approximate=self.gelu_approximation)
+            return self.linear_fc2(activation * up)
         return self.linear_fc2(F.gelu(y, approximate=self.gelu_approximation))

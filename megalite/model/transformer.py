@@ -1,5 +1,6 @@
 """A pre-norm transformer layer: x + Dropout(Attn(Norm(x))), then x + Dropout(MLP(Norm(x))) (the MLP a mixture of
-experts in the layers --moe-layer-freq picks); and running a stack of them with full activation recompute.
+experts in the layers --moe-layer-freq picks), with --sandwich-norm x + Dropout(Norm(Attn(Norm(x)))) and likewise for
+the MLP (Gemma 2/3); and running a stack of them with full activation recompute.
 
 Under sequence parallelism x is this rank's sequence shard: the norms and dropouts work on it, the attention and MLP
 gather the sequence on entry and reduce-scatter it on exit.
@@ -31,10 +32,13 @@ class TransformerLayer(nn.Module):
         self.input_norm = norm(cfg, sequence_parallel, kernels)
         window = None if cfg.window_size is None else cfg.attention_windows()[layer_number]   # --window-size
         self.self_attention = SelfAttention(cfg, rng, sequence_parallel, kernels, window)
+        # --sandwich-norm: each sublayer's output normalized before its residual add
+        self.post_attention_norm = norm(cfg, sequence_parallel, kernels) if cfg.sandwich_norm else None
         self.pre_mlp_norm = norm(cfg, sequence_parallel, kernels)
         # layer_number (global): whether --moe-layer-freq makes this an MoE layer
         moe = cfg.num_experts is not None and cfg.moe_layers()[layer_number]
         self.mlp = MoELayer(cfg, sequence_parallel, kernels, layer_number) if moe else MLP(cfg, sequence_parallel, kernels)
+        self.post_mlp_norm = norm(cfg, sequence_parallel, kernels) if cfg.sandwich_norm else None
         self.dropout = nn.Dropout(cfg.hidden_dropout)
         self.rng = rng
         self.sequence_parallel = sequence_parallel
@@ -48,8 +52,14 @@ class TransformerLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, shard: SequenceShard | None = None,
                 cache: Optional[LayerCache] = None) -> torch.Tensor:
-        x = x + self._dropout(self.self_attention(self.input_norm(x), shard, cache))
-        return x + self._dropout(self.mlp(self.pre_mlp_norm(x)))
+        attention = self.self_attention(self.input_norm(x), shard, cache)
+        if self.post_attention_norm is not None:
+            attention = self.post_attention_norm(attention)
+        x = x + self._dropout(attention)
+        mlp = self.mlp(self.pre_mlp_norm(x))
+        if self.post_mlp_norm is not None:
+            mlp = self.post_mlp_norm(mlp)
+        return x + self._dropout(mlp)
 
 
 def _run(layers: nn.ModuleList, hidden: torch.Tensor, shard: SequenceShard | None) -> torch.Tensor:

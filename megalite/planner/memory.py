@@ -448,7 +448,7 @@ def layer_activation_bytes(model: ModelConfig, tp: int, sequence_parallel: bool,
         split += moe_activation_bytes(dataclasses.replace(model, seq_length=s), tp, sequence_parallel,
                                       micro_batch_size, numerics, tp if expert_tp is None else expert_tp)
     else:
-        split += p * s * b * f / tp * (4 if model.swiglu else 2)
+        split += p * s * b * f / tp * (4 if model.gated_mlp else 2)
     core = 0.0
     keeps_output = False   # whether the attention core keeps its output, the output projection's input, itself
     if model.recompute_granularity != "selective":
@@ -496,7 +496,7 @@ def fp8_saved_difference(model: ModelConfig, tp: int, tokens: int, replicated_sh
     difference = -(p - 1) * tokens * h * replicated_share                    # the query/key/value input
     difference += tokens * q / tp * (1 if core_keeps_output else -(p - 1))   # the output projection's input
     if not moe_layer:
-        linears, weights = 4, weights + ((2 * f if model.swiglu else f) * h + f * h) / tp
+        linears, weights = 4, weights + ((2 * f if model.gated_mlp else f) * h + f * h) / tp
         difference += -(p - 1) * tokens * h * replicated_share - (p - 1) * tokens * f / tp
     if not model.fp8_param_gather:
         difference += weights
@@ -538,7 +538,7 @@ def moe_activation_bytes(model: ModelConfig, tp: int, sequence_parallel: bool, m
     s, b, h = model.seq_length, micro_batch_size, model.hidden_size
     p, tokens, experts = numerics.activation_bytes, s * b, model.num_experts
     rows = model.moe_router_topk * tokens
-    glu = 4 if model.swiglu else 2
+    glu = 4 if model.gated_mlp else 2
     kept = p * rows * h * 2 + p * rows * model.expert_ffn_size / expert_tp * glu + p * rows + 8 * rows * 3
     losses = (model.moe_router_load_balancing_type != "none" and model.moe_aux_loss_coeff > 0) + \
         (model.moe_z_loss_coeff is not None)
@@ -647,7 +647,7 @@ def weight_gradient_bytes(model: ModelConfig, layout: Layout, num_layers: int, i
     share = 1 / tp if layout.sequence_parallel else 1.0
     qkv = h + 2 * model.query_groups * model.head_dim
     inputs = 2 * h * share + h / tp + f / tp
-    grads = qkv / tp + 2 * h * (share if model.fp8_format is None else 1.0) + f * (2 if model.swiglu else 1) / tp
+    grads = qkv / tp + 2 * h * (share if model.fp8_format is None else 1.0) + f * (2 if model.gated_mlp else 1) / tp
     linear_bytes = 1 if model.fp8_format is not None and model.fp8_recipe != "rowwise" else p
     total = num_layers * linear_bytes * sb * (inputs + grads)
     if is_last:

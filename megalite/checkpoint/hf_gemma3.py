@@ -212,8 +212,18 @@ def _layer_windows(hf: dict[str, Any]) -> dict[str, Any]:
     window = hf["sliding_window"]
     if window is None or window < 1:
         raise CheckpointError(f"sliding_window {window} is not supported (a query sees at least itself)")
-    skip = None if all(windowed) else "[" + ",".join(str(int(w)) for w in windowed) + "]"
-    return {"window_size": f"{window - 1},0", "window_attn_skip_freq": skip}
+    return {"window_size": f"{window - 1},0", "window_attn_skip_freq": _skip_freq(windowed)}
+
+
+def _skip_freq(windowed: list[bool]) -> str | None:
+    """--window-attn-skip-freq of per-layer windows: none (all windowed), N where every N-th layer is global
+    (Gemma 3's sliding_window_pattern), else the 0/1 pattern."""
+    if all(windowed):
+        return None
+    every = windowed.index(False) + 1
+    if windowed == [(i + 1) % every != 0 for i in range(len(windowed))]:
+        return str(every)
+    return "[" + ",".join(str(int(w)) for w in windowed) + "]"
 
 
 def model_config_from(hf: dict[str, Any]) -> ModelConfig:

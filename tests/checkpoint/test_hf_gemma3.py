@@ -38,7 +38,7 @@ OPTIONS = {"num_layers": 2, "ffn_hidden_size": 176, "group_query_attention": Tru
            "kv_channels": 32, "position_embedding_type": "rope", "normalization": "RMSNorm", "apply_layernorm_1p": True,
            "qk_layernorm": True, "sandwich_norm": True, "scale_embeddings": True, "gated_linear_unit": True,
            "openai_gelu": True, "disable_bias_linear": True, "softmax_scale": 24 ** -0.5, "window_size": "7,0",
-           "window_attn_skip_freq": "[1,0]", "rotary_base": 100000, "local_rotary_base": 1000,
+           "window_attn_skip_freq": "2", "rotary_base": 100000, "local_rotary_base": 1000,
            "use_rope_scaling": True, "rope_scaling_type": "linear", "rope_scaling_factor": 2.0,
            "layernorm_epsilon": 1e-6}
 

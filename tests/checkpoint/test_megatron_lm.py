@@ -139,9 +139,13 @@ def test_what_megalite_cannot_compute_is_refused_by_its_flag(megatron_saves, tmp
 @pytest.mark.parametrize("option, message", [
     ({"window_size": "7,0"}, "window_size='7,0': megalite exports no sliding window to Megatron-LM"),
     ({"softmax_type": "off-by-one"}, "softmax_type='off-by-one': megalite exports no attention sink to Megatron-LM"),
+    ({"sandwich_norm": True}, "sandwich_norm=True: Megatron-LM's GPT has no flag for it"),
+    ({"softmax_scale": 0.125}, "softmax_scale=0.125: Megatron-LM's GPT has no flag for it"),
+    ({"gated_linear_unit": True}, "gated_linear_unit=True: Megatron-LM's GPT has no flag for it"),
 ])
 def test_a_sliding_window_or_a_sink_is_not_exported_to_megatron(option, message):
-    """Megatron's window and softmax type are refused on import (above), and megalite's on export."""
+    """Megatron's window and softmax type are refused on import (above), and megalite's on export; so are Gemma 3's
+    options, which Megatron-LM has no flags for."""
     from megalite.config.dims import ParallelDims   # noqa: PLC0415
 
     with pytest.raises(CheckpointError, match=message):

@@ -199,6 +199,16 @@ def test_tiny_config_is_valid_on_several_world_sizes():
     (tiny_config(model={"softmax_type": "learnable"}, parallel={"context_parallel_size": 2}), 2,
      "--softmax-type learnable is not supported with --context-parallel-size 2 (the context-parallel attention has "
      "no sink)"),
+    (tiny_config(model={"swiglu": True, "gated_linear_unit": True}), 1,
+     "--gated-linear-unit (GeGLU) and --swiglu (SwiGLU) are two gated MLPs: give one"),
+    (tiny_config(model={"gated_linear_unit": True, "num_experts": 4}), 1,
+     "--gated-linear-unit is not supported with --num-experts (the experts are SwiGLU or GeLU MLPs)"),
+    (tiny_config(model={"softmax_scale": 0.0}), 1, "--softmax-scale must be > 0, got 0.0"),
+    (tiny_config(model={"local_rotary_base": 10000, "position_embedding_type": "rope"}), 1,
+     "--local-rotary-base is the rotary base of the windowed layers: it needs --position-embedding-type rope and "
+     "--window-size"),
+    (tiny_config(model={"local_rotary_base": 0, "position_embedding_type": "rope", "window_size": "8,0"}), 1,
+     "--local-rotary-base must be >= 1, got 0"),
 ])
 def test_bad_values_name_the_numbers(cfg, world, message):
     with pytest.raises(ConfigError) as error:

@@ -31,7 +31,11 @@ knows the causal mask only), and under context parallelism the core attends over
 A layer with a sliding window (``--window-size LEFT,0``, in the layers ``--window-attn-skip-freq`` leaves windowed)
 lets each query attend to itself and the LEFT tokens before it only: SDPA with a banded causal mask (and packed
 documents' mask), where the sequence is longer than the window; a window covering the sequence keeps the causal fast
-path. Context parallelism refuses a window (megalite.config.validate).
+path. Context parallelism refuses a window (megalite.config.validate). With ``--local-rotary-base`` the windowed layers
+rotate q and k with that base and no rope scaling, the global ones with ``--rotary-base`` and the scaling (Gemma 3).
+
+``--softmax-scale`` replaces 1/sqrt(head dim) as the factor of q k^T in every core: SDPA's ``scale``, the fused
+softmax's, the sink core's, the KV cache's and context-parallel ring attention's (Gemma 3's query_pre_attn_scalar^-0.5).
 
 With ``--softmax-type off-by-one`` or ``learnable`` each head's softmax has a sink logit besides the keys' scores (0,
 or the learnable per-head ``softmax_offset``, split over TP with the heads): the core is then the explicit softmax

@@ -429,6 +429,8 @@ def layer_activation_bytes(model: ModelConfig, tp: int, sequence_parallel: bool,
     if recomputed:
         return p * sbh * replicated_share
     replicated = 4 * p * sbh + 2 * _norm_statistics(model) * s * b
+    if model.sandwich_norm:   # each sublayer's output is kept by its post norm, with the norm's statistics
+        replicated += 2 * p * sbh + 2 * _norm_statistics(model) * s * b
     if model.hidden_dropout > 0:
         replicated += 2 * m * sbh
     kv_heads = max(g // tp, 1)                       # key/value heads a rank uses (one, shared, when G < TP)

@@ -185,8 +185,8 @@ def read_hf_tensors(directory: Path) -> dict[str, torch.Tensor]:
 
 
 def import_hf(source: str | os.PathLike, save: str | os.PathLike, progress: bool = True) -> Path:
-    """Turn an HF GPT-2, Llama, Mistral, Qwen2, Qwen3, Gemma 3 (text), Mixtral, Qwen2-MoE or Qwen3-MoE directory into a megalite
-    checkpoint (iteration 0, weights only, fp32, with the directory's tokenizer if it has one); returns it.
+    """Turn an HF GPT-2, Llama, Mistral, Qwen2, Qwen3, Gemma 3 (text), Mixtral, Qwen2-MoE or Qwen3-MoE directory into a
+    megalite checkpoint (iteration 0, weights only, fp32, with the directory's tokenizer if it has one); returns it.
     ``progress``: a bar on a terminal while the tensors are converted."""
     directory = Path(source)
     if not (directory / HF_CONFIG).is_file():
@@ -210,7 +210,8 @@ def import_hf(source: str | os.PathLike, save: str | os.PathLike, progress: bool
     else:
         raise CheckpointError(f"model_type {model_type!r}: only {hf_gpt2.ARCHITECTURE} (gpt2), "
                               f"{', '.join(f'{a.name} ({a.model_type})' for a in hf_llama.ARCHITECTURES.values())}, "
-                              f"{hf_gemma3.ARCHITECTURE} ({hf_gemma3.MODEL_TYPE}) and {', '.join(f'{a} ({t})' for t, a in hf_moe.MODEL_TYPES.items())} can be imported")
+                              f"{hf_gemma3.ARCHITECTURE} ({hf_gemma3.MODEL_TYPE}) and "
+                              f"{', '.join(f'{a} ({t})' for t, a in hf_moe.MODEL_TYPES.items())} can be imported")
     tokenizer = hf_tokenizer(directory)
     if tokenizer is not None and tokenizer.vocab_size != model.vocab_size:
         if tokenizer.vocab_size > model.vocab_size:

@@ -114,8 +114,9 @@ class ModelConfig:
               "default derived from the factor, --mscale and --mscale-all-dim.")
     normalization: str = option("LayerNorm", "LayerNorm or RMSNorm (a learned scale only: no bias, no centering).")
     sandwich_norm: bool = option(
-        False, "Also normalize the attention's and the MLP's outputs before their residual adds (x + Norm(Attn(Norm(x))), "
-               "x + Norm(MLP(Norm(x)))): Gemma 2/3's post_attention_layernorm and post_feedforward_layernorm.")
+        False, "Also normalize the attention's and the MLP's outputs before their residual adds "
+               "(x + Norm(Attn(Norm(x))), x + Norm(MLP(Norm(x)))): Gemma 2/3's post_attention_layernorm and "
+               "post_feedforward_layernorm.")
     scale_embeddings: bool = option(
         False, "Multiply the word embeddings by sqrt(hidden size), the factor first rounded to the model's dtype "
                "(Gemma's embedding normalizer, as transformers computes it); the tied output layer uses the unscaled "

@@ -6,10 +6,10 @@ built on the ``meta`` device, for every config in ``configs/model``, at several 
 - word embedding: padded vocabulary x h, rows split over TP, where the vocabulary is padded to a multiple of
   ``make_vocab_size_divisible_by`` x TP (Megatron's rule; the padding rows are real memory);
 - learned positions (``learned_absolute`` only): max positions x h, replicated;
-- per layer: two norms (four with --sandwich-norm; LayerNorm: weight and bias, 2h; RMSNorm: h), the fused QKV projection h x (h + 2 G d)
-  (G key/value heads of dimension d; G = heads without grouped-query attention) with its bias, the output projection
-  h x h with a replicated bias, the MLP's h x f (gated, SwiGLU or GeGLU: h x 2f, gate and up) and f x h with biases, unless
-  ``disable_bias_linear`` (``add_qkv_bias`` keeps the QKV one); every matrix split over TP, the row-parallel biases
+- per layer: two norms (four with --sandwich-norm; LayerNorm: weight and bias, 2h; RMSNorm: h), the fused QKV
+  projection h x (h + 2 G d) (G key/value heads of dimension d; G = heads without grouped-query attention) with its
+  bias, the output projection h x h with a replicated bias, the MLP's h x f (gated, SwiGLU or GeGLU: h x 2f, gate and
+  up) and f x h with biases, unless ``disable_bias_linear`` (``add_qkv_bias`` keeps the QKV one); every matrix split over TP, the row-parallel biases
   replicated; with learnable attention sinks (--softmax-type learnable), one logit per head, split over TP;
 - final norm, and the output layer (padded vocabulary x h over TP) unless it is tied to the word embedding; tied and
   on another pipeline stage, the last stage holds a copy of the embedding (real memory, not a new parameter).

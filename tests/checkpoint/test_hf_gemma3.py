@@ -31,7 +31,8 @@ LAYER_TYPES = ["sliding_attention", "full_attention"]
 GEMMA3 = {"vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 176, "num_hidden_layers": 2,
           "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "max_position_embeddings": 64,
           "rms_norm_eps": 1e-6, "query_pre_attn_scalar": 24, "sliding_window": 8, "layer_types": LAYER_TYPES,
-          "rope_theta": 100000.0, "rope_local_base_freq": 1000.0, "rope_scaling": {"rope_type": "linear", "factor": 2.0},
+          "rope_theta": 100000.0, "rope_local_base_freq": 1000.0,
+          "rope_scaling": {"rope_type": "linear", "factor": 2.0},
           "bos_token_id": None, "eos_token_id": None, "pad_token_id": 0}
 # The same model built by megalite's options.
 OPTIONS = {"num_layers": 2, "ffn_hidden_size": 176, "group_query_attention": True, "num_query_groups": 2,

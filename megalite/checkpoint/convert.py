@@ -3,8 +3,8 @@
 The Hugging Face architecture follows the model: a megalite model using any Llama option (rotary positions, RMSNorm,
 SwiGLU, no biases, grouped-query attention, q/k/v biases, per-head q/k norms) exports as ``LlamaForCausalLM``, or
 ``Qwen2ForCausalLM`` with q/k/v biases, or ``Qwen3ForCausalLM`` with q/k norms, or ``MistralForCausalLM`` when asked
-for (``hf_llama``); one using a Gemma option (sandwich norms, scaled embeddings, GeGLU, zero-centred norms, a softmax
-scale, a local rotary base) as ``Gemma3ForCausalLM`` (``hf_gemma3``); any other as ``GPT2LMHeadModel``
+for (``hf_llama``); one using a Gemma option (sandwich norms, scaled embeddings, GeGLU, a local rotary base) as
+``Gemma3ForCausalLM`` (``hf_gemma3``); any other as ``GPT2LMHeadModel``
 (``hf_gpt2``); an import follows the ``model_type`` of config.json (``gpt2``, ``llama``, ``mistral``, ``qwen2``,
 ``qwen3``, ``gemma3_text``; mixtures of experts: ``hf_moe``).
 

@@ -79,9 +79,10 @@ _TOP_NAMES = [("embedding.word.weight", ["model.embed_tokens.weight"]), ("final_
 
 
 def is_gemma_shaped(model: ModelConfig) -> bool:
-    """Whether the model uses an option only Gemma 3 has among the families exported (then it exports as one)."""
-    return (model.sandwich_norm or model.scale_embeddings or model.gated_linear_unit or model.apply_layernorm_1p
-            or model.softmax_scale is not None or model.local_rotary_base is not None)
+    """Whether the model uses an option only Gemma 3 has among the families exported (then it exports as one; its
+    zero-centred norms and softmax scale alone make no Gemma: other families refuse them by name)."""
+    return (model.sandwich_norm or model.scale_embeddings or model.gated_linear_unit
+            or model.local_rotary_base is not None)
 
 
 def name_map(model: ModelConfig) -> list[tuple[str, list[str]]]:

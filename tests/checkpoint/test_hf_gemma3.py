@@ -104,6 +104,9 @@ def test_export_refuses_half_gemmas():
     model = tiny_config(model=OPTIONS).model
     assert hf_architecture(model) == hf_architecture(dataclasses.replace(model, sandwich_norm=False)) == \
         "Gemma3ForCausalLM"
+    llama = {"gated_linear_unit": False, "swiglu": True, "sandwich_norm": False, "scale_embeddings": False,
+             "local_rotary_base": None, "window_size": None, "window_attn_skip_freq": None}
+    assert hf_architecture(dataclasses.replace(model, **llama)) == "Qwen3ForCausalLM"   # refused there by name
     check_exportable(model)
     for change, message in [({"sandwich_norm": False}, "model option sandwich_norm=False (a Gemma 3 needs"),
                             ({"local_rotary_base": None}, "its sliding layers' rope would be scaled too"),

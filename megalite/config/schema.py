@@ -128,8 +128,8 @@ class ModelConfig:
                "the tanh approximation (Gemma's gelu_pytorch_tanh). Megatron-core's gated_linear_unit with a GeLU; "
                "--swiglu is the gated MLP with SiLU.")
     openai_gelu: bool = option(
-        False, "The GeLU (or GeGLU) MLP uses the tanh approximation of GeLU (OpenAI's GPT-2, Hugging Face gelu_new, Megatron's "
-               "--openai-gelu) instead of the exact erf form.")
+        False, "The GeLU (or GeGLU) MLP uses the tanh approximation of GeLU (OpenAI's GPT-2, Hugging Face gelu_new, "
+               "Megatron's --openai-gelu) instead of the exact erf form.")
     group_query_attention: bool = option(
         False, "Grouped-query attention: the query heads share --num-query-groups key/value heads.")
     num_query_groups: int = option(1, "With --group-query-attention: number of key/value heads (1: multi-query).")

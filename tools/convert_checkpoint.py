@@ -13,8 +13,9 @@ directory loads with ``transformers.AutoModelForCausalLM.from_pretrained(HF_DIR)
 its tokenizer (a Hugging Face or GPT-2 BPE one) with ``AutoTokenizer.from_pretrained(HF_DIR)``: a LlamaForCausalLM
 if the model uses Llama options (rotary positions, RMSNorm, SwiGLU, no biases, grouped-query attention; it must then
 use all but grouped-query attention), a Qwen2ForCausalLM if it also has q/k/v biases, a Qwen3ForCausalLM if it has
-per-head q/k norms (--qk-layernorm), MistralForCausalLM with --architecture, else a GPT2LMHeadModel. import-hf
-reads any of them, by the model_type of HF_DIR/config.json, with the directory's tokenizer. An imported checkpoint
+per-head q/k norms (--qk-layernorm), MistralForCausalLM with --architecture, a Gemma3ForCausalLM if it uses Gemma
+options (--sandwich-norm, --scale-embeddings, --gated-linear-unit, ...; then all of them), else a GPT2LMHeadModel.
+import-hf reads any of them, by the model_type of HF_DIR/config.json, with the directory's tokenizer. An imported checkpoint
 is at iteration 0 with weights only; ``pretrain_gpt.py --load CKPT_DIR`` takes it at any layout, given the model
 options of its config (``inspect`` shows them), and trains with its tokenizer when given --data-path without
 tokenizer options. Needs ``safetensors``, ``tokenizers`` for a
@@ -62,8 +63,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
                              "without biases may also be a MistralForCausalLM).")
     export.add_argument("--quiet", action="store_true", help="No progress bar.")
     imported = commands.add_parser("import-hf", help="Read a Hugging Face GPT-2, Llama, Mistral, Qwen2, Qwen3, "
-                                                     "Mixtral, Qwen2-MoE or Qwen3-MoE directory (and its tokenizer) "
-                                                     "into a checkpoint.")
+                                                     "Gemma 3 (text), Mixtral, Qwen2-MoE or Qwen3-MoE directory "
+                                                     "(and its tokenizer) into a checkpoint.")
     imported.add_argument("--input", required=True, metavar="HF_DIR",
                           help="config.json + model.safetensors, and tokenizer.json (or vocab.json + merges.txt).")
     imported.add_argument("--save", required=True, metavar="CKPT_DIR", help="Save directory of the checkpoint.")

@@ -3,9 +3,10 @@
 The Hugging Face architecture follows the model: a megalite model using any Llama option (rotary positions, RMSNorm,
 SwiGLU, no biases, grouped-query attention, q/k/v biases, per-head q/k norms) exports as ``LlamaForCausalLM``, or
 ``Qwen2ForCausalLM`` with q/k/v biases, or ``Qwen3ForCausalLM`` with q/k norms, or ``MistralForCausalLM`` when asked
-for (``hf_llama``), any other as ``GPT2LMHeadModel`` (``hf_gpt2``); an import follows the ``model_type`` of
-config.json (``gpt2``, ``llama``, ``mistral``, ``qwen2``, ``qwen3``; mixtures of experts: ``hf_moe``, and
-``gpt_oss``: ``hf_gpt_oss``; ``deepseek_v3``: ``hf_deepseek``).
+for (``hf_llama``); one using a Gemma option (sandwich norms, scaled embeddings, GeGLU, a local rotary base) as
+``Gemma3ForCausalLM`` (``hf_gemma3``); any other as ``GPT2LMHeadModel`` (``hf_gpt2``); an import follows the
+``model_type`` of config.json (``gpt2``, ``llama``, ``mistral``, ``qwen2``, ``qwen3``, ``gemma3_text``; mixtures of
+experts: ``hf_moe``, and ``gpt_oss``: ``hf_gpt_oss``; ``deepseek_v3``: ``hf_deepseek``).
 
 An export merges every parameter to its canonical tensor (whatever layout the checkpoint was saved at) and writes
 ``config.json`` + ``model.safetensors``, and the tokenizer's files where transformers' AutoTokenizer can read them
@@ -27,7 +28,7 @@ from typing import Optional
 
 import torch
 
-from megalite.checkpoint import hf_deepseek, hf_gpt2, hf_gpt_oss, hf_llama, hf_moe
+from megalite.checkpoint import hf_deepseek, hf_gemma3, hf_gpt2, hf_gpt_oss, hf_llama, hf_moe
 from megalite.checkpoint.contents import Checkpoint, open_checkpoint
 from megalite.checkpoint.errors import CheckpointError
 from megalite.checkpoint.keys import model_key
@@ -68,7 +69,7 @@ def _safetensors():
     return safetensors.torch
 
 
-HF_ARCHITECTURES = (hf_gpt2.ARCHITECTURE, *hf_llama.ARCHITECTURES, *hf_moe.MODEL_TYPES.values(),
+HF_ARCHITECTURES = (hf_gpt2.ARCHITECTURE, *hf_llama.ARCHITECTURES, hf_gemma3.ARCHITECTURE, *hf_moe.MODEL_TYPES.values(),
                     hf_gpt_oss.ARCHITECTURE, hf_deepseek.ARCHITECTURE)
 # Canonical tensors with a row per vocabulary entry.
 _VOCABULARY_ROWS = ("embedding.word.weight", "output_layer.weight")
@@ -77,9 +78,10 @@ _VOCABULARY_ROWS = ("embedding.word.weight", "output_layer.weight")
 def hf_architecture(model: ModelConfig, name: Optional[str] = None) -> str:
     """The HF architecture a megalite model exports as: for a mixture of experts the one its options make it
     (gpt-oss with biases, sinks or quick GeGLU; else Mixtral, Qwen2-MoE or Qwen3-MoE: see hf_moe.architecture); else
-    ``name`` if given (one of :data:`HF_ARCHITECTURES`), else a Llama-family one if it uses any Llama option (it
-    must then be a whole Llama: see hf_llama.export_architecture), else ``GPT2LMHeadModel``. Multi-latent attention
-    exports as DeepSeek-V3 (hf_deepseek)."""
+    ``name`` if given (one of :data:`HF_ARCHITECTURES`), else Gemma 3 if it uses any Gemma option (see
+    hf_gemma3.is_gemma_shaped), else a Llama-family one if it uses any Llama option (it must then be a whole Llama:
+    see hf_llama.export_architecture), else ``GPT2LMHeadModel``. Multi-latent attention exports as DeepSeek-V3
+    (hf_deepseek)."""
     if model.multi_latent_attention:
         if name not in (None, hf_deepseek.ARCHITECTURE):
             raise CheckpointError(f"a multi-latent-attention model exports as {hf_deepseek.ARCHITECTURE}, not {name}")
@@ -89,6 +91,8 @@ def hf_architecture(model: ModelConfig, name: Optional[str] = None) -> str:
         if name not in (None, moe):
             raise CheckpointError(f"a mixture of experts with these options exports as {moe}, not {name}")
         return moe
+    if name == hf_gemma3.ARCHITECTURE or (name is None and hf_gemma3.is_gemma_shaped(model)):
+        return hf_gemma3.ARCHITECTURE
     if name == hf_gpt2.ARCHITECTURE or (name is None and not hf_llama.is_llama_shaped(model)):
         return hf_gpt2.ARCHITECTURE
     return hf_llama.export_architecture(model, name).name
@@ -113,6 +117,9 @@ def export_hf(load: str | os.PathLike, output: str | os.PathLike, dtype: Optiona
     elif name in hf_moe.MODEL_TYPES.values():
         hf_moe.check_exportable(model)
         tensors = hf_moe.to_hf(full_tensors(checkpoint, progress), model)
+    elif name == hf_gemma3.ARCHITECTURE:
+        hf_gemma3.check_exportable(model)
+        tensors = hf_gemma3.to_hf(full_tensors(checkpoint, progress), model)
     elif family is None:
         hf_gpt2.check_exportable(model)
         tensors = hf_gpt2.to_hf(full_tensors(checkpoint, progress), model)
@@ -131,6 +138,8 @@ def export_hf(load: str | os.PathLike, output: str | os.PathLike, dtype: Optiona
         hf_gpt_oss.write_hf_config(model, out, eod, dtype)
     elif name in hf_moe.MODEL_TYPES.values():
         hf_moe.write_hf_config(model, out, eod, dtype)
+    elif name == hf_gemma3.ARCHITECTURE:
+        hf_gemma3.write_hf_config(model, out, eod, dtype)
     elif family is None:
         (out / HF_CONFIG).write_text(json.dumps(hf_gpt2.hf_config_from(model, eod, dtype), indent=2) + "\n")
     else:
@@ -192,7 +201,8 @@ def read_hf_tensors(directory: Path) -> dict[str, torch.Tensor]:
 
 
 def import_hf(source: str | os.PathLike, save: str | os.PathLike, progress: bool = True) -> Path:
-    """Turn an HF GPT-2, Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen2-MoE, Qwen3-MoE or gpt-oss directory into a
+    """Turn an HF GPT-2, Llama, Mistral, Qwen2, Qwen3, Gemma 3 (text), Mixtral, Qwen2-MoE, Qwen3-MoE, gpt-oss or
+    DeepSeek-V3 directory into a
     megalite checkpoint (iteration 0, weights only, fp32, with the directory's tokenizer if it has one); returns it.
     ``progress``: a bar on a terminal while the tensors are converted."""
     directory = Path(source)
@@ -203,6 +213,7 @@ def import_hf(source: str | os.PathLike, save: str | os.PathLike, progress: bool
     family = (None if not isinstance(model_type, str) else hf_llama if model_type in hf_llama.BY_MODEL_TYPE
               else hf_gpt2 if model_type == "gpt2" else hf_moe if model_type in hf_moe.MODEL_TYPES
               else hf_deepseek if model_type == hf_deepseek.MODEL_TYPE
+              else hf_gemma3 if model_type == hf_gemma3.MODEL_TYPE
               else hf_gpt_oss if model_type == hf_gpt_oss.MODEL_TYPE else None)
     if family is not None:
         try:
@@ -219,8 +230,9 @@ def import_hf(source: str | os.PathLike, save: str | os.PathLike, progress: bool
         canonical = family.from_hf(read_hf_tensors(directory), model)
     else:
         raise CheckpointError(f"model_type {model_type!r}: only {hf_gpt2.ARCHITECTURE} (gpt2), "
-                              f"{', '.join(f'{a.name} ({a.model_type})' for a in hf_llama.ARCHITECTURES.values())} "
-                              f"{', '.join(f'{a} ({t})' for t, a in hf_moe.MODEL_TYPES.items())} and "
+                              f"{', '.join(f'{a.name} ({a.model_type})' for a in hf_llama.ARCHITECTURES.values())}, "
+                              f"{hf_gemma3.ARCHITECTURE} ({hf_gemma3.MODEL_TYPE}), "
+                              f"{', '.join(f'{a} ({t})' for t, a in hf_moe.MODEL_TYPES.items())}, "
                               f"{hf_gpt_oss.ARCHITECTURE} ({hf_gpt_oss.MODEL_TYPE}) and "
                               f"{hf_deepseek.ARCHITECTURE} ({hf_deepseek.MODEL_TYPE}) can be imported")
     tokenizer = hf_tokenizer(directory)

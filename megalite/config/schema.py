@@ -117,6 +117,14 @@ class ModelConfig:
         None, "With yarn rope scaling: the factor cos and sin are multiplied by (Hugging Face's attention_factor); "
               "default derived from the factor, --mscale and --mscale-all-dim.")
     normalization: str = option("LayerNorm", "LayerNorm or RMSNorm (a learned scale only: no bias, no centering).")
+    sandwich_norm: bool = option(
+        False, "Also normalize the attention's and the MLP's outputs before their residual adds "
+               "(x + Norm(Attn(Norm(x))), x + Norm(MLP(Norm(x)))): Gemma 2/3's post_attention_layernorm and "
+               "post_feedforward_layernorm.")
+    scale_embeddings: bool = option(
+        False, "Multiply the word embeddings by sqrt(hidden size), the factor first rounded to the model's dtype "
+               "(Gemma's embedding normalizer, as transformers computes it); the tied output layer uses the unscaled "
+               "weight.")
     swiglu: bool = option(
         False, "SwiGLU MLP: down(silu(gate(x)) * up(x)), gate and up each of --ffn-hidden-size (Llama's MLP).")
     quick_geglu: bool = option(
@@ -129,9 +137,13 @@ class ModelConfig:
     activation_func_clamp_value: Optional[float] = option(
         None, "With a gated MLP: the gate half clamped to at most this and the linear half to [-this, this] before "
               "the activation (Megatron's activation_func_clamp_value; gpt-oss: 7); default none.")
+    gated_linear_unit: bool = option(
+        False, "GeGLU MLP: down(gelu(gate(x)) * up(x)), gate and up each of --ffn-hidden-size; with --openai-gelu "
+               "the tanh approximation (Gemma's gelu_pytorch_tanh). Megatron-core's gated_linear_unit with a GeLU; "
+               "--swiglu is the gated MLP with SiLU.")
     openai_gelu: bool = option(
-        False, "The GeLU MLP uses the tanh approximation of GeLU (OpenAI's GPT-2, Hugging Face gelu_new, Megatron's "
-               "--openai-gelu) instead of the exact erf form.")
+        False, "The GeLU (or GeGLU) MLP uses the tanh approximation of GeLU (OpenAI's GPT-2, Hugging Face gelu_new, "
+               "Megatron's --openai-gelu) instead of the exact erf form.")
     group_query_attention: bool = option(
         False, "Grouped-query attention: the query heads share --num-query-groups key/value heads.")
     num_query_groups: int = option(1, "With --group-query-attention: number of key/value heads (1: multi-query).")
@@ -143,6 +155,9 @@ class ModelConfig:
     qk_layernorm: bool = option(
         False, "Normalize each attention head's query and key (the configured norm over the head dimension, before "
                "rotary embeddings), as Qwen3 and OLMo 2 do.")
+    softmax_scale: Optional[float] = option(
+        None, "The factor of the attention scores q k^T before the softmax; default 1/sqrt(head dim) (Megatron-core's "
+              "softmax_scale; Gemma 3: query_pre_attn_scalar^-0.5).")
     window_size: Optional[str] = option(
         None, "Sliding-window attention, Megatron's 'LEFT,RIGHT' (or '(LEFT,RIGHT)'), e.g. 4096,0: each query "
               "attends to itself and the LEFT tokens before it (Hugging Face's sliding_window is LEFT + 1); RIGHT "
@@ -151,6 +166,10 @@ class ModelConfig:
         None, "With --window-size, which layers attend globally instead: an integer N (layers N, 2N, ... counted "
               "from 1) or a 0/1 pattern with one entry per layer, 1 windowed and 0 global, e.g. '[1,1,1,0]*2' "
               "(Megatron's syntax). Default: every layer windowed.")
+    local_rotary_base: Optional[int] = option(
+        None, "With rope and --window-size: the rotary base of the windowed layers, whose rotary embeddings are then "
+              "never rope-scaled (Gemma 3's rope_local_base_freq); the global layers keep --rotary-base and the rope "
+              "scaling. Default: every layer as the global ones.")
     softmax_type: str = option(
         "vanilla", "The attention softmax (Megatron's --softmax-type): vanilla; off-by-one, a zero logit beside each "
                    "row's scores (softmax with 1 added to its denominator); learnable, one learned logit per head "
@@ -278,9 +297,9 @@ class ModelConfig:
         return self.ffn_hidden_size or 4 * self.hidden_size
 
     @property
-    def gated_linear_unit(self) -> bool:
-        """Whether the MLP's first linear is [gate; up] (SwiGLU or quick GeGLU)."""
-        return self.swiglu or self.quick_geglu
+    def gated_mlp(self) -> bool:
+        """Whether the MLP is gated (SwiGLU, quick GeGLU or GeGLU): its first linear is [gate; up], 2 x ffn wide."""
+        return self.swiglu or self.quick_geglu or self.gated_linear_unit
 
     @property
     def head_dim(self) -> int:

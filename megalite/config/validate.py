@@ -279,18 +279,30 @@ def _check_architecture(cfg: MegaliteConfig) -> None:
                  f"0.1 ln factor + 1)")
         _require(m.rope_scaling_attention_factor is None or m.rope_scaling_attention_factor > 0,
                  f"{FLAG.rope_scaling_attention_factor} must be > 0, got {m.rope_scaling_attention_factor}")
-    _require(not m.openai_gelu or not m.gated_linear_unit,
-             f"{FLAG.openai_gelu} is for the GeLU MLP, not {FLAG.swiglu if m.swiglu else FLAG.quick_geglu}")
-    _require(not (m.swiglu and m.quick_geglu), f"{FLAG.swiglu} and {FLAG.quick_geglu} are two activations: pick one")
+    _require(not m.openai_gelu or not (m.swiglu or m.quick_geglu),
+             f"{FLAG.openai_gelu} is for the GeLU MLPs, not {FLAG.swiglu if m.swiglu else FLAG.quick_geglu}")
+    gated = [flag for flag, on in ((FLAG.swiglu, m.swiglu), (FLAG.quick_geglu, m.quick_geglu),
+                                   (FLAG.gated_linear_unit, m.gated_linear_unit)) if on]
+    _require(len(gated) <= 1, f"{' and '.join(gated)} are {len(gated)} gated MLPs: give one")
     for name, value, unset in (("glu_linear_offset", m.glu_linear_offset, 0.0),
                                ("activation_func_clamp_value", m.activation_func_clamp_value, None)):
-        _require(value == unset or m.gated_linear_unit,
-                 f"{getattr(FLAG, name)} is for a gated MLP ({FLAG.swiglu} or {FLAG.quick_geglu})")
+        _require(value == unset or m.gated_mlp,
+                 f"{getattr(FLAG, name)} is for a gated MLP ({FLAG.swiglu}, {FLAG.quick_geglu} or "
+                 f"{FLAG.gated_linear_unit})")
     _require(m.activation_func_clamp_value is None or m.activation_func_clamp_value > 0,
              f"{FLAG.activation_func_clamp_value} must be > 0, got {m.activation_func_clamp_value}")
     _require(not m.yarn_unrounded_correction_range or (m.use_rope_scaling and m.rope_scaling_type == "yarn"),
              f"{FLAG.yarn_unrounded_correction_range} needs {FLAG.use_rope_scaling} with {FLAG.rope_scaling_type} "
              f"yarn")
+    _require(m.softmax_scale is None or m.softmax_scale > 0, f"{FLAG.softmax_scale} must be > 0, got {m.softmax_scale}")
+    _require(m.softmax_scale is None or not m.multi_latent_attention,
+             f"{FLAG.softmax_scale} is not supported with {FLAG.multi_latent_attention} (its scale follows its "
+             f"head dimensions and yarn's mscale)")
+    if m.local_rotary_base is not None:
+        _require(m.position_embedding_type == "rope" and m.window_size is not None,
+                 f"{FLAG.local_rotary_base} is the rotary base of the windowed layers: it needs "
+                 f"{FLAG.position_embedding_type} rope and {FLAG.window_size}")
+        _at_least(1, [("local_rotary_base", m.local_rotary_base)])
     _one_of("normalization", m.normalization, ("LayerNorm", "RMSNorm"))
     if m.group_query_attention:
         g, heads = m.num_query_groups, m.num_attention_heads
@@ -420,7 +432,7 @@ def _check_fp8(cfg: MegaliteConfig, dims: ParallelDims) -> None:
     _check_fp8_param_gather(cfg, dims)
     _require(t.bf16, f"{FLAG.fp8_format} needs {FLAG.bf16}: FP8 products take bf16 activations and master weights")
     tp, cp = p.tensor_model_parallel_size, p.context_parallel_size
-    fc1 = 2 * m.ffn_size if m.gated_linear_unit else m.ffn_size
+    fc1 = 2 * m.ffn_size if m.gated_mlp else m.ffn_size
     dims = [(f"{FLAG.hidden_size} {m.hidden_size}", m.hidden_size),
             (f"the query/key/value projection's {m.query_size + 2 * m.query_groups * m.head_dim} outputs / TP {tp}",
              (m.query_size + 2 * m.query_groups * m.head_dim) // tp),
@@ -448,7 +460,7 @@ def _check_fp8_param_gather(cfg: MegaliteConfig, dims: ParallelDims) -> None:
         _require(not o.offload_params, f"{FLAG.fp8_param_gather} does not take {FLAG.offload_params}")
         # FSDP2 moves an FP8 weight's shard to new storage when its rows do not split evenly.
         tp, replicas = dims.tp, dims.dp_cp
-        fc1 = 2 * m.ffn_size if m.gated_linear_unit else m.ffn_size
+        fc1 = 2 * m.ffn_size if m.gated_mlp else m.ffn_size
         for what, rows in [(f"the query/key/value projection's {m.query_size + 2 * m.query_groups * m.head_dim} "
                             f"rows / TP {tp}", (m.query_size + 2 * m.query_groups * m.head_dim) // tp),
                            (f"the MLP's first {fc1} rows / TP {tp}", fc1 // tp),
@@ -522,6 +534,8 @@ def _check_experts(cfg: MegaliteConfig, dims: ParallelDims) -> None:
                                                            ("expert_tensor_parallel_size", etp is not None)] if value]
         _require(not given, f"{given[0] if given else ''} needs {FLAG.num_experts} (a mixture-of-experts model)")
         return
+    _require(not m.gated_linear_unit, f"{FLAG.gated_linear_unit} is not supported with {FLAG.num_experts} (the "
+                                      f"experts are SwiGLU or GeLU MLPs)")
     experts, k = m.num_experts, m.moe_router_topk
     _at_least(1, [("num_experts", experts), ("moe_router_topk", k), ("moe_ffn_hidden_size", m.moe_ffn_hidden_size),
                   ("moe_shared_expert_intermediate_size", m.moe_shared_expert_intermediate_size)])

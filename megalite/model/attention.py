@@ -31,7 +31,11 @@ knows the causal mask only), and under context parallelism the core attends over
 A layer with a sliding window (``--window-size LEFT,0``, in the layers ``--window-attn-skip-freq`` leaves windowed)
 lets each query attend to itself and the LEFT tokens before it only: SDPA with a banded causal mask (and packed
 documents' mask), where the sequence is longer than the window; a window covering the sequence keeps the causal fast
-path. Context parallelism refuses a window (megalite.config.validate).
+path. Context parallelism refuses a window (megalite.config.validate). With ``--local-rotary-base`` the windowed layers
+rotate q and k with that base and no rope scaling, the global ones with ``--rotary-base`` and the scaling (Gemma 3).
+
+``--softmax-scale`` replaces 1/sqrt(head dim) as the factor of q k^T in every core: SDPA's ``scale``, the fused
+softmax's, the sink core's, the KV cache's and context-parallel ring attention's (Gemma 3's query_pre_attn_scalar^-0.5).
 
 With ``--softmax-type off-by-one`` or ``learnable`` each head's softmax has a sink logit besides the keys' scores (0,
 or the learnable per-head ``softmax_offset``, split over TP with the heads): the core is then the explicit softmax
@@ -84,7 +88,10 @@ class SelfAttention(nn.Module):
         self.kv_heads = max(groups // tp, 1)              # key/value heads used on this rank
         self.kv_channels = groups * head_dim // tp         # k (and v) channels this rank computes
         self.sharing_ranks = max(tp // groups, 1)          # ranks computing pieces of one key/value head
-        self.rotary = (RotaryEmbedding(cfg.rotary_dim, cfg.rotary_base, kernels, rope_scaling(cfg))
+        # --local-rotary-base: a windowed layer rotates with its own base, unscaled (Gemma 3's local layers)
+        local = window is not None and cfg.local_rotary_base is not None
+        self.rotary = (RotaryEmbedding(cfg.rotary_dim, cfg.local_rotary_base if local else cfg.rotary_base, kernels,
+                                       None if local else rope_scaling(cfg))
                        if cfg.position_embedding_type == "rope" else None)
         self.q_layernorm = self.k_layernorm = None
         if cfg.qk_layernorm:   # one norm over the head dimension, shared by every head
@@ -114,6 +121,7 @@ class SelfAttention(nn.Module):
         self.dropout = cfg.attention_dropout
         self.rng = rng
         self.recompute_core = "core_attn" in cfg.recomputed_modules()
+        self.scale = cfg.softmax_scale   # of q k^T; None: SDPA's 1/sqrt(head dim)
 
     def _init_sink(self, cfg: ModelConfig) -> None:
         self.softmax_type = cfg.softmax_type
@@ -149,7 +157,7 @@ class SelfAttention(nn.Module):
                 q, k = self.rotary(q, k, offset=0 if cache is None else cache.offset)
         sink = self._sink(q)
         if cache is not None:
-            context = cache.attend(q, k, v, self.window, sink)
+            context = cache.attend(q, k, v, self.window, sink, self.scale)
         elif self.recompute_core and self.training and torch.is_grad_enabled():
             # The sink is an input too, so that its gradient leaves the recomputed core like q's, k's and v's.
             inputs = (q, k, v) if sink is None else (q, k, v, sink)
@@ -163,7 +171,7 @@ class SelfAttention(nn.Module):
         """The attention core over the sample (the recomputed part), with the heads' ``sink`` logits if any: heads
         merged back, [batch, seq, heads x d]."""
         if shard is not None and shard.cp > 1:
-            context = context_parallel_attention(q, k, v, shard, self._core)
+            context = context_parallel_attention(q, k, v, shard, self._core, self.scale)
         else:
             mask = None if shard is None else shard.whole_sequence_mask()
             seq = q.shape[-2]
@@ -173,7 +181,7 @@ class SelfAttention(nn.Module):
             if sink is not None:
                 dropout = self.dropout if self.training else 0.0
                 with self.rng.fork() if dropout > 0 else contextlib.nullcontext():
-                    context = sink_attention(q, k, v, sink, mask, dropout)
+                    context = sink_attention(q, k, v, sink, mask, dropout, self.scale)
             else:
                 context = self._core(q, k, v, mask)
         batch, _, seq, _ = context.shape
@@ -181,15 +189,16 @@ class SelfAttention(nn.Module):
 
     def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               mask: torch.Tensor | None = None) -> torch.Tensor:
-        """softmax(q k^T / sqrt(d) + mask) with dropout, times v: [batch, heads, seq, d]. ``mask`` (boolean, True
-        where allowed) defaults to causal."""
+        """softmax(q k^T / sqrt(d) + mask) with dropout, times v: [batch, heads, seq, d] (--softmax-scale in place of
+        1 / sqrt(d)). ``mask`` (boolean, True where allowed) defaults to causal."""
         dropout = self.dropout if self.training else 0.0
         ops = self.kernels.ops(MASKED_SOFTMAX, q) if mask is None else None
         # Attention probabilities belong to this rank's heads: their dropout draws from the per-TP-rank stream.
         with self.rng.fork() if dropout > 0 else contextlib.nullcontext():
             if ops is None:
                 return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout,
-                                                      is_causal=mask is None, enable_gqa=k.shape[1] != q.shape[1])
+                                                      is_causal=mask is None, scale=self.scale,
+                                                      enable_gqa=k.shape[1] != q.shape[1])
             return self._fused_softmax_core(q, k, v, dropout, ops)
 
     def _fused_softmax_core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: float,
@@ -197,7 +206,8 @@ class SelfAttention(nn.Module):
         """softmax(q k^T / sqrt(d) + causal mask) v with the fused masked softmax: [batch, heads, seq, d]."""
         if k.shape[1] != q.shape[1]:   # query head i uses key/value head i // (heads / kv_heads), as SDPA's GQA
             k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
-        probs = scaled_masked_softmax(q @ k.transpose(-2, -1), 1.0 / math.sqrt(self.head_dim), ops)
+        scale = 1.0 / math.sqrt(self.head_dim) if self.scale is None else self.scale
+        probs = scaled_masked_softmax(q @ k.transpose(-2, -1), scale, ops)
         return F.dropout(probs, dropout) @ v if dropout > 0 else probs @ v
 
     def _gather_shared_head(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

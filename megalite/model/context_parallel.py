@@ -145,12 +145,13 @@ def shard_sequence(length: int, device: torch.device, *, positions: Optional[tor
 
 
 def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shard: SequenceShard,
-                               core: Callable[..., torch.Tensor]) -> torch.Tensor:
+                               core: Callable[..., torch.Tensor], scale: Optional[float] = None) -> torch.Tensor:
     """Attention of this rank's queries over the whole sequence: [batch, heads, local, d]. ``core(q, k, v, mask)``
-    is the layer's own attention core (SDPA with dropout), which ``a2a`` and ``allgather`` run on their inputs."""
+    is the layer's own attention core (SDPA with dropout, scaled as the layer says), which ``a2a`` and ``allgather``
+    run on their inputs; the ring (``p2p``) scales q k^T by ``scale`` (default 1/sqrt(d))."""
     group = parallel_state.get_context_parallel_group()
     if shard.comm_type == "p2p":
-        return _RingAttention.apply(q, k, v, shard, group)
+        return _RingAttention.apply(q, k, v, shard, group, scale)
     if shard.comm_type == "allgather":
         k, v = all_gather_over(torch.cat([k, v], dim=1), _SEQUENCE, group).chunk(2, dim=1)
         if shard.documents is not None:   # packed documents: which keys each query sees is spelled out in a mask
@@ -161,7 +162,7 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         q, k, v = _heads_over(q, k, v, group)
         return heads_to_sequence(core(q, k, v, shard.whole_sequence_mask()), group)
     if shard.comm_type == "a2a+p2p":
-        return _hierarchical_attention(q, k, v, shard)
+        return _hierarchical_attention(q, k, v, shard, scale)
     raise ValueError(f"unknown context-parallel comm type {shard.comm_type!r}; expected one of {COMM_TYPES}")
 
 
@@ -208,13 +209,14 @@ def _heads_over(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return q, kv[:, :kv_heads // group.size], kv[:, kv_heads // group.size:]
 
 
-def _hierarchical_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shard: SequenceShard) -> torch.Tensor:
+def _hierarchical_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shard: SequenceShard,
+                            scale: Optional[float] = None) -> torch.Tensor:
     """a2a+p2p (see the module docstring): heads exchanged inside the a2a group, the ring across the groups."""
     inner, outer = parallel_state.get_hierarchical_context_parallel_groups(shard.a2a_size)
     q, k, v = (_ascending(t, inner.size) for t in _heads_over(q, k, v, inner))
     ring = dataclasses.replace(shard, indices=device_indices(shard.length, outer.size, outer.rank, True, q.device),
                                comm_type="p2p", cp=outer.size, cp_rank=outer.rank, a2a_size=1)
-    out = _RingAttention.apply(q, k, v, ring, outer)
+    out = _RingAttention.apply(q, k, v, ring, outer, scale)
     return heads_to_sequence(_ascending(out, inner.size, inverse=True), inner)
 
 
@@ -419,9 +421,9 @@ class _RingAttention(torch.autograd.Function):
     travel in the input dtype, the dK/dV accumulators in fp32."""
 
     @staticmethod
-    def forward(ctx, q, k, v, shard: SequenceShard, group: GroupInfo):
+    def forward(ctx, q, k, v, shard: SequenceShard, group: GroupInfo, scale: Optional[float] = None):
         batch, heads, local, dim = q.shape
-        scale = 1.0 / math.sqrt(dim)
+        scale = 1.0 / math.sqrt(dim) if scale is None else scale
         stats = torch.promote_types(q.dtype, torch.float32)
         # Token-major storage [b, L, h, d], as flash attention's output: the caller's merge of the heads
         # ([b, L, h x d], the output projection's input) is then a view of it, not a second copy to keep.
@@ -466,4 +468,4 @@ class _RingAttention(torch.autograd.Function):
             grad_kv[1][:, :, block.columns] += grad_v_block
             grad_exchange = _start_ring_exchange(grad_kv, group, _GRAD_TAG)
         grad_k, grad_v = _finish(grad_exchange).unbind(0)
-        return grad_q.to(q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype), None, None
+        return grad_q.to(q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype), None, None, None

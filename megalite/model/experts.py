@@ -56,9 +56,9 @@ class ExpertMLP(nn.Module):
     def __init__(self, cfg: ModelConfig, split: bool, world: int):
         super().__init__()
         h, f = cfg.hidden_size, cfg.expert_ffn_size
-        fc1 = 2 * f if cfg.gated_linear_unit else f
+        fc1 = 2 * f if cfg.gated_mlp else f
         bias = not cfg.disable_bias_linear
-        rows = Partition(dim=0, fused=2 if cfg.gated_linear_unit else 1) if split else REPLICATED
+        rows = Partition(dim=0, fused=2 if cfg.gated_mlp else 1) if split else REPLICATED
         self.linear_fc1 = ExpertLinear((fc1, h), rows, rows if bias else None, cfg.init_method_std, world)
         self.linear_fc2 = ExpertLinear((h, f), Partition(dim=1) if split else REPLICATED, REPLICATED if bias else None,
                                        cfg.init_method_std / math.sqrt(2.0 * cfg.num_layers), world)
@@ -89,7 +89,7 @@ class LocalExperts(nn.ModuleDict):
         split = world > 1
         super().__init__({str(first + i): ExpertMLP(cfg, split, world) for i in range(per_rank)})
         self.first, self.grouped, self.split = first, cfg.moe_grouped_gemm, split
-        self.glu = gated_activation(cfg) if cfg.gated_linear_unit else None
+        self.glu = gated_activation(cfg) if cfg.gated_mlp else None
         self.recompute_activation = "moe_act" in cfg.recomputed_modules()   # --recompute-modules moe_act
         self._lay_out_stacked()
 

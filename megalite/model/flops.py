@@ -28,7 +28,7 @@ def peak_bf16_tflops(device_name: str) -> Optional[float]:
 
 
 def _mlp_macs(model: ModelConfig, ffn: int) -> int:
-    return model.hidden_size * ffn * (3 if model.gated_linear_unit else 2)
+    return model.hidden_size * ffn * (3 if model.gated_mlp else 2)
 
 
 def attention_macs_per_token(model: ModelConfig) -> int:

@@ -24,6 +24,7 @@ the plain torch one whatever it says.
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import re
 from typing import Iterator
@@ -44,9 +45,17 @@ from megalite.tensor_parallel import (ColumnParallelLinear, Fp8History, TensorPa
                                       mark_sequence_parallel, vocab_parallel_cross_entropy)
 
 
+@functools.lru_cache(maxsize=None)
+def _rounded(value: float, dtype: torch.dtype) -> float:
+    """``value`` as transformers' Gemma multiplies by it: an fp32 tensor cast to the embeddings' dtype (a Python
+    number, so no tensor is made on the device each step)."""
+    return torch.tensor(value, dtype=torch.float32).to(dtype).item()
+
+
 class GPTEmbedding(nn.Module):
-    """Word embeddings (split over TP by vocabulary), plus learned absolute positions unless the model uses rotary
-    ones, then dropout. Under sequence parallelism each rank gets, and adds positions to, its sequence shard only."""
+    """Word embeddings (split over TP by vocabulary), times sqrt(hidden size) with --scale-embeddings, plus learned
+    absolute positions unless the model uses rotary ones, then dropout. Under sequence parallelism each rank gets,
+    and adds positions to, its sequence shard only."""
 
     def __init__(self, cfg: ModelConfig, padded_vocab_size: int, rng: TensorParallelRNG | None = None,
                  sequence_parallel: bool = False):
@@ -60,10 +69,13 @@ class GPTEmbedding(nn.Module):
                 mark_sequence_parallel(self.position.weight)
         self.dropout = nn.Dropout(cfg.hidden_dropout)
         self.rng, self.sequence_parallel = rng, sequence_parallel
+        self.scale = cfg.hidden_size ** 0.5 if cfg.scale_embeddings else None   # Gemma's normalizer
 
     def forward(self, tokens: torch.Tensor, shard: SequenceShard | None = None,
                 first_position: int = 0) -> torch.Tensor:
         embeddings = self.word(tokens)
+        if self.scale is not None:
+            embeddings = embeddings * _rounded(self.scale, embeddings.dtype)
         split = self.sequence_parallel and parallel_state.get_tensor_model_parallel_world_size() > 1
         if self.position is not None:
             local = embeddings.shape[1]

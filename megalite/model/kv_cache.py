@@ -76,10 +76,12 @@ class LayerCache:
         return self.cache.length
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               window: Optional[int] = None, sink: Optional[torch.Tensor] = None) -> torch.Tensor:
+               window: Optional[int] = None, sink: Optional[torch.Tensor] = None,
+               scale: Optional[float] = None) -> torch.Tensor:
         """Store the new k and v, then causal attention of the new queries [batch, heads, new, d] (the last
         positions) over the cached keys, with a sliding ``window`` over its last ``window`` + 1 positions only and,
-        given one, each head's ``sink`` logit [heads] in its softmax; heads merged: [batch, new, heads x d]."""
+        given one, each head's ``sink`` logit [heads] in its softmax, the scores scaled by ``scale`` (default
+        1/sqrt(d)); heads merged: [batch, new, heads x d]."""
         keys, values = self.cache.store(self.index, k, v)
         return self.attend_stored(q, keys, values, window, sink)
 
@@ -93,9 +95,9 @@ class LayerCache:
             keys, values = keys[..., first:, :], values[..., first:, :]
         mask = causal_mask(new, keys.shape[-2], window, q.device)
         if sink is not None:
-            context = sink_attention(q, keys, values, sink, mask)
+            context = sink_attention(q, keys, values, sink, mask, scale=scale)
         else:
-            context = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
+            context = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale,
                                                      enable_gqa=keys.shape[1] != q.shape[1])
         batch, heads, _, head_dim = context.shape
         return context.transpose(1, 2).reshape(batch, new, heads * head_dim)

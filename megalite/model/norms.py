@@ -27,7 +27,8 @@ from megalite.tensor_parallel.partition import REPLICATED, mark, normal_init, on
 
 class RMSNorm(nn.Module):
     """y = x * rsqrt(mean(x^2) + eps) * weight, in fp32 whatever the input dtype; saves x and the per-token rstd.
-    ``zero_centered``: the scale is (1 + weight)."""
+    ``zero_centered``: the scale is (1 + weight), added in fp32 (Gemma's RMSNorm: 1 + w rounded to bf16 would lose
+    the small w the zero-centred form keeps precise; a fused kernel gets it in the input's dtype)."""
 
     def __init__(self, hidden_size: int, eps: float, kernels: KernelPolicy = DEFAULT_POLICY,
                  zero_centered: bool = False):
@@ -36,7 +37,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(hidden_size) if zero_centered else torch.ones(hidden_size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = self.weight + 1 if self.zero_centered else self.weight
+        weight = self.weight.float() + 1 if self.zero_centered else self.weight
         return fused.rms_norm(x, weight, self.eps, self.kernels.ops(LAYERNORM, x) or torch_ops)
 
 

@@ -20,14 +20,14 @@ import torch.nn.functional as F
 
 
 def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sink: torch.Tensor,
-                   mask: Optional[torch.Tensor], dropout: float = 0.0) -> torch.Tensor:
+                   mask: Optional[torch.Tensor], dropout: float = 0.0, scale: Optional[float] = None) -> torch.Tensor:
     """Attention of q [batch, heads, queries, d] over k, v [batch, key/value heads, keys, d] (grouped queries: query
     head i uses key/value head i // (heads / key/value heads)) with one ``sink`` logit per query head [heads];
     ``mask`` is boolean [queries, keys] or broadcastable to [batch, heads, queries, keys], True where allowed (None:
-    every key). Returns [batch, heads, queries, d] in v's dtype."""
+    every key); ``scale`` multiplies q k^T (default 1/sqrt(d)). Returns [batch, heads, queries, d] in v's dtype."""
     if k.shape[1] != q.shape[1]:
         k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
-    scores = (q @ k.transpose(-2, -1)).float() * q.shape[-1] ** -0.5
+    scores = (q @ k.transpose(-2, -1)).float() * (q.shape[-1] ** -0.5 if scale is None else scale)
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
     batch, heads, queries, _ = scores.shape

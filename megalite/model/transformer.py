@@ -1,5 +1,6 @@
 """A pre-norm transformer layer: x + Dropout(Attn(Norm(x))), then x + Dropout(MLP(Norm(x))) (the MLP a mixture of
-experts in the layers --moe-layer-freq picks); and running a stack of them with full activation recompute.
+experts in the layers --moe-layer-freq picks), with --sandwich-norm x + Dropout(Norm(Attn(Norm(x)))) and likewise for
+the MLP (Gemma 2/3); and running a stack of them with full activation recompute.
 
 Under sequence parallelism x is this rank's sequence shard: the norms and dropouts work on it, the attention and MLP
 gather the sequence on entry and reduce-scatter it on exit.
@@ -35,10 +36,13 @@ class TransformerLayer(nn.Module):
         window = None if cfg.window_size is None else cfg.attention_windows()[kind]   # --window-size
         attention = LatentAttention if cfg.multi_latent_attention else SelfAttention   # --multi-latent-attention
         self.self_attention = attention(cfg, rng, sequence_parallel, kernels, window)
+        # --sandwich-norm: each sublayer's output normalized before its residual add
+        self.post_attention_norm = norm(cfg, sequence_parallel, kernels) if cfg.sandwich_norm else None
         self.pre_mlp_norm = norm(cfg, sequence_parallel, kernels)
         # layer_number (global): whether --moe-layer-freq makes this an MoE layer
         moe = cfg.num_experts is not None and cfg.moe_layers()[kind]
         self.mlp = MoELayer(cfg, sequence_parallel, kernels, layer_number) if moe else MLP(cfg, sequence_parallel, kernels)
+        self.post_mlp_norm = norm(cfg, sequence_parallel, kernels) if cfg.sandwich_norm else None
         self.dropout = nn.Dropout(cfg.hidden_dropout)
         self.rng = rng
         self.sequence_parallel = sequence_parallel
@@ -56,11 +60,18 @@ class TransformerLayer(nn.Module):
     def forward(self, x: torch.Tensor, shard: SequenceShard | None = None,
                 cache: Optional[LayerCache] = None) -> torch.Tensor:
         if not (self.training and torch.is_grad_enabled()) or not (self.recompute_norms or self.recompute_mlp):
-            x = x + self._dropout(self.self_attention(self.input_norm(x), shard, cache))
-            return x + self._dropout(self.mlp(self.pre_mlp_norm(x)))
-        x = x + self._dropout(self._after_norm(self.input_norm, lambda h: self.self_attention(h, shard), x))
+            x = x + self._dropout(self._sandwich(self.post_attention_norm,
+                                                 self.self_attention(self.input_norm(x), shard, cache)))
+            return x + self._dropout(self._sandwich(self.post_mlp_norm, self.mlp(self.pre_mlp_norm(x))))
+        attention = self._after_norm(self.input_norm, lambda h: self.self_attention(h, shard), x)
+        x = x + self._dropout(self._sandwich(self.post_attention_norm, attention))
         mlp = (lambda h: recompute(self.mlp, self.rng, h)) if self.recompute_mlp else self.mlp
-        return x + self._dropout(self._after_norm(self.pre_mlp_norm, mlp, x))
+        return x + self._dropout(self._sandwich(self.post_mlp_norm, self._after_norm(self.pre_mlp_norm, mlp, x)))
+
+    @staticmethod
+    def _sandwich(post_norm: Optional[nn.Module], out: torch.Tensor) -> torch.Tensor:
+        """--sandwich-norm: a sublayer's output normalized before its residual add."""
+        return out if post_norm is None else post_norm(out)
 
     def _after_norm(self, norm_module: nn.Module, consumer, x: torch.Tensor) -> torch.Tensor:
         """``consumer(norm(x))``, the norm's output freed once the consumer has run (--recompute-modules

@@ -447,6 +447,8 @@ def layer_activation_bytes(model: ModelConfig, tp: int, sequence_parallel: bool,
     replicated = 4 * p * sbh + 2 * _norm_statistics(model) * s * b
     if "layernorm" in modules:   # the norms' outputs (the QKV and fc1 inputs) and statistics: freed, recomputed
         replicated = 2 * p * sbh
+    if model.sandwich_norm:   # each sublayer's output is kept by its post norm, with the norm's statistics
+        replicated += 2 * p * sbh + 2 * _norm_statistics(model) * s * b
     if model.hidden_dropout > 0:
         replicated += 2 * m * sbh
     kv_heads = max(g // tp, 1)                       # key/value heads a rank uses (one, shared, when G < TP)
@@ -470,7 +472,7 @@ def layer_activation_bytes(model: ModelConfig, tp: int, sequence_parallel: bool,
             split += moe_activation_bytes(dataclasses.replace(model, seq_length=s), tp, sequence_parallel,
                                           micro_batch_size, numerics, tp if expert_tp is None else expert_tp)
     elif "mlp" not in modules:
-        split += p * s * b * f / tp * (4 if model.gated_linear_unit else 2)
+        split += p * s * b * f / tp * (4 if model.gated_mlp else 2)
     core = 0.0
     keeps_output = False   # whether the attention core keeps its output, the output projection's input, itself
     if "core_attn" not in modules:
@@ -518,7 +520,7 @@ def fp8_saved_difference(model: ModelConfig, tp: int, tokens: int, replicated_sh
     difference = -(p - 1) * tokens * h * replicated_share                    # the query/key/value input
     difference += tokens * q / tp * (1 if core_keeps_output else -(p - 1))   # the output projection's input
     if not moe_layer:
-        linears, weights = 4, weights + ((2 * f if model.gated_linear_unit else f) * h + f * h) / tp
+        linears, weights = 4, weights + ((2 * f if model.gated_mlp else f) * h + f * h) / tp
         difference += -(p - 1) * tokens * h * replicated_share - (p - 1) * tokens * f / tp
     if not model.fp8_param_gather:
         difference += weights
@@ -575,10 +577,10 @@ def moe_activation_bytes(model: ModelConfig, tp: int, sequence_parallel: bool, m
     s, b, h = model.seq_length, micro_batch_size, model.hidden_size
     p, tokens, experts = numerics.activation_bytes, s * b, model.num_experts
     rows = model.moe_router_topk * tokens
-    glu = 4 if model.gated_linear_unit else 2
+    glu = 4 if model.gated_mlp else 2
     modules = model.recomputed_modules()
     # --recompute-modules moe_act: the activation's output and what it keeps are freed; the fc1 output stays
-    activation = (2 if model.gated_linear_unit else 1) if "moe_act" in modules else glu
+    activation = (2 if model.gated_mlp else 1) if "moe_act" in modules else glu
     kept = p * rows * h * 2 + p * rows * model.expert_ffn_size / expert_tp * activation + p * rows + 8 * rows * 3
     losses = (model.moe_router_load_balancing_type != "none" and model.moe_aux_loss_coeff > 0) + \
         (model.moe_z_loss_coeff is not None)
@@ -700,8 +702,7 @@ def weight_gradient_bytes(model: ModelConfig, layout: Layout, num_layers: int, i
     share = 1 / tp if layout.sequence_parallel else 1.0
     qkv = h + 2 * model.query_groups * model.head_dim
     inputs = 2 * h * share + h / tp + f / tp
-    grads = (qkv / tp + 2 * h * (share if model.fp8_format is None else 1.0)
-             + f * (2 if model.gated_linear_unit else 1) / tp)
+    grads = qkv / tp + 2 * h * (share if model.fp8_format is None else 1.0) + f * (2 if model.gated_mlp else 1) / tp
     linear_bytes = 1 if model.fp8_format is not None and model.fp8_recipe != "rowwise" else p
     total = num_layers * linear_bytes * sb * (inputs + grads)
     if is_last:

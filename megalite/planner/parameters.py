@@ -6,10 +6,10 @@ built on the ``meta`` device, for every config in ``configs/model``, at several 
 - word embedding: padded vocabulary x h, rows split over TP, where the vocabulary is padded to a multiple of
   ``make_vocab_size_divisible_by`` x TP (Megatron's rule; the padding rows are real memory);
 - learned positions (``learned_absolute`` only): max positions x h, replicated;
-- per layer: two norms (LayerNorm: weight and bias, 2h; RMSNorm: h), the fused QKV projection h x (h + 2 G d)
-  (G key/value heads of dimension d; G = heads without grouped-query attention) with its bias, the output projection
-  h x h with a replicated bias, the MLP's h x f (SwiGLU: h x 2f, gate and up) and f x h with biases, unless
-  ``disable_bias_linear`` (``add_qkv_bias`` keeps the QKV one); every matrix split over TP, the row-parallel biases
+- per layer: two norms (four with --sandwich-norm; LayerNorm: weight and bias, 2h; RMSNorm: h), the fused QKV
+  projection h x (h + 2 G d) (G key/value heads of dimension d; G = heads without grouped-query attention) with its
+  bias, the output projection h x h with a replicated bias, the MLP's h x f (gated, SwiGLU or GeGLU: h x 2f, gate and
+  up) and f x h with biases, unless ``disable_bias_linear`` (``add_qkv_bias`` keeps the QKV one); every matrix split over TP, the row-parallel biases
   replicated; with learnable attention sinks (--softmax-type learnable), one logit per head, split over TP; with
   multi-latent attention, its replicated down-projections and latent norms and its up-projections split by heads;
 - final norm, and the output layer (padded vocabulary x h over TP) unless it is tied to the word embedding; tied and
@@ -95,7 +95,7 @@ def layer_tensors(cfg: ModelConfig, tp: int, index: int, ep: int = 1, expert_tp:
         return [dataclasses.replace(t, expert=expert) for t in tensors]
 
     def mlp(name: str, f: int, world: int = tp, expert: bool = False) -> list[Tensor]:
-        return (column(f"{name}.linear_fc1", 2 * f if cfg.gated_linear_unit else f, world, expert)
+        return (column(f"{name}.linear_fc1", 2 * f if cfg.gated_mlp else f, world, expert)
                 + row(f"{name}.linear_fc2", f, world, expert))
 
     attention = _norm(cfg, f"{p}.input_norm")
@@ -109,9 +109,12 @@ def layer_tensors(cfg: ModelConfig, tp: int, index: int, ep: int = 1, expert_tp:
     else:
         attention += (column(f"{p}.self_attention.linear_qkv", qkv, biased=bias or cfg.add_qkv_bias)
                       + row(f"{p}.self_attention.linear_proj", cfg.query_size))
+    if cfg.sandwich_norm:   # the attention output's norm, before the residual add
+        attention += _norm(cfg, f"{p}.post_attention_norm")
     attention += _norm(cfg, f"{p}.pre_mlp_norm")
+    post_mlp = _norm(cfg, f"{p}.post_mlp_norm") if cfg.sandwich_norm else []
     if cfg.num_experts is None or not cfg.moe_layers()[index]:
-        return attention + mlp(f"{p}.mlp", cfg.ffn_size)
+        return attention + mlp(f"{p}.mlp", cfg.ffn_size) + post_mlp
     experts = cfg.num_experts
     tensors = attention + [Tensor(f"{p}.mlp.router.weight", experts * h, experts * h, rows=experts)]
     if bias:   # the router's logits have a bias with the linears' (Megatron's; gpt-oss)
@@ -121,7 +124,7 @@ def layer_tensors(cfg: ModelConfig, tp: int, index: int, ep: int = 1, expert_tp:
     if cfg.moe_shared_expert_intermediate_size:
         gate = [Tensor(f"{p}.mlp.shared_experts.gate_weight", h, h, rows=1)] if cfg.moe_shared_expert_gate else []
         tensors += gate + mlp(f"{p}.mlp.shared_experts", cfg.moe_shared_expert_intermediate_size)
-    return tensors
+    return tensors + post_mlp
 
 
 def _latent_attention(cfg: ModelConfig, tp: int, prefix: str, column, row) -> list[Tensor]:

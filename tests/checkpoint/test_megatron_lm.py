@@ -150,9 +150,13 @@ def test_what_megalite_cannot_compute_is_refused_by_its_flag(megatron_saves, tmp
     ({"quick_geglu": True}, "quick_geglu=True: megalite exports no gpt-oss activation"),
     ({"position_embedding_type": "rope", "use_rope_scaling": True, "rope_scaling_type": "llama3",
       "yarn_unrounded_correction_range": True}, "yarn_unrounded_correction_range=True: Megatron's rope scaling fixes"),
+    ({"sandwich_norm": True}, "sandwich_norm=True: Megatron-LM's GPT has no flag for it"),
+    ({"softmax_scale": 0.125}, "softmax_scale=0.125: Megatron-LM's GPT has no flag for it"),
+    ({"gated_linear_unit": True}, "gated_linear_unit=True: Megatron-LM's GPT has no flag for it"),
 ])
 def test_a_sliding_window_or_a_sink_is_not_exported_to_megatron(option, message):
-    """Megatron's window and softmax type are refused on import (above), and megalite's on export."""
+    """Megatron's window and softmax type are refused on import (above), and megalite's on export; so are Gemma 3's
+    options, which Megatron-LM has no flags for."""
     from megalite.config.dims import ParallelDims   # noqa: PLC0415
 
     with pytest.raises(CheckpointError, match=message):

@@ -231,6 +231,16 @@ def test_tiny_config_is_valid_on_several_world_sizes():
     (tiny_config(model={"mtp_num_layers": 32, "position_embedding_type": "rope"}), 1,
      "--mtp-num-layers 32 leaves no token to predict in --seq-length 32"),
     (tiny_config(model={"mtp_loss_scaling_factor": -0.1}), 1, "--mtp-loss-scaling-factor must be >= 0, got -0.1"),
+    (tiny_config(model={"swiglu": True, "gated_linear_unit": True}), 1,
+     "--swiglu and --gated-linear-unit are 2 gated MLPs: give one"),
+    (tiny_config(model={"gated_linear_unit": True, "num_experts": 4}), 1,
+     "--gated-linear-unit is not supported with --num-experts (the experts are SwiGLU or GeLU MLPs)"),
+    (tiny_config(model={"softmax_scale": 0.0}), 1, "--softmax-scale must be > 0, got 0.0"),
+    (tiny_config(model={"local_rotary_base": 10000, "position_embedding_type": "rope"}), 1,
+     "--local-rotary-base is the rotary base of the windowed layers: it needs --position-embedding-type rope and "
+     "--window-size"),
+    (tiny_config(model={"local_rotary_base": 0, "position_embedding_type": "rope", "window_size": "8,0"}), 1,
+     "--local-rotary-base must be >= 1, got 0"),
 ])
 def test_bad_values_name_the_numbers(cfg, world, message):
     with pytest.raises(ConfigError) as error:

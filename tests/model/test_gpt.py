@@ -134,3 +134,17 @@ def test_model_configs_have_their_sizes(config, billions):
     count = sum(p.numel() for p in model.parameters())
     padding = (cfg.padded_vocab_size(1) - cfg.vocab_size) * cfg.hidden_size
     assert abs((count - padding) / 1e9 - billions) / billions < 0.01, count
+
+
+def test_scaled_embeddings_multiply_by_sqrt_hidden_rounded_to_the_dtype():
+    """--scale-embeddings: the word embeddings times sqrt(hidden size), that factor first rounded to the weights'
+    dtype (transformers' Gemma: sqrt(64) is exact, sqrt(96) is not in bf16); the tied output layer's weight unscaled."""
+    cfg = tiny_config(model={"hidden_size": 96, "scale_embeddings": True, "position_embedding_type": "rope"}).model
+    model = GPTModel(cfg)
+    model.initialize(1)
+    model = model.to(torch.bfloat16)
+    tokens = torch.tensor([[1, 7, 300]])
+    factor = torch.tensor(96 ** 0.5).to(torch.bfloat16)
+    assert float(factor) != 96 ** 0.5
+    assert torch.equal(model.embedding(tokens), model.embedding.word(tokens) * factor)
+    assert model.output_weight() is model.embedding.word.weight

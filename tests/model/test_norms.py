@@ -47,3 +47,18 @@ def test_norm_follows_the_config_and_flags_sequence_parallel_parameters():
     layer_norm = norm(ModelConfig())
     assert isinstance(layer_norm, torch.nn.LayerNorm)
     assert not any(getattr(p, "sequence_parallel", False) for p in layer_norm.parameters())
+
+
+def test_zero_centred_rms_norm_adds_one_in_fp32_as_gemma():
+    """--apply-layernorm-1p in bf16 is Gemma's RMSNorm bit for bit: (x / rms(x)) * (1 + w) in fp32, rounded once (1 + w
+    rounded to bf16 first would lose most of a small w); its gradient reaches the bf16 weight."""
+    module = RMSNorm(64, 1e-6, zero_centered=True).to(torch.bfloat16)
+    with torch.no_grad():
+        module.weight.copy_(torch.randn(64) * 0.01)
+    x = torch.randn(2, 8, 64, dtype=torch.bfloat16)
+    x32 = x.float()
+    gemma = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-6) * (1.0 + module.weight.float()))
+    y = module(x)
+    assert torch.equal(y, gemma.to(torch.bfloat16))
+    y.float().sum().backward()
+    assert module.weight.grad.dtype == torch.bfloat16

@@ -35,6 +35,9 @@ from .test_model_options import MLA
 
 LLAMA = {"position_embedding_type": "rope", "normalization": "RMSNorm", "swiglu": True, "disable_bias_linear": True,
          "group_query_attention": True, "num_query_groups": 2}
+# Gemma 3's options but its windows (which context parallelism refuses): the ring scales the scores by 0.3
+GEMMA = {"swiglu": False, "gated_linear_unit": True, "openai_gelu": True, "sandwich_norm": True, "qk_layernorm": True,
+         "apply_layernorm_1p": True, "scale_embeddings": True, "softmax_scale": 0.3}
 
 
 def slug(value) -> str | None:
@@ -105,8 +108,9 @@ def test_attention_over_the_whole_sequence(cp, comm_type):
     ("allgather CP=4", 4, "allgather", 1, {}, {}, {}),
     ("a2a+p2p CP=4 (2 x 2), Llama-style (rotary, GQA)", 4, "a2a+p2p", 1, LLAMA,
      {"hierarchical_context_parallel_sizes": "2 2"}, {}),
-    ("p2p CP=2 x TP=2, sequence parallel, Llama-style (rotary, GQA), MTP", 2, "p2p", 2,
-     {**LLAMA, "mtp_num_layers": 1}, {"sequence_parallel": True}, {}),
+    ("p2p CP=2 x TP=2, sequence parallel, Gemma-style (rotary, GQA, GeGLU, sandwich and q/k norms, scaled "
+     "embeddings, softmax scale), MTP", 2, "p2p", 2, {**LLAMA, **GEMMA, "mtp_num_layers": 1},
+     {"sequence_parallel": True}, {}),
     ("p2p CP=2 x DP=2, distributed optimizer over DP x CP, selective recompute, multi-latent attention", 2, "p2p",
      1, {"recompute_granularity": "selective", **MLA}, {}, {"use_distributed_optimizer": True, "overlap_grad_reduce": True}),
     ("p2p CP=2 x DP=2, ZeRO-3 over DP x CP, full recompute, rotary, MTP", 2, "p2p", 1,

@@ -12,7 +12,9 @@ within 1e-5):
 - the same with a sliding window (each query and the 7 tokens before it, of 32) in layers 1, 3 and 4 (layer 2
   global: a 0/1 skip pattern), gpt-oss' learnable attention sinks, sequence parallelism and selective recompute at
   TP=2 x PP=2: pipeline stages send sequence shards, the recomputed core rebuilds the windowed mask, and each rank
-  trains the sink logits of its heads;
+  trains the sink logits of its heads; made a Gemma 3 as well: GeGLU, sandwich and per-head q/k norms, all
+  zero-centred, embeddings scaled on the first stage, the output layer tied to them on the last, a softmax scale,
+  and the windowed layers' own rotary base beside the global layers' linearly scaled one;
 - DeepSeek's multi-latent attention (a query latent, yarn with mscale^2 in the softmax) with sequence parallelism
   and selective recompute at TP=2 x PP=2: the replicated down-projections' sequence-shard gradients summed over TP,
   the up-projections split by heads;
@@ -21,8 +23,8 @@ within 1e-5):
   shards;
 - the Llama-like model with Qwen2's q/k/v biases and Llama 3's rope scaling at TP=4, where each of its 2 key/value
   heads (and their biases) is split over 2 TP ranks which all-gather it over a subgroup of the two (multi-query
-  attention, 1 head over 4 ranks, takes the same path over the whole TP group), with sequence parallelism and full
-  recompute (uniform); its communication, counted, is the planner's.
+  attention, 1 head over 4 ranks, takes the same path over the whole TP group), with sandwich norms, sequence
+  parallelism and full recompute (uniform); its communication, counted, is the planner's.
 
 With dropout on, full and selective recompute at TP=2 x PP=2 (1F1B, so other micro-batches' forwards run between a
 forward and its recompute) give exactly the losses, gradient norms and weights of the run without recompute.
@@ -47,6 +49,10 @@ FULL_UNIFORM = {"recompute_granularity": "full", "recompute_method": "uniform", 
 SELECTIVE = {"recompute_granularity": "selective"}
 DENSE_MODULES = {**SELECTIVE, "recompute_modules": "core_attn mlp layernorm"}   # Megatron's --recompute-modules
 WINDOW = {"window_size": "7,0", "window_attn_skip_freq": "[1,0,1,1]"}
+GEMMA = {"swiglu": False, "gated_linear_unit": True, "openai_gelu": True, "sandwich_norm": True, "qk_layernorm": True,
+         "apply_layernorm_1p": True, "scale_embeddings": True, "softmax_scale": 0.3, "local_rotary_base": 1000,
+         "use_rope_scaling": True, "rope_scaling_type": "linear", "rope_scaling_factor": 2.0,
+         "untie_embeddings_and_output_weights": False}
 ZERO2 = {"use_distributed_optimizer": True, "zero_stage": 2, "overlap_grad_reduce": True, "ddp_bucket_size": 4000}
 YARN = {"use_rope_scaling": True, "rope_scaling_type": "yarn", "rope_scaling_factor": 4.0,
         "rope_scaling_original_max_position_embeddings": 8, "beta_fast": 4.0, "beta_slow": 0.5}
@@ -61,8 +67,8 @@ QWEN2_ROPE_SCALING = {"add_qkv_bias": True, "use_rope_scaling": True, "rope_scal
 @pytest.mark.parametrize("label, tp, pp, model, parallel, optimizer", [
     ("llama-like + yarn rope scaling + 2-depth MTP TP=2 x PP=2", 2, 2, {**LLAMA, **YARN, "mtp_num_layers": 2}, {},
      {}),
-    ("llama-like + sliding window + learnable sinks + sequence parallel + recompute of core_attn, mlp and layernorm "
-     "TP=2 x PP=2", 2, 2, {**LLAMA, **DENSE_MODULES, **WINDOW, "softmax_type": "learnable"}, SP, {}),
+    ("gemma-like + sliding window + learnable sinks + sequence parallel + recompute of core_attn, mlp and layernorm "
+     "TP=2 x PP=2", 2, 2, {**LLAMA, **DENSE_MODULES, **WINDOW, **GEMMA, "softmax_type": "learnable"}, SP, {}),
     ("multi-latent attention + yarn with mscale + sequence parallel + recompute of core_attn, mla_up_proj and "
      "layernorm TP=2 x PP=2", 2, 2,
      {**MLA, **YARN, "mscale_all_dim": 0.8, **SELECTIVE, "recompute_modules": "core_attn mla_up_proj layernorm"},
@@ -71,8 +77,9 @@ QWEN2_ROPE_SCALING = {"add_qkv_bias": True, "use_rope_scaling": True, "rope_scal
      {**LLAMA, **YARN, **GPT_OSS_MLP, "yarn_unrounded_correction_range": True}, {}, {}),
     ("GPT + tanh GeLU + sequence parallel + full block recompute TP=2 x DP=2 ZeRO-2", 2, 1,
      {**FULL_BLOCK, "openai_gelu": True}, SP, ZERO2),
-    ("llama-like + q/k/v biases + rope scaling (key/value heads split over 2 ranks) + sequence parallel + full "
-     "uniform recompute TP=4", 4, 1, {**LLAMA, **QWEN2_ROPE_SCALING, **FULL_UNIFORM}, SP, {}),
+    ("llama-like + q/k/v biases + rope scaling (key/value heads split over 2 ranks) + sandwich norms + sequence "
+     "parallel + full uniform recompute TP=4", 4, 1, {**LLAMA, **QWEN2_ROPE_SCALING, **FULL_UNIFORM,
+                                                      "sandwich_norm": True}, SP, {}),
 ])
 def test_matches_single_process(label, tp, pp, model, parallel, optimizer):
     # 4 layers where the pipeline needs them (2 per stage), else 2; micro-batches of 2 samples: 4 micro-batches.

@@ -217,6 +217,8 @@ def _measured_activations(model, tp: int, sequence_parallel: bool, pre: bool, po
     (2, True, False, True, 2, {**LLAMA, "mtp_num_layers": 2}),                # multi-token prediction's modules
     (1, False, True, True, 2, {**LLAMA, "mtp_num_layers": 1, "recompute_granularity": "full",
                                "recompute_method": "uniform"}),
+    (2, True, True, True, 2, {**LLAMA, "swiglu": False, "gated_linear_unit": True, "sandwich_norm": True,
+                              "qk_layernorm": True, "apply_layernorm_1p": True, "scale_embeddings": True}),   # Gemma
 ])
 def test_activations_match_what_autograd_keeps(local_collectives, tp, sp, pre, post, b, options):
     model = tiny_config(model={"num_layers": 2, **options}).model

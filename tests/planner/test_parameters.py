@@ -193,6 +193,28 @@ def test_gpt_oss_120b_counts_what_transformers_builds():
     assert (count.active - count.embedding) // 10**7 == 513
 
 
+# Gemma 3 27B's text_config as published on the Hugging Face hub (google/gemma-3-27b-pt; the keys left out take
+# Gemma3TextConfig's defaults: vocabulary 262208, rope_theta 1e6, rope_local_base_freq 1e4, every sixth layer global).
+GEMMA3_27B = {"model_type": "gemma3_text", "num_hidden_layers": 62, "hidden_size": 5376, "intermediate_size": 21504,
+              "num_attention_heads": 32, "num_key_value_heads": 16, "head_dim": 128, "query_pre_attn_scalar": 168,
+              "rope_scaling": {"factor": 8.0, "rope_type": "linear"}, "sliding_window": 1024}
+
+
+def test_gemma3_27b_counts_what_transformers_builds():
+    """configs/model/gemma3_27b.yaml is what importing the published config makes (bar the sequence length), and the
+    planner counts, sandwich norms and q/k norms included, the parameters of transformers' Gemma3ForCausalLM built
+    from that config (27.0B)."""
+    transformers = pytest.importorskip("transformers")
+    from megalite.checkpoint.hf_gemma3 import model_config_from
+
+    model = load_model_config("gemma3_27b")
+    assert dataclasses.replace(model_config_from(GEMMA3_27B), seq_length=model.seq_length) == model
+    with torch.device("meta"):
+        hf = transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(**GEMMA3_27B))
+    hf_count = sum(p.numel() for p in hf.parameters())
+    assert count_parameters(model).total == hf_count and hf_count // 10**8 == 270
+
+
 def test_simulated_layout_registers_one_rank_s_groups_and_restores_the_previous():
     assert not parallel_state.is_initialized()
     with parallel_state.simulated_layout(2, 4, 2, tp_rank=1, pp_rank=2, dp_rank=1):

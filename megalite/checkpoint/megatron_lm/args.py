@@ -37,6 +37,9 @@ NEGATED = {"disable_bias_linear": "add_bias_linear", "no_position_embedding": "a
 MEGALITE_ONLY = ("rope_scaling_low_freq_factor", "rope_scaling_high_freq_factor",
                  "rope_scaling_original_max_position_embeddings", "rope_scaling_type", "beta_fast", "beta_slow",
                  "rope_scaling_attention_factor", "yarn_unrounded_correction_range")
+# Gemma 3's model options, which Megatron-LM's GPT has no flag for (Megatron-core's softmax_scale and
+# gated_linear_unit are TransformerConfig fields without one): never read on import, refused on export.
+GEMMA_ONLY = ("sandwich_norm", "scale_embeddings", "gated_linear_unit", "softmax_scale", "local_rotary_base")
 # Options read besides the model-defining ones: the sample length and vocabulary padding a resumed run keeps.
 CARRIED = ("seq_length", "make_vocab_size_divisible_by")
 
@@ -100,7 +103,7 @@ def model_config(args: argparse.Namespace, vocab_size: int) -> ModelConfig:
         args = argparse.Namespace(**{**vars(args), "add_bias_linear": not args.disable_bias_linear})
     values: dict[str, Any] = {}
     for option in (*MODEL_DEFINING, *CARRIED):
-        if option == "vocab_size" or option in MEGALITE_ONLY:
+        if option == "vocab_size" or option in MEGALITE_ONLY or option in GEMMA_ONLY:
             continue
         if option in NEGATED:
             stored = getattr(args, NEGATED[option], None)
@@ -151,9 +154,13 @@ def megatron_args(model: ModelConfig, dims: ParallelDims, virtual_stages: Option
         if getattr(model, option) != default:   # as the import refuses Megatron's (UNSUPPORTED): untested there
             raise CheckpointError(f"model option {option}={getattr(model, option)!r}: megalite exports no gpt-oss "
                                   f"activation (quick GeGLU, its offset and clamp) to Megatron-LM")
+    gemma = next((option for option in GEMMA_ONLY if getattr(model, option) != getattr(ModelConfig(), option)), None)
+    if gemma is not None:
+        raise CheckpointError(f"model option {gemma}={getattr(model, gemma)!r}: Megatron-LM's GPT has no flag for it "
+                              f"(a Gemma 3 option: export to Hugging Face's Gemma3ForCausalLM instead)")
     values: dict[str, Any] = {}
     for option in (*MODEL_DEFINING, *CARRIED):
-        if option in MEGALITE_ONLY:
+        if option in MEGALITE_ONLY or option in GEMMA_ONLY:
             continue
         value = getattr(model, option)
         if option in NEGATED:
@@ -207,7 +214,7 @@ def flags_not_taken(model: ModelConfig) -> list[str]:
     defaults = ModelConfig()
     flags = []
     for option in MODEL_DEFINING:
-        if option in MEGALITE_ONLY or option == "vocab_size":
+        if option in MEGALITE_ONLY or option in GEMMA_ONLY or option == "vocab_size":
             continue
         if {NEGATED.get(option, option), *_megatron_names(option)} & TAKEN_BY_USE_CHECKPOINT_ARGS:
             continue

@@ -83,10 +83,11 @@ class LayerCache:
         given one, each head's ``sink`` logit [heads] in its softmax, the scores scaled by ``scale`` (default
         1/sqrt(d)); heads merged: [batch, new, heads x d]."""
         keys, values = self.cache.store(self.index, k, v)
-        return self.attend_stored(q, keys, values, window, sink)
+        return self.attend_stored(q, keys, values, window, sink, scale)
 
     def attend_stored(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                      window: Optional[int] = None, sink: Optional[torch.Tensor] = None) -> torch.Tensor:
+                      window: Optional[int] = None, sink: Optional[torch.Tensor] = None,
+                      scale: Optional[float] = None) -> torch.Tensor:
         """:meth:`attend` over keys and values of every cached position, the new ones included (multi-latent
         attention's, up-projected from the stored latent)."""
         new, total = q.shape[-2], keys.shape[-2]

@@ -155,26 +155,15 @@ def to_hf(tensors: dict[str, torch.Tensor], model: ModelConfig) -> dict[str, tor
 def from_hf(tensors: dict[str, torch.Tensor], model: ModelConfig, interleaved: bool = True) -> dict[str, torch.Tensor]:
     """An HF state dict (per-expert or fused) -> canonical megalite tensors, for :func:`model_config_from`'s model;
     ``interleaved``: the config's rope_interleave."""
-    named = {}
-    for name, tensor in tensors.items():
-        if not name.startswith(("model.", "lm_head.")):
-            name = "model." + name
+    named = hf_llama.hf_state_dict(tensors, model)
+    for name in named:
         layer = re.match(r"model\.layers\.(\d+)\.", name)
         if layer is not None and int(layer[1]) >= model.num_layers:
             raise CheckpointError(f"{name}: a layer past num_hidden_layers {model.num_layers}, a multi-token "
                                   f"prediction module (num_nextn_predict_layers), which megalite does not import yet")
-        if not hf_llama._HF_BUFFERS.fullmatch(name):
-            named[name] = tensor
     named = hf_moe._unfused(named, hf_moe.QWEN2_MOE)   # transformers 5's fused experts: the per-expert names
-    if not model.untie_embeddings_and_output_weights:
-        named.pop("lm_head.weight", None)
     expected = name_map(model)
-    missing = [h for _, hf_names in expected for h in hf_names if h not in named]
-    if missing:
-        raise CheckpointError(f"input has no {missing[0]}")
-    unexpected = sorted(set(named) - {h for _, hf_names in expected for h in hf_names})
-    if unexpected:
-        raise CheckpointError(f"unexpected tensor {unexpected[0]} for {ARCHITECTURE}")
+    hf_llama.check_names(named, expected, ARCHITECTURE)
     if interleaved:
         named = _reorder_rope(named, model, to_megalite=True)
     return {m: torch.cat([named[h] for h in hf_names]).contiguous() for m, hf_names in expected}
@@ -256,9 +245,4 @@ def hf_config_from(model: ModelConfig, eod: int | None = None, dtype: torch.dtyp
 def write_hf_config(model: ModelConfig, directory: str | os.PathLike, eod: int | None = None,
                     dtype: torch.dtype = torch.float32) -> None:
     """Write ``directory/config.json`` with transformers' DeepseekV3Config."""
-    try:
-        import transformers
-    except ImportError:
-        raise CheckpointError(f"exporting as {ARCHITECTURE} needs the transformers package: pip install transformers") \
-            from None
-    transformers.DeepseekV3Config(**hf_config_from(model, eod, dtype)).save_pretrained(directory)
+    hf_llama.save_config("DeepseekV3Config", ARCHITECTURE, hf_config_from(model, eod, dtype), directory)

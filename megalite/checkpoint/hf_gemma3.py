@@ -150,22 +150,9 @@ def to_hf(tensors: dict[str, torch.Tensor], model: ModelConfig) -> dict[str, tor
 
 def from_hf(tensors: dict[str, torch.Tensor], model: ModelConfig) -> dict[str, torch.Tensor]:
     """HF state dict (with or without the ``model.`` prefix) -> canonical megalite tensors."""
-    named = {}
-    for name, tensor in tensors.items():
-        if not name.startswith(("model.", "lm_head.")):
-            name = "model." + name   # a Gemma3TextModel's state dict
-        if not hf_llama._HF_BUFFERS.fullmatch(name):
-            named[name] = tensor
-    if not model.untie_embeddings_and_output_weights:
-        named.pop("lm_head.weight", None)   # tied: the same tensor as embed_tokens, when it is stored at all
+    named = hf_llama.hf_state_dict(tensors, model)
     expected = name_map(model)
-    wanted = {h for _, hf_names in expected for h in hf_names}
-    missing = [h for _, hf_names in expected for h in hf_names if h not in named]
-    if missing:
-        raise CheckpointError(f"input has no {missing[0]}")
-    unexpected = sorted(set(named) - wanted)
-    if unexpected:
-        raise CheckpointError(f"unexpected tensor {unexpected[0]} for {ARCHITECTURE}")
+    hf_llama.check_names(named, expected, ARCHITECTURE)
     _check_shapes(named, model, "input")
     return {m: torch.cat([named[h] for h in hf_names]).contiguous() for m, hf_names in expected}
 
@@ -287,9 +274,4 @@ def hf_config_from(model: ModelConfig, eod: int | None = None, dtype: torch.dtyp
 def write_hf_config(model: ModelConfig, directory: str | os.PathLike, eod: int | None = None,
                     dtype: torch.dtype = torch.float32) -> None:
     """Write ``directory/config.json`` with transformers' Gemma3TextConfig (the only use of transformers here)."""
-    try:
-        import transformers
-    except ImportError:
-        raise CheckpointError(f"exporting as {ARCHITECTURE} needs the transformers package: pip install "
-                              f"transformers") from None
-    transformers.Gemma3TextConfig(**hf_config_from(model, eod, dtype)).save_pretrained(directory)
+    hf_llama.save_config("Gemma3TextConfig", ARCHITECTURE, hf_config_from(model, eod, dtype), directory)

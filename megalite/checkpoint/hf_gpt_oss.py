@@ -118,14 +118,7 @@ def _interleaved(stacked: torch.Tensor) -> torch.Tensor:
 
 def from_hf(tensors: dict[str, torch.Tensor], model: ModelConfig) -> dict[str, torch.Tensor]:
     """GptOssForCausalLM's state dict (with or without the ``model.`` prefix) -> canonical megalite tensors."""
-    named = {}
-    for name, tensor in tensors.items():
-        if not name.startswith(("model.", "lm_head.")):
-            name = "model." + name
-        if not hf_llama._HF_BUFFERS.fullmatch(name):
-            named[name] = tensor
-    if not model.untie_embeddings_and_output_weights:
-        named.pop("lm_head.weight", None)
+    named = hf_llama.hf_state_dict(tensors, model)
 
     def take(name: str, shape: tuple[int, ...]) -> torch.Tensor:
         if name not in named:
@@ -245,9 +238,4 @@ def hf_config_from(model: ModelConfig, eod: int | None = None, dtype: torch.dtyp
 def write_hf_config(model: ModelConfig, directory: str | os.PathLike, eod: int | None = None,
                     dtype: torch.dtype = torch.float32) -> None:
     """Write ``directory/config.json`` with transformers' GptOssConfig."""
-    try:
-        import transformers
-    except ImportError:
-        raise CheckpointError(f"exporting as {ARCHITECTURE} needs the transformers package: pip install "
-                              f"transformers") from None
-    transformers.GptOssConfig(**hf_config_from(model, eod, dtype)).save_pretrained(directory)
+    hf_llama.save_config("GptOssConfig", ARCHITECTURE, hf_config_from(model, eod, dtype), directory)

@@ -221,26 +221,51 @@ def to_hf(tensors: dict[str, torch.Tensor], model: ModelConfig,
     return result
 
 
-def from_hf(tensors: dict[str, torch.Tensor], model: ModelConfig,
-            architecture: Architecture = LLAMA) -> dict[str, torch.Tensor]:
-    """HF state dict (with or without the ``model.`` prefix) -> canonical megalite tensors, for the model
-    :func:`model_config_from` made of its config."""
+def hf_state_dict(tensors: dict[str, torch.Tensor], model: ModelConfig) -> dict[str, torch.Tensor]:
+    """An HF decoder's state dict by full name (a bare model's names get ``model.``), without the rotary buffers, and
+    without a tied ``lm_head.weight`` (the same tensor as embed_tokens, when it is stored at all); every family but
+    GPT-2 names its tensors so."""
     named = {}
     for name, tensor in tensors.items():
         if not name.startswith(("model.", "lm_head.")):
-            name = "model." + name   # a LlamaModel's state dict
+            name = "model." + name
         if not _HF_BUFFERS.fullmatch(name):
             named[name] = tensor
     if not model.untie_embeddings_and_output_weights:
-        named.pop("lm_head.weight", None)   # tied: the same tensor as embed_tokens, when it is stored at all
-    expected = name_map(model)
+        named.pop("lm_head.weight", None)
+    return named
+
+
+def check_names(named: dict[str, torch.Tensor], expected: list[tuple[str, list[str]]], architecture: str) -> None:
+    """One line for the first HF tensor a name map wants and the state dict lacks, or the first it has unwanted."""
     missing = [h for _, hf_names in expected for h in hf_names if h not in named]
     if missing:
         raise CheckpointError(f"input has no {missing[0]}" + (
             " (the config says tie_word_embeddings=false)" if missing[0] == "lm_head.weight" else ""))
     unexpected = sorted(set(named) - {h for _, hf_names in expected for h in hf_names})
     if unexpected:
-        raise CheckpointError(f"unexpected tensor {unexpected[0]} for {architecture.name}")
+        raise CheckpointError(f"unexpected tensor {unexpected[0]} for {architecture}")
+
+
+def save_config(config_class: str, architecture: str, config: dict[str, Any],
+                directory: str | os.PathLike) -> None:
+    """Write ``directory/config.json`` with transformers' ``config_class`` (the only use of transformers in the
+    converters)."""
+    try:
+        import transformers
+    except ImportError:
+        raise CheckpointError(f"exporting as {architecture} needs the transformers package: pip install "
+                              f"transformers") from None
+    getattr(transformers, config_class)(**config).save_pretrained(directory)
+
+
+def from_hf(tensors: dict[str, torch.Tensor], model: ModelConfig,
+            architecture: Architecture = LLAMA) -> dict[str, torch.Tensor]:
+    """HF state dict (with or without the ``model.`` prefix) -> canonical megalite tensors, for the model
+    :func:`model_config_from` made of its config."""
+    named = hf_state_dict(tensors, model)
+    expected = name_map(model)
+    check_names(named, expected, architecture.name)
     _check_shapes(named, model, "input")
     return {m: torch.cat([named[h] for h in hf_names]).contiguous() for m, hf_names in expected}
 
@@ -438,11 +463,6 @@ def _rope_scaling(model: ModelConfig) -> dict[str, Any]:
 
 def write_hf_config(model: ModelConfig, directory: str | os.PathLike, eod: int | None = None,
                     dtype: torch.dtype = torch.float32, architecture: Architecture = LLAMA) -> None:
-    """Write ``directory/config.json`` with transformers' config class (the only use of transformers here)."""
-    try:
-        import transformers
-    except ImportError:
-        raise CheckpointError(f"exporting as {architecture.name} needs the transformers package: "
-                              f"pip install transformers") from None
-    config_class = getattr(transformers, architecture.config_class)
-    config_class(**hf_config_from(model, eod, dtype, architecture)).save_pretrained(directory)
+    """Write ``directory/config.json`` with transformers' config class."""
+    save_config(architecture.config_class, architecture.name, hf_config_from(model, eod, dtype, architecture),
+                directory)

@@ -178,22 +178,9 @@ def from_hf(tensors: dict[str, torch.Tensor], model: ModelConfig) -> dict[str, t
     """An HF state dict (per-expert or fused, with or without the ``model.`` prefix) -> canonical megalite tensors,
     for the model :func:`model_config_from` made of its config."""
     arch = architecture(model)
-    named = {}
-    for name, tensor in tensors.items():
-        if not name.startswith(("model.", "lm_head.")):
-            name = "model." + name
-        if not hf_llama._HF_BUFFERS.fullmatch(name):
-            named[name] = tensor
-    named = _unfused(named, arch)
-    if not model.untie_embeddings_and_output_weights:
-        named.pop("lm_head.weight", None)
+    named = _unfused(hf_llama.hf_state_dict(tensors, model), arch)
     expected = name_map(model)
-    missing = [h for _, hf_names in expected for h in hf_names if h not in named]
-    if missing:
-        raise CheckpointError(f"input has no {missing[0]}")
-    unexpected = sorted(set(named) - {h for _, hf_names in expected for h in hf_names})
-    if unexpected:
-        raise CheckpointError(f"unexpected tensor {unexpected[0]} for {arch}")
+    hf_llama.check_names(named, expected, arch)
     result = {}
     for megalite_name, hf_names in expected:
         for h in hf_names:
@@ -279,10 +266,4 @@ def write_hf_config(model: ModelConfig, directory: str | os.PathLike, eod: int |
                     dtype: torch.dtype = torch.float32) -> None:
     """Write ``directory/config.json`` with the transformers config class of the model's architecture."""
     arch = architecture(model)
-    try:
-        import transformers
-    except ImportError:
-        raise CheckpointError(f"exporting as {arch} needs the transformers package: pip install transformers") \
-            from None
-    config_class = getattr(transformers, arch.replace("ForCausalLM", "Config"))
-    config_class(**hf_config_from(model, eod, dtype)).save_pretrained(directory)
+    hf_llama.save_config(arch.replace("ForCausalLM", "Config"), arch, hf_config_from(model, eod, dtype), directory)

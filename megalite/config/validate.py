@@ -491,9 +491,6 @@ def _check_context_parallel(cfg: MegaliteConfig) -> None:
                  f"product is {FLAG.context_parallel_size} {cp}")
     if cp == 1:
         return
-    _require(m.window_size is None,
-             f"{FLAG.window_size} is not supported with {FLAG.context_parallel_size} {cp} (the context-parallel "
-             f"attention applies no window)")
     _require(m.softmax_type == "vanilla",
              f"{FLAG.softmax_type} {m.softmax_type} is not supported with {FLAG.context_parallel_size} {cp} (the "
              f"context-parallel attention has no sink)")

@@ -171,7 +171,7 @@ class SelfAttention(nn.Module):
         """The attention core over the sample (the recomputed part), with the heads' ``sink`` logits if any: heads
         merged back, [batch, seq, heads x d]."""
         if shard is not None and shard.cp > 1:
-            context = context_parallel_attention(q, k, v, shard, self._core, self.scale)
+            context = context_parallel_attention(q, k, v, shard, self._core, self.scale, self.window)
         else:
             mask = None if shard is None else shard.whole_sequence_mask()
             seq = q.shape[-2]

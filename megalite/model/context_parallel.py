@@ -90,6 +90,7 @@ class SequenceShard:
     cp: int = 1
     cp_rank: int = 0
     a2a_size: int = 1   # a2a+p2p: the all-to-all level's ranks
+    window: Optional[int] = None   # inside the ring only: the layer's sliding window (see _RingAttention)
 
     @property
     def load_balanced(self) -> bool:
@@ -111,25 +112,31 @@ class SequenceShard:
         """This rank's tokens of ``x`` [batch, length, ...] (the whole of it without context parallelism)."""
         return x if self.cp == 1 else x[:, self.indices]
 
-    def allowed(self, query: torch.Tensor, key: torch.Tensor, causal: bool = True) -> Optional[torch.Tensor]:
+    def allowed(self, query: torch.Tensor, key: torch.Tensor, causal: bool = True,
+                window: Optional[int] = None) -> Optional[torch.Tensor]:
         """Which keys (sample indices ``key``) each query (sample indices ``query``) may attend to: a boolean
         [batch or 1, 1, queries, keys] mask, None when all of them. ``causal=False`` when every key is known to
-        precede every query (then only documents mask)."""
+        precede every query (then only documents and the ``window`` mask: a query sees itself and the ``window``
+        tokens before it)."""
         allowed = None
         if self.documents is not None:
             allowed = (self.documents[:, query].unsqueeze(-1) == self.documents[:, key].unsqueeze(-2)).unsqueeze(1)
-        if causal:
-            order = (key.unsqueeze(0) <= query.unsqueeze(-1))[None, None]
-            allowed = order if allowed is None else allowed & order
+        if causal or window is not None:
+            distance = query.unsqueeze(-1) - key.unsqueeze(0)
+            order = ((distance >= 0) if causal else torch.ones_like(distance, dtype=torch.bool))
+            if window is not None:
+                order = order & (distance <= window)
+            allowed = order[None, None] if allowed is None else allowed & order[None, None]
         return allowed
 
-    def whole_sequence_mask(self) -> Optional[torch.Tensor]:
+    def whole_sequence_mask(self, window: Optional[int] = None) -> Optional[torch.Tensor]:
         """The mask of attention over the whole sample (without context parallelism, or inside a2a); None for plain
         causal attention (SDPA's ``is_causal``, the fast path)."""
-        if self.documents is None:
+        if self.documents is None and (window is None or window + 1 >= self.length):
             return None
-        everything = torch.arange(self.length, device=self.documents.device)
-        return self.allowed(everything, everything)
+        device = self.indices.device if self.documents is None else self.documents.device
+        everything = torch.arange(self.length, device=device)
+        return self.allowed(everything, everything, window=window)
 
 
 def shard_sequence(length: int, device: torch.device, *, positions: Optional[torch.Tensor] = None,
@@ -145,24 +152,29 @@ def shard_sequence(length: int, device: torch.device, *, positions: Optional[tor
 
 
 def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shard: SequenceShard,
-                               core: Callable[..., torch.Tensor], scale: Optional[float] = None) -> torch.Tensor:
+                               core: Callable[..., torch.Tensor], scale: Optional[float] = None,
+                               window: Optional[int] = None) -> torch.Tensor:
     """Attention of this rank's queries over the whole sequence: [batch, heads, local, d]. ``core(q, k, v, mask)``
     is the layer's own attention core (SDPA with dropout, scaled as the layer says), which ``a2a`` and ``allgather``
-    run on their inputs; the ring (``p2p``) scales q k^T by ``scale`` (default 1/sqrt(d))."""
+    run on their inputs; the ring (``p2p``) scales q k^T by ``scale`` (default 1/sqrt(d)). ``window``: a sliding
+    window (each query sees itself and that many tokens before it; see :func:`_window_blocks` for what the ring
+    skips)."""
     group = parallel_state.get_context_parallel_group()
+    if window is not None and window + 1 >= shard.length:
+        window = None   # the window covers the sample: plain causal attention
     if shard.comm_type == "p2p":
-        return _RingAttention.apply(q, k, v, shard, group, scale)
+        return _RingAttention.apply(q, k, v, shard, group, scale, window)
     if shard.comm_type == "allgather":
         k, v = all_gather_over(torch.cat([k, v], dim=1), _SEQUENCE, group).chunk(2, dim=1)
-        if shard.documents is not None:   # packed documents: which keys each query sees is spelled out in a mask
+        if shard.documents is not None or window is not None:   # which keys each query sees, spelled out in a mask
             keys = torch.cat([shard.indices_of(r) for r in range(shard.cp)])
-            return core(q, k, v, shard.allowed(shard.indices, keys))
+            return core(q, k, v, shard.allowed(shard.indices, keys, window=window))
         return _causal_over_gathered(q, k, v, shard, core)
     if shard.comm_type == "a2a":
         q, k, v = _heads_over(q, k, v, group)
-        return heads_to_sequence(core(q, k, v, shard.whole_sequence_mask()), group)
+        return heads_to_sequence(core(q, k, v, shard.whole_sequence_mask(window)), group)
     if shard.comm_type == "a2a+p2p":
-        return _hierarchical_attention(q, k, v, shard, scale)
+        return _hierarchical_attention(q, k, v, shard, scale, window)
     raise ValueError(f"unknown context-parallel comm type {shard.comm_type!r}; expected one of {COMM_TYPES}")
 
 
@@ -210,13 +222,13 @@ def _heads_over(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 def _hierarchical_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shard: SequenceShard,
-                            scale: Optional[float] = None) -> torch.Tensor:
+                            scale: Optional[float] = None, window: Optional[int] = None) -> torch.Tensor:
     """a2a+p2p (see the module docstring): heads exchanged inside the a2a group, the ring across the groups."""
     inner, outer = parallel_state.get_hierarchical_context_parallel_groups(shard.a2a_size)
     q, k, v = (_ascending(t, inner.size) for t in _heads_over(q, k, v, inner))
     ring = dataclasses.replace(shard, indices=device_indices(shard.length, outer.size, outer.rank, True, q.device),
                                comm_type="p2p", cp=outer.size, cp_rank=outer.rank, a2a_size=1)
-    out = _RingAttention.apply(q, k, v, ring, outer, scale)
+    out = _RingAttention.apply(q, k, v, ring, outer, scale, window)
     return heads_to_sequence(_ascending(out, inner.size, inverse=True), inner)
 
 
@@ -319,16 +331,25 @@ def _ring_block(step: int, source: int, rank: int, local: int) -> _Block:
     return _Block(slice(half, local), slice(0, local), False)
 
 
+def _sample_index(shard: SequenceShard, cp_rank: int, position: int) -> int:
+    """The sample index of local token ``position`` of ring rank ``cp_rank`` (load-balanced chunks), on the host."""
+    chunk = shard.length // (2 * shard.cp)
+    return cp_rank * chunk + position if position < chunk else (2 * shard.cp - 1 - cp_rank) * chunk + position - chunk
+
+
 def _visiting_blocks(kv: torch.Tensor, shard: SequenceShard, group: GroupInfo, local: int):
-    """The ring's steps, for the caller to compute: (the step's block, its keys' sample indices, K, V). The next
-    rank's block is in flight while the caller computes on this one; the exchange is waited for when it asks for
-    the next."""
+    """The ring's steps, for the caller to compute: (the step's block, its keys' sample indices, K, V, whether the
+    layer's window leaves the block without a single allowed pair: its earliest query more than the window after its
+    last key, so the caller skips its compute). The next rank's block is in flight while the caller computes on this
+    one; the exchange is waited for when it asks for the next."""
     n, rank = group.size, group.rank
     for step in range(n):
         source = (rank - step) % n
         exchange = _start_ring_exchange(kv, group, _KV_TAG) if step + 1 < n else None
         block = _ring_block(step, source, rank, local)
-        yield (block, shard.indices_of(source)[block.columns], *kv[:, :, :, block.columns].unbind(0))
+        outside = shard.window is not None and (_sample_index(shard, rank, block.rows.start)
+                                                - _sample_index(shard, source, block.columns.stop - 1)) > shard.window
+        yield (block, shard.indices_of(source)[block.columns], *kv[:, :, :, block.columns].unbind(0), outside)
         if exchange is not None:
             kv = _finish(exchange)
 
@@ -354,9 +375,9 @@ _FUSED_CPU = _fused_cpu_kernels()
 
 
 def _fused(q: torch.Tensor, shard: SequenceShard) -> bool:
-    """Whether a block runs as torch's fused CPU kernel: on the CPU, without documents (the kernel's masks would have
-    to spell out fully masked rows, which the blockwise softmax then cannot tell from empty ones)."""
-    return _FUSED_CPU is not None and q.device.type == "cpu" and shard.documents is None
+    """Whether a block runs as torch's fused CPU kernel: on the CPU, without documents or a window (the kernel's masks
+    would have to spell out fully masked rows, which the blockwise softmax then cannot tell from empty ones)."""
+    return _FUSED_CPU is not None and q.device.type == "cpu" and shard.documents is None and shard.window is None
 
 
 def _expanded(k: torch.Tensor, heads: int) -> torch.Tensor:
@@ -407,7 +428,7 @@ def _scores(q: torch.Tensor, k: torch.Tensor, shard: SequenceShard, query: torch
             causal: bool, stats: torch.dtype) -> torch.Tensor:
     """Masked q k^T of one block in the statistics' dtype: [batch, kv heads, group, queries, keys] (q scaled)."""
     scores = (q @ k.unsqueeze(2).transpose(-1, -2)).to(stats)
-    allowed = shard.allowed(query, key, causal)
+    allowed = shard.allowed(query, key, causal, shard.window)
     if allowed is not None:
         scores = scores.masked_fill(~allowed.unsqueeze(2), float("-inf"))
     return scores
@@ -421,7 +442,10 @@ class _RingAttention(torch.autograd.Function):
     travel in the input dtype, the dK/dV accumulators in fp32."""
 
     @staticmethod
-    def forward(ctx, q, k, v, shard: SequenceShard, group: GroupInfo, scale: Optional[float] = None):
+    def forward(ctx, q, k, v, shard: SequenceShard, group: GroupInfo, scale: Optional[float] = None,
+                window: Optional[int] = None):
+        if window is not None:   # a sliding window: blocks wholly outside it are skipped (the K/V still travel)
+            shard = dataclasses.replace(shard, window=window)
         batch, heads, local, dim = q.shape
         scale = 1.0 / math.sqrt(dim) if scale is None else scale
         stats = torch.promote_types(q.dtype, torch.float32)
@@ -429,7 +453,9 @@ class _RingAttention(torch.autograd.Function):
         # ([b, L, h x d], the output projection's input) is then a view of it, not a second copy to keep.
         out = torch.zeros(batch, local, heads, dim, dtype=stats, device=q.device).transpose(1, 2)
         lse = torch.full((batch, heads, local), float("-inf"), dtype=stats, device=q.device)   # per query
-        for block, keys, k_block, v_block in _visiting_blocks(torch.stack([k, v]), shard, group, local):
+        for block, keys, k_block, v_block, outside in _visiting_blocks(torch.stack([k, v]), shard, group, local):
+            if outside:
+                continue
             rows = block.rows
             block_out, block_lse = _block_forward(q[:, :, rows], k_block, v_block, shard, shard.indices[rows], keys,
                                                   block.causal, scale, stats)
@@ -454,18 +480,20 @@ class _RingAttention(torch.autograd.Function):
         grad_q = torch.zeros(q.shape, dtype=stats, device=q.device)
         kv = torch.stack([k, v])
         grad_exchange = None
-        for block, keys, k_block, v_block in _visiting_blocks(kv, shard, group, local):
+        for block, keys, k_block, v_block, outside in _visiting_blocks(kv, shard, group, local):
             rows = block.rows
-            grad_q_block, grad_k_block, grad_v_block = _block_backward(
-                grad_out[:, :, rows], q[:, :, rows], k_block, v_block, out[:, :, rows], lse[..., rows],
-                delta[..., rows], shard, shard.indices[rows], keys, block.causal, scale, stats)
-            grad_q[:, :, rows] += grad_q_block
+            if not outside:
+                grad_q_block, grad_k_block, grad_v_block = _block_backward(
+                    grad_out[:, :, rows], q[:, :, rows], k_block, v_block, out[:, :, rows], lse[..., rows],
+                    delta[..., rows], shard, shard.indices[rows], keys, block.causal, scale, stats)
+                grad_q[:, :, rows] += grad_q_block
             # The accumulator of the visiting block arrives from the previous rank (which added its share); add ours
             # and pass it on. After CP sends it is back with its owner, complete.
             grad_kv = (torch.zeros(kv.shape, dtype=stats, device=kv.device) if grad_exchange is None
                        else _finish(grad_exchange))
-            grad_kv[0][:, :, block.columns] += grad_k_block
-            grad_kv[1][:, :, block.columns] += grad_v_block
+            if not outside:
+                grad_kv[0][:, :, block.columns] += grad_k_block
+                grad_kv[1][:, :, block.columns] += grad_v_block
             grad_exchange = _start_ring_exchange(grad_kv, group, _GRAD_TAG)
         grad_k, grad_v = _finish(grad_exchange).unbind(0)
-        return grad_q.to(q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype), None, None, None
+        return grad_q.to(q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype), None, None, None, None

@@ -202,9 +202,6 @@ def test_tiny_config_is_valid_on_several_world_sizes():
      "--window-attn-skip-freq '[1,0,1]' has 3 entries for --num-layers 2"),
     (tiny_config(model={"window_size": "8,0", "window_attn_skip_freq": "[1,2]"}), 1,
      "--window-attn-skip-freq '[1,2]' must be an integer or a list of 0/1 (1: windowed)"),
-    (tiny_config(model={"window_size": "8,0"}, parallel={"context_parallel_size": 2}), 2,
-     "--window-size is not supported with --context-parallel-size 2 (the context-parallel attention applies no "
-     "window)"),
     (tiny_config(model={"softmax_type": "sink"}), 1,
      "--softmax-type must be vanilla, off-by-one or learnable, got 'sink'"),
     (tiny_config(model={"softmax_type": "learnable"}, parallel={"context_parallel_size": 2}), 2,

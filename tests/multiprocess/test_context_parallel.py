@@ -33,6 +33,9 @@ from .equivalence import CPU, check_against_reference, reference
 from .groups import layout, requires_world
 from .test_model_options import MLA
 
+# Every second layer global (Megatron's skip frequency); at CP=4 a chunk holds 8 of the 64 tokens, so the ring skips
+# the blocks the window leaves out.
+WINDOW = {"window_size": "7,0", "window_attn_skip_freq": "2"}
 LLAMA = {"position_embedding_type": "rope", "normalization": "RMSNorm", "swiglu": True, "disable_bias_linear": True,
          "group_query_attention": True, "num_query_groups": 2}
 # Gemma 3's options but its windows (which context parallelism refuses): the ring scales the scores by 0.3
@@ -71,11 +74,13 @@ def test_attention_over_the_whole_sequence(cp, comm_type):
     with layout(ranks=list(range(cp)), cp=cp) as member:
         if not member:
             return
-        for docs in (None, documents):
+        # A window of 5 (each query and the 5 tokens before it): at CP=4 a chunk is 4 tokens, so the ring skips
+        # the blocks beyond it.
+        for docs, window in ((None, None), (documents, None), (None, 5), (documents, 5)):
             shard = shard_sequence(length, q.device, documents=docs, comm_type=comm_type,
                                    a2a_size=2 if comm_type == "a2a+p2p" else 1)
             full = [t.clone().requires_grad_() for t in (q, k, v)]
-            expected = _sdpa(*full, None if docs is None else shard.whole_sequence_mask())
+            expected = _sdpa(*full, shard.whole_sequence_mask(window))
             grad = torch.randn_like(expected)
             expected.backward(grad)
 
@@ -89,8 +94,8 @@ def test_attention_over_the_whole_sequence(cp, comm_type):
                 return _sdpa(q, k, v, mask)
 
             mine = [local(t).detach().clone().requires_grad_() for t in (q, k, v)]
-            actual = context_parallel_attention(*mine, shard, core)
-            if docs is None:   # plain causal attention needs no mask tensor (flash attention on a GPU)
+            actual = context_parallel_attention(*mine, shard, core, window=window)
+            if docs is None and window is None:   # plain causal attention needs no mask tensor (flash attention)
                 assert all(m is None or isinstance(m, CausalBias) for m in masks), comm_type
             actual.backward(local(grad))
             torch.testing.assert_close(actual, local(expected), rtol=0, atol=1e-12)
@@ -101,9 +106,9 @@ def test_attention_over_the_whole_sequence(cp, comm_type):
 @requires_world(4)
 @pytest.mark.parametrize("label, cp, comm_type, tp, model, parallel, optimizer", [
     ("p2p CP=2 x DP=2", 2, "p2p", 1, {}, {}, {}),
-    ("p2p CP=4", 4, "p2p", 1, {}, {}, {}),
+    ("p2p CP=4, sliding window (rotary)", 4, "p2p", 1, {**WINDOW, "position_embedding_type": "rope"}, {}, {}),
     ("a2a CP=2 x DP=2, multi-latent attention", 2, "a2a", 1, MLA, {}, {}),
-    ("a2a CP=4", 4, "a2a", 1, {}, {}, {}),
+    ("a2a CP=4, sliding window", 4, "a2a", 1, WINDOW, {}, {}),
     ("allgather CP=2 x DP=2, multi-latent attention", 2, "allgather", 1, MLA, {}, {}),
     ("allgather CP=4", 4, "allgather", 1, {}, {}, {}),
     ("a2a+p2p CP=4 (2 x 2), Llama-style (rotary, GQA)", 4, "a2a+p2p", 1, LLAMA,

@@ -225,7 +225,9 @@ def import_hf(source: str | os.PathLike, save: str | os.PathLike, progress: bool
     if family is hf_llama:
         canonical = hf_llama.from_hf(read_hf_tensors(directory), model, hf_llama.BY_MODEL_TYPE[model_type])
     elif family is hf_deepseek:
-        canonical = hf_deepseek.from_hf(read_hf_tensors(directory), model, hf.get("rope_interleave", True) is not False)
+        tensors = read_hf_tensors(directory)
+        model = hf_deepseek.stored_model(model, tensors)
+        canonical = hf_deepseek.from_hf(tensors, model, hf.get("rope_interleave", True) is not False)
     elif family is not None:
         canonical = family.from_hf(read_hf_tensors(directory), model)
     else:

@@ -17,14 +17,22 @@ and config.
   layers of ``--moe-layer-freq``, the ``n_shared_experts`` shared experts one shared expert of that many times
   ``moe_intermediate_size``. Experts are written one tensor per expert, as the hub holds them (import reads
   transformers 5's fused layout too).
-- Multi-token prediction: transformers' DeepseekV3 has no MTP module, and megalite does not convert one yet:
-  checkpoint tensors of layers past ``num_hidden_layers`` (the hub's ``model.layers.61.*``) are refused by name.
+- Multi-token prediction (``--mtp-num-layers``, megalite.model.multi_token_prediction): DeepSeek's checkpoints store
+  module k of ``num_nextn_predict_layers`` as the layer past the model's ``num_hidden_layers`` + k (the hub's
+  ``model.layers.61.*``): ``enorm``, ``hnorm``, ``eh_proj`` (the same [embedding; hidden] columns) and
+  ``shared_head.norm`` (its ``final_norm``) beside a decoder layer's tensors (its ``transformer_layer``, dense or MoE as
+  the model's last layer), and copies of the embedding (``embed_tokens``) and of the output layer
+  (``shared_head.head``), written on export and, where stored, checked equal to the model's on import.
+  transformers' DeepseekV3 has no such module: it saves none of these tensors yet keeps ``num_nextn_predict_layers``
+  (1 by default), so a directory storing no layer past ``num_hidden_layers`` imports without MTP; one storing another
+  number of them is refused.
 - The latent norms: transformers builds them with eps 1e-6 whatever ``rms_norm_eps`` says, megalite with the
   layers' epsilon: another ``rms_norm_eps`` is refused.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 from typing import Any
@@ -45,7 +53,7 @@ _MAPPED_FIELDS = (hf_llama._MAPPED_FIELDS - {"group_query_attention", "num_query
     "multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim",
     "num_experts", "moe_ffn_hidden_size", "moe_router_topk", "moe_layer_freq", "moe_shared_expert_intermediate_size",
     "moe_router_score_function", "moe_router_topk_scaling_factor", "moe_router_num_groups", "moe_router_group_topk",
-    "moe_router_enable_expert_bias"}
+    "moe_router_enable_expert_bias", "mtp_num_layers"}
 
 
 def check_exportable(model: ModelConfig) -> None:
@@ -78,35 +86,71 @@ def check_exportable(model: ModelConfig) -> None:
 
 # ---- names ----------------------------------------------------------------------------------------------------------
 
-def name_map(model: ModelConfig) -> list[tuple[str, list[str]]]:
-    """(canonical megalite name, the HF names it stacks along dim 0) for every tensor, experts one per file."""
+def _layer_names(model: ModelConfig, moe: bool) -> list[tuple[str, list[str]]]:
+    """A decoder layer's (megalite name, the HF names it stacks) under the layer's prefix."""
     attention = ([("linear_q_proj.weight", ["q_proj.weight"])] if model.q_lora_rank is None else
                  [("linear_q_down_proj.weight", ["q_a_proj.weight"]), ("q_layernorm.weight", ["q_a_layernorm.weight"]),
                   ("linear_q_up_proj.weight", ["q_b_proj.weight"])])
     attention += [("linear_kv_down_proj.weight", ["kv_a_proj_with_mqa.weight"]),
                   ("kv_layernorm.weight", ["kv_a_layernorm.weight"]),
                   ("linear_kv_up_proj.weight", ["kv_b_proj.weight"]), ("linear_proj.weight", ["o_proj.weight"])]
+    layer = [("input_norm.weight", ["input_layernorm.weight"]),
+             ("pre_mlp_norm.weight", ["post_attention_layernorm.weight"])]
+    layer += [(f"self_attention.{m}", [f"self_attn.{h}" for h in hf]) for m, hf in attention]
+    if not moe:
+        return layer + [(m, hf) for m, hf in hf_llama._LAYER_NAMES if m.startswith("mlp.")]
+    layer += [("mlp.router.weight", ["mlp.gate.weight"]),
+              ("mlp.router.expert_bias", ["mlp.gate.e_score_correction_bias"])]
+    for j in range(model.num_experts):
+        layer += [(f"mlp.experts.{j}.linear_fc1.weight", [f"mlp.experts.{j}.gate_proj.weight",
+                                                          f"mlp.experts.{j}.up_proj.weight"]),
+                  (f"mlp.experts.{j}.linear_fc2.weight", [f"mlp.experts.{j}.down_proj.weight"])]
+    return layer + [("mlp.shared_experts.linear_fc1.weight", ["mlp.shared_experts.gate_proj.weight",
+                                                              "mlp.shared_experts.up_proj.weight"]),
+                    ("mlp.shared_experts.linear_fc2.weight", ["mlp.shared_experts.down_proj.weight"])]
+
+
+_MTP_NAMES = [("enorm.weight", ["enorm.weight"]), ("hnorm.weight", ["hnorm.weight"]),
+              ("eh_proj.weight", ["eh_proj.weight"]), ("final_norm.weight", ["shared_head.norm.weight"])]
+
+
+def name_map(model: ModelConfig) -> list[tuple[str, list[str]]]:
+    """(canonical megalite name, the HF names it stacks along dim 0) for every tensor, experts one per file (the
+    copies in the multi-token prediction layers: :func:`_mtp_copies`)."""
     names = list(hf_llama._TOP_NAMES)
-    for i, moe in enumerate(model.moe_layers()):
-        layer = [("input_norm.weight", ["input_layernorm.weight"]),
-                 ("pre_mlp_norm.weight", ["post_attention_layernorm.weight"])]
-        layer += [(f"self_attention.{m}", [f"self_attn.{h}" for h in hf]) for m, hf in attention]
-        if not moe:
-            layer += [(m, hf) for m, hf in hf_llama._LAYER_NAMES if m.startswith("mlp.")]
-        else:
-            layer += [("mlp.router.weight", ["mlp.gate.weight"]),
-                      ("mlp.router.expert_bias", ["mlp.gate.e_score_correction_bias"])]
-            for j in range(model.num_experts):
-                layer += [(f"mlp.experts.{j}.linear_fc1.weight", [f"mlp.experts.{j}.gate_proj.weight",
-                                                                  f"mlp.experts.{j}.up_proj.weight"]),
-                          (f"mlp.experts.{j}.linear_fc2.weight", [f"mlp.experts.{j}.down_proj.weight"])]
-            layer += [("mlp.shared_experts.linear_fc1.weight", ["mlp.shared_experts.gate_proj.weight",
-                                                                "mlp.shared_experts.up_proj.weight"]),
-                      ("mlp.shared_experts.linear_fc2.weight", ["mlp.shared_experts.down_proj.weight"])]
-        names += [(f"layers.{i}.{m}", [f"model.layers.{i}.{h}" for h in hf]) for m, hf in layer]
+    layers = model.moe_layers()
+    for i, moe in enumerate(layers):
+        names += [(f"layers.{i}.{m}", [f"model.layers.{i}.{h}" for h in hf]) for m, hf in _layer_names(model, moe)]
+    for k in range(model.mtp_num_layers or 0):
+        module = _MTP_NAMES + [(f"transformer_layer.{m}", hf) for m, hf in _layer_names(model, layers[-1])]
+        names += [(f"mtp.layers.{k}.{m}", [f"model.layers.{model.num_layers + k}.{h}" for h in hf])
+                  for m, hf in module]
     if model.untie_embeddings_and_output_weights:
         names.append(("output_layer.weight", ["lm_head.weight"]))
     return names
+
+
+def _mtp_copies(model: ModelConfig) -> list[tuple[str, str]]:
+    """(the model's canonical tensor, the HF name of its copy in a multi-token prediction layer)."""
+    output = "output_layer.weight" if model.untie_embeddings_and_output_weights else "embedding.word.weight"
+    return [(canonical, f"model.layers.{model.num_layers + k}.{copy}") for k in range(model.mtp_num_layers or 0)
+            for canonical, copy in (("embedding.word.weight", "embed_tokens.weight"),
+                                    (output, "shared_head.head.weight"))]
+
+
+def stored_model(model: ModelConfig, tensors: dict[str, torch.Tensor]) -> ModelConfig:
+    """``model`` (:func:`model_config_from`'s) as the HF state dict stores it: without multi-token prediction when no
+    layer past num_hidden_layers is stored (transformers saves none yet keeps num_nextn_predict_layers); another
+    number of stored modules than the config's is refused."""
+    stored = sorted({int(m[1]) - model.num_layers for name in tensors
+                     if (m := re.match(r"(?:model\.)?layers\.(\d+)\.", name)) and int(m[1]) >= model.num_layers})
+    if not stored:
+        return dataclasses.replace(model, mtp_num_layers=None)
+    if stored != list(range(model.mtp_num_layers or 0)):
+        raise CheckpointError(f"the weights store layers {', '.join(str(model.num_layers + k) for k in stored)} past "
+                              f"num_hidden_layers {model.num_layers} (multi-token prediction modules), but "
+                              f"num_nextn_predict_layers is {model.mtp_num_layers or 0}")
+    return model
 
 
 def _rope_order(model: ModelConfig, hf_name: str, rows: int) -> torch.Tensor | None:
@@ -149,19 +193,21 @@ def to_hf(tensors: dict[str, torch.Tensor], model: ModelConfig) -> dict[str, tor
         if megalite_name not in tensors:
             raise CheckpointError(f"cannot export as {ARCHITECTURE}: the checkpoint has no {megalite_name}")
         result.update(zip(hf_names, tensors[megalite_name].chunk(len(hf_names)), strict=True))
+    # Separate storage: safetensors refuses to write tensors sharing memory.
+    result.update({copy: tensors[canonical].clone() for canonical, copy in _mtp_copies(model)})
     return {name: t.contiguous() for name, t in _reorder_rope(result, model, to_megalite=False).items()}
 
 
 def from_hf(tensors: dict[str, torch.Tensor], model: ModelConfig, interleaved: bool = True) -> dict[str, torch.Tensor]:
-    """An HF state dict (per-expert or fused) -> canonical megalite tensors, for :func:`model_config_from`'s model;
+    """An HF state dict (per-expert or fused) -> canonical megalite tensors, for :func:`stored_model`'s model;
     ``interleaved``: the config's rope_interleave."""
     named = hf_llama.hf_state_dict(tensors, model)
-    for name in named:
-        layer = re.match(r"model\.layers\.(\d+)\.", name)
-        if layer is not None and int(layer[1]) >= model.num_layers:
-            raise CheckpointError(f"{name}: a layer past num_hidden_layers {model.num_layers}, a multi-token "
-                                  f"prediction module (num_nextn_predict_layers), which megalite does not import yet")
     named = hf_moe._unfused(named, hf_moe.QWEN2_MOE)   # transformers 5's fused experts: the per-expert names
+    for canonical, copy in _mtp_copies(model):   # megalite's multi-token prediction shares them: copies where stored
+        source = "lm_head.weight" if canonical == "output_layer.weight" else "model.embed_tokens.weight"
+        if copy in named and source in named and not torch.equal(named.pop(copy), named[source]):
+            raise CheckpointError(f"{copy} differs from {source} (megalite's multi-token prediction uses the model's "
+                                  f"own)")
     expected = name_map(model)
     hf_llama.check_names(named, expected, ARCHITECTURE)
     if interleaved:
@@ -177,7 +223,7 @@ _HF_DEFAULTS = {**hf_llama._COMMON_DEFAULTS, "vocab_size": 129280, "hidden_size"
                 "q_lora_rank": 1536, "qk_rope_head_dim": 64, "v_head_dim": 128, "qk_nope_head_dim": 128,
                 "n_group": 8, "topk_group": 4, "num_experts_per_tok": 8, "first_k_dense_replace": 3,
                 "norm_topk_prob": True, "max_position_embeddings": 4096, "attention_bias": False,
-                "rope_interleave": True}
+                "rope_interleave": True, "num_nextn_predict_layers": 0}
 _NULLABLE = ("q_lora_rank",)   # None means something (no query down-projection): kept when given as null
 
 
@@ -220,7 +266,8 @@ def model_config_from(hf: dict[str, Any]) -> ModelConfig:
         moe_shared_expert_intermediate_size=hf["moe_intermediate_size"] * hf["n_shared_experts"],
         moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
         moe_router_topk_scaling_factor=float(hf["routed_scaling_factor"]),
-        moe_router_num_groups=groups, moe_router_group_topk=hf["topk_group"] if groups else None)
+        moe_router_num_groups=groups, moe_router_group_topk=hf["topk_group"] if groups else None,
+        mtp_num_layers=hf["num_nextn_predict_layers"] or None)
 
 
 def hf_config_from(model: ModelConfig, eod: int | None = None, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
@@ -238,7 +285,8 @@ def hf_config_from(model: ModelConfig, eod: int | None = None, dtype: torch.dtyp
         num_experts_per_tok=model.moe_router_topk, norm_topk_prob=True,
         routed_scaling_factor=model.moe_router_topk_scaling_factor or 1.0,
         n_group=model.moe_router_num_groups or 1, topk_group=model.moe_router_group_topk or 1,
-        first_k_dense_replace=layers.index(True) if True in layers else len(layers))
+        first_k_dense_replace=layers.index(True) if True in layers else len(layers),
+        num_nextn_predict_layers=model.mtp_num_layers or 0)
     return config
 
 

@@ -513,9 +513,10 @@ class ParallelConfig:
                               f"{self.hierarchical_context_parallel_sizes!r}")
         return int(words[0]), int(words[1])
 
-    def pipeline_split(self, num_layers: int, mtp_layers: int = 0) -> Optional[tuple[int, ...]]:
-        """Transformer layers per virtual stage (in virtual-stage order) from the uneven-pipeline options, or None for
-        the even split (megalite.config.pipeline_split)."""
+    def pipeline_split(self, model: ModelConfig) -> Optional[tuple[int, ...]]:
+        """``model``'s transformer layers per virtual stage (in virtual-stage order) from the uneven-pipeline options,
+        or None for the even split (megalite.config.pipeline_split)."""
+        num_layers, mtp_layers = model.num_layers, model.mtp_num_layers or 0
         from megalite.config import pipeline_split as split   # noqa: PLC0415 - it imports nothing of ours
         from megalite.config.flags import FLAG   # noqa: PLC0415 - flags import this module
         pp, v = self.pipeline_model_parallel_size, self.virtual_stages(num_layers)

@@ -181,11 +181,11 @@ def _check_uneven_pipeline(cfg: MegaliteConfig) -> Optional[tuple[int, ...]]:
                  f"{FLAG.pipeline_schedule} zbv puts the first and last virtual stages on rank 0: split it with "
                  f"{FLAG.pipeline_model_parallel_layout} instead of {FLAG.decoder_first_pipeline_num_layers}/"
                  f"{FLAG.decoder_last_pipeline_num_layers}")
-        return p.pipeline_split(m.num_layers, m.mtp_num_layers or 0)
+        return p.pipeline_split(m)
     _require(p.num_layers_per_virtual_pipeline_stage is None,
              f"{FLAG.pipeline_model_parallel_layout} sets each virtual stage's layers: drop "
              f"{FLAG.num_layers_per_virtual_pipeline_stage}")
-    split = p.pipeline_split(m.num_layers, m.mtp_num_layers or 0)
+    split = p.pipeline_split(m)
     v = p.virtual_stages(m.num_layers)
     _require(p.num_virtual_stages_per_pipeline_rank in (None, v),
              f"{FLAG.pipeline_model_parallel_layout} has {v} virtual stage(s) per rank, "
@@ -341,7 +341,7 @@ def _check_architecture(cfg: MegaliteConfig) -> None:
     if m.recompute_granularity == "full":
         _require(m.recompute_method is not None,
                  f"{FLAG.recompute_granularity} full needs {FLAG.recompute_method} uniform|block")
-        per_chunk = max(p.pipeline_split(m.num_layers, m.mtp_num_layers or 0) or
+        per_chunk = max(p.pipeline_split(m) or
                         [m.num_layers // (p.pipeline_model_parallel_size * p.virtual_stages(m.num_layers))])
         _require(1 <= m.recompute_num_layers <= per_chunk,
                  f"{FLAG.recompute_num_layers} must be between 1 and the {per_chunk} layers of the largest model "

@@ -26,7 +26,7 @@ class Pipeline:
         self.placement = placement_of(self.schedule_name)
         # The rank holding the last stage (and the loss): the last one, or the first with the v-shape placement.
         self.loss_rank = stage_rank(self.pp * self.virtual_stages - 1, self.pp, self.placement)
-        split = cfg.parallel.pipeline_split(m.num_layers, m.mtp_num_layers or 0) or m.num_layers
+        split = cfg.parallel.pipeline_split(m) or m.num_layers
         self.chunks = chunks_of_rank(split, self.pp, self.virtual_stages, self.rank, self.placement)
         tokens = m.seq_length // dims.cp // (dims.tp if cfg.parallel.sequence_parallel else 1)   # its CP, SP shard
         self.links = (PipelineLinks(parallel_state.get_pipeline_model_parallel_group(),

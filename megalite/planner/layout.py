@@ -148,4 +148,4 @@ class Layout:
                    cp_comm_type=p.cp_comm_type, ep=p.expert_model_parallel_size,
                    cp_a2a=(p.hierarchical_context_parallel() or (1, 1))[0],
                    experts_split=p.expert_tensor_parallel_size in (None, tp), muon=o.optimizer == "muon",
-                   split=p.pipeline_split(cfg.model.num_layers, cfg.model.mtp_num_layers or 0))
+                   split=p.pipeline_split(cfg.model))

@@ -20,7 +20,9 @@ Search space (each candidate is also passed through megalite.config.validate, so
   every sample, so activations shrink by CP, at the price of the ring's K/V transfers (they hide behind the attention
   blocks' compute when blocks are long: compute per block grows with s^2 / CP^2, its bytes with s / CP; but
   megalite's blocks are unfused attention on a GPU, slower than flash) or of a2a's all-to-alls (not hidden; its core is
-  flash attention). It wins for long sequences, where activations would not fit otherwise or force recompute.
+  flash attention), or a2a+p2p (the all-to-all over A ranks inside a node, a ring over the CP / A groups: what runs
+  where a2a cannot, its heads not splitting CP ways, or its all-to-all would cross the network). It wins for long
+  sequences, where activations would not fit otherwise or force recompute.
   Searched from 16k tokens on (MIN_CONTEXT_PARALLEL_SEQUENCE); DP = GPUs / (TP x CP x PP).
 - with PP > 1 the pipeline schedule: 1f1b, zero-bubble (ZB-H1, interleaved at V = 2) and at V = 2 zbv; a zero-bubble
   schedule wins where its smaller bubble pays for the weight-gradient inputs it holds a while longer;
@@ -138,10 +140,19 @@ def _powers_of_two(limit: int) -> list[int]:
     return [1 << k for k in range(limit.bit_length()) if 1 << k <= limit]
 
 
+def _context_exchanges(tp: int, cp: int, gpus_per_node: int) -> list[tuple[str, int]]:
+    """(comm type, a2a ranks) to try at CP = ``cp``: p2p and a2a, and a2a+p2p with its all-to-all on A ranks inside
+    a node (TP x A GPUs, A from 2 to CP / 2) and the ring over the CP / A groups."""
+    if cp == 1:
+        return [("p2p", 1)]
+    inner = [a for a in _powers_of_two(cp // 2) if a > 1 and cp % a == 0 and tp * a <= gpus_per_node]
+    return [(kind, 1) for kind in CP_COMM_TYPES] + [("a2a+p2p", a) for a in inner]
+
+
 def _variants(dims: ParallelDims, v: int, global_batch_size: int, num_experts: Optional[int] = None,
-              split: Optional[tuple[int, ...]] = None):
-    """Every micro-batch size, optimizer sharding, recompute option, pipeline schedule (zbv: its v-shape at V = 2)
-    and (for a mixture of experts) expert-parallel size of one (TP, CP, PP, V) shape."""
+              split: Optional[tuple[int, ...]] = None, gpus_per_node: int = 8):
+    """Every micro-batch size, optimizer sharding, recompute option, context-parallel exchange, pipeline schedule
+    (zbv: its v-shape at V = 2) and (for a mixture of experts) expert-parallel size of one (TP, CP, PP, V) shape."""
     tp, cp, pp, dp = dims.tp, dims.cp, dims.pp, dims.dp
     per_replica = global_batch_size // dp
     schedules = ("1f1b", "zero-bubble") + (("zbv",) if v == 2 else ()) if pp > 1 else ("1f1b",)
@@ -153,12 +164,13 @@ def _variants(dims: ParallelDims, v: int, global_batch_size: int, num_experts: O
             continue
         for zero in ((0, 1, 2) + ((3,) if pp == 1 else ()) if replicas > 1 else (0,)):
             for recompute in RECOMPUTE:
-                for comm_type in (CP_COMM_TYPES if cp > 1 else ("p2p",)):
+                for comm_type, cp_a2a in _context_exchanges(tp, cp, gpus_per_node):
                     for schedule in schedules:
                         for ep in expert_parallel:
                             yield Layout(tp=tp, pp=pp, dp=dp, virtual_stages=v, micro_batch_size=mbs, zero=zero,
                                          sequence_parallel=tp > 1, recompute=recompute, cp=cp,
-                                         cp_comm_type=comm_type, pipeline_schedule=schedule, ep=ep, split=split)
+                                         cp_comm_type=comm_type, cp_a2a=cp_a2a, pipeline_schedule=schedule, ep=ep,
+                                         split=split)
 
 
 def search(model: ModelConfig, hardware: Hardware, global_batch_size: int, *, model_name: Optional[str] = None,
@@ -191,7 +203,8 @@ def search(model: ModelConfig, hardware: Hardware, global_batch_size: int, *, mo
                 run = MegaliteConfig(model=model, training=TrainingConfig(global_batch_size=global_batch_size,
                                                                           bf16=dtype_bytes == 2))
                 key = (tp, cp, pp, v)
-                for layout in _variants(dims, v, global_batch_size, model.num_experts, split):
+                for layout in _variants(dims, v, global_batch_size, model.num_experts, split,
+                                          hardware.gpus_per_node):
                     try:
                         validate(layout.apply(run), n)
                     except ConfigError as e:

@@ -310,3 +310,24 @@ def test_layer_counts_pp_does_not_divide_get_the_balanced_uneven_split():
     assert cfg.parallel.pipeline_model_parallel_layout.startswith("Et|")
     validate(cfg, 4)
     assert Layout.from_config(cfg, 4) == uneven
+
+
+def test_hierarchical_context_parallelism_is_searched_with_its_all_to_all_inside_a_node():
+    """a2a+p2p is tried at every all-to-all size A from 2 to CP / 2 whose TP x A GPUs fit in a node. Where a2a
+    cannot run (GPT-2 large's 20 heads do not split over 16 ranks) and CP = 16 spans two nodes on Ethernet, the
+    all-to-all over NVLink and a ring of 4 over the network beat the ring of 16."""
+    from megalite.planner.search import _context_exchanges   # noqa: PLC0415
+    assert _context_exchanges(1, 16, 8) == [("p2p", 1), ("a2a", 1), ("a2a+p2p", 2), ("a2a+p2p", 4),
+                                            ("a2a+p2p", 8)]
+    assert _context_exchanges(4, 16, 8) == [("p2p", 1), ("a2a", 1), ("a2a+p2p", 2)]
+    assert _context_exchanges(2, 1, 8) == [("p2p", 1)]
+    model = dataclasses.replace(load_model_config("gpt2_large"), seq_length=262144, max_position_embeddings=262144,
+                                num_layers=32, recompute_granularity="full", recompute_method="uniform",
+                                recompute_num_layers=1)
+    hardware = Hardware(num_gpus=16, inter_node_network="ethernet")
+    ring, hierarchical = (estimate_layout(model, Layout(cp=16, cp_comm_type=kind, cp_a2a=a, recompute="full"),
+                                          hardware, 1) for kind, a in (("p2p", 1), ("a2a+p2p", 4)))
+    assert hierarchical.time.cp_exposed < ring.time.cp_exposed / 2
+    assert hierarchical.time.step < ring.time.step
+    layouts = list(_variants(ParallelDims(16, 1, 16, 1), 1, 1, gpus_per_node=8))
+    assert {(lay.cp_comm_type, lay.cp_a2a) for lay in layouts} >= {("a2a+p2p", 2), ("a2a+p2p", 4), ("a2a+p2p", 8)}

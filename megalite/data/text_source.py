@@ -20,6 +20,7 @@ pyarrow (and ``datasets``, for a directory) is imported only when such a source 
 
 from __future__ import annotations
 
+import array
 import json
 import os
 import threading
@@ -233,7 +234,8 @@ class TextSource:
 
     def _count(self, progress: bool) -> dict[str, np.ndarray]:
         """Every document's place, key and token count: the one pass that tokenizes the whole source."""
-        places, keys, sizes = [], [], []
+        # Compact arrays rather than lists of Python ints: a source may hold a hundred million documents.
+        places, keys, sizes = array.array("q"), array.array("B"), array.array("i")
         with Progress(None, f"counting the tokens of {Path(self.prefix).name}", "documents",
                       enabled=progress) as bar:
             for place, key, text in self.reader.records():
@@ -243,8 +245,8 @@ class TextSource:
                     keys.append(key)
                     sizes.append(size)
                 bar.update(1)
-        return {"places": np.asarray(places, dtype=np.int64), "keys": np.asarray(keys, dtype=np.uint8),
-                "sizes": np.asarray(sizes, dtype=np.int32)}
+        return {"places": np.frombuffer(places, dtype=np.int64), "keys": np.frombuffer(keys, dtype=np.uint8),
+                "sizes": np.frombuffer(sizes, dtype=np.int32)}
 
     def _encode(self, text: Optional[str]) -> list[int]:
         """The document's tokens with EOD, as the preprocessor writes them (none for a blank or missing text)."""

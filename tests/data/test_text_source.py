@@ -90,3 +90,14 @@ def test_a_bad_text_source_is_one_line(corpus, tmp_path, name, write, message):
         check_data_files(real_config(corpus, f"0.5 {corpus.prefix} 0.5 {path}", data_cache_path=str(tmp_path)),
                          corpus.tokenizer)
     assert str(refused.value).startswith(f"{path.parent}/{message}") and "\n" not in str(refused.value)
+
+
+def test_pretrain_gpt_names_the_column_it_lacks_in_one_line(corpus, tmp_path, capsys):
+    import pretrain_gpt
+
+    source = _write_table([{"body": "some text"}], tmp_path / "docs.parquet")
+    argv = ["model=gpt_tiny", "--eval-interval", "0", "--data-path", str(source), "--json-keys", "text",
+            "--tokenizer-model", str(corpus.tokenizer_model), "--data-cache-path", str(tmp_path)]
+    assert pretrain_gpt.main(argv) == 2
+    assert capsys.readouterr().err.strip() == (f"megalite: error: {source}: no column 'text' (see --json-keys; it "
+                                               f"has body)")

@@ -45,7 +45,7 @@ def test_every_format_gives_the_samples_of_the_preprocessed_text(corpus, tmp_pat
     records = _records(corpus)
     sources = [str(corpus.jsonl), str(_write_table(records, tmp_path / "docs.parquet")),
                str(_write_table(records, tmp_path / "docs.arrow"))]
-    datasets.Dataset.from_list(records).save_to_disk(str(tmp_path / "saved"))
+    datasets.Dataset.from_list(records).save_to_disk(str(tmp_path / "saved"), num_shards=2)   # two .arrow files
     sources.append(str(tmp_path / "saved"))
     cache = str(tmp_path / "cache")
     expected = _all_samples(build_datasets(real_config(corpus, split="9,1,0", data_cache_path=cache), (60, 20, 0)))

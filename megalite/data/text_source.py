@@ -56,6 +56,7 @@ class _JsonLines:
 
     def __init__(self, path: Path, keys: Sequence[str]):
         self.path, self.keys = path, keys
+        self.extent, self.unit = path.stat().st_size, "bytes"   # what places run through, for progress bars
 
     def records(self) -> Iterator[tuple[int, int, Optional[str]]]:
         """(place, key index, text or None for a value that is no text) of every record, as documents.py reads
@@ -154,6 +155,8 @@ class _Table:
             self._table = _saved_dataset_table(self.path)
             schema = self._table.schema
         self._columns = {field.name: field.type for field in schema}
+        self.extent = self._parquet.metadata.num_rows if self._parquet is not None else self._table.num_rows
+        self.unit = "rows"
 
     def records(self) -> Iterator[tuple[int, int, Optional[str]]]:
         if self._parquet is not None:
@@ -236,15 +239,15 @@ class TextSource:
         """Every document's place, key and token count: the one pass that tokenizes the whole source."""
         # Compact arrays rather than lists of Python ints: a source may hold a hundred million documents.
         places, keys, sizes = array.array("q"), array.array("B"), array.array("i")
-        with Progress(None, f"counting the tokens of {Path(self.prefix).name}", "documents",
-                      enabled=progress) as bar:
+        with Progress(self.reader.extent, f"counting the tokens of {Path(self.prefix).name}", self.reader.unit,
+                      enabled=progress, log_interval_s=10.0) as bar:
             for place, key, text in self.reader.records():
                 size = len(self._encode(text))
                 if size:
                     places.append(place)
                     keys.append(key)
                     sizes.append(size)
-                bar.update(1)
+                bar.set(place)
         return {"places": np.frombuffer(places, dtype=np.int64), "keys": np.frombuffer(keys, dtype=np.uint8),
                 "sizes": np.frombuffer(sizes, dtype=np.int32)}
 

@@ -46,12 +46,12 @@ def test_exact_resume_mid_epoch_of_a_text_source_blended_with_a_prefix(corpus, t
                    row_group_size=64)
     cfg = tiny_config(data={"mock_data": False, "data_path": f"0.6 {source} 0.4 {corpus.prefix}",
                             "tokenizer_model": str(corpus.tokenizer_model), "data_cache_path": str(tmp_path / "cache"),
-                            "eval_interval": 0}, training={"train_iters": 6})
+                            "eval_interval": 0}, training={"train_iters": 4, "global_batch_size": 4})
     _assert_exact_resume(cfg, tmp_path / "ckpt")
 
 
 def _assert_exact_resume(cfg, directory) -> None:
-    """Training cfg's iterations straight and in two halves (saved after 3, resumed) gives the same losses."""
+    """Training cfg's iterations straight, and in two parts (saved after 3, then resumed), gives the same losses."""
     with single_layout():
         straight = losses(Trainer.on_registered_layout(cfg, CPU).train())
     first = train_and_save(cfg, directory, 3)

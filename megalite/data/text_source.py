@@ -7,7 +7,7 @@ cache (index_cache), is each document's token count and where its text is (a row
 sample index (gpt_dataset) needs the counts to say which tokens sample ``j`` holds without reading the samples before
 it, so a sample is the same tokens whatever the layout or the step a run resumed at, and ``--split``, the epochs'
 shuffles and blending work as for .bin/.idx. That costs one pass that tokenizes the whole file on first use (the
-preprocessor's work, without writing the tokens) and 16 bytes per document on disk.
+preprocessor's work, without writing the tokens) and 13 bytes per document on disk.
 
 The documents are those the preprocessor would write for the same text (``tools/preprocess_data.py --append-eod``):
 in file order, one per key of each record, blank ones and those that encode to nothing skipped, each followed by the
@@ -119,6 +119,9 @@ class _Table:
             self._open()
         except DataError:
             raise
+        except ImportError as error:
+            raise DataError(f"{path}: reading {self._kind()} needs the {error.name} package (pip install -e "
+                            f"'.[datasets]')") from None
         except Exception as error:   # noqa: BLE001 - pyarrow's and datasets' errors name no common base
             raise DataError(f"{path}: cannot be read as {self._kind()} ({_first_line(error)})") from None
         missing = [key for key in keys if key not in self._columns]

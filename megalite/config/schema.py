@@ -642,9 +642,14 @@ def multi_word_values(text: str) -> list[str]:
 class DataConfig:
     mock_data: bool = option(False, "Train on deterministic synthetic sequences (no data files needed).")
     data_path: Optional[str] = option(
-        None, "Dataset prefixes (PREFIX.bin + PREFIX.idx), or weighted 'W1 PREFIX1 W2 PREFIX2 ...' blended by weight; "
-              "default: the built-in corpus (the Python standard library's sources, built once and cached).",
+        None, "Dataset prefixes (PREFIX.bin + PREFIX.idx) or text sources (.parquet, .arrow, .jsonl files, "
+              "datasets.save_to_disk directories: see --json-keys), or weighted 'W1 PREFIX1 W2 PREFIX2 ...' blended "
+              "by weight; default: the built-in corpus (the Python standard library's sources, built once and cached).",
         nargs="+", metavar="[WEIGHT] PREFIX")
+    json_keys: str = option(
+        "text", "The keys (columns) that hold each record's documents in --data-path's Parquet, Arrow, JSON-lines "
+                "files and datasets.save_to_disk directories (tokenized as they are read), as tools/preprocess_data.py "
+                "--json-keys: each key gives one document.", nargs="+", metavar="KEY")
     split: str = option("969,30,1", "Train,valid,test proportions of each dataset's documents.")
     data_cache_path: Optional[str] = option(
         None, "Directory for the cached sample/shuffle/blending indices; default megalite-cache/ beside the data.")

@@ -1,6 +1,7 @@
 """From the data options to the train/valid/test datasets: the one entry point the trainer calls.
 
-Which data: ``--mock-data`` -> synthetic samples; ``--data-path`` -> those prefixes with the tokenizer options; neither
+Which data: ``--mock-data`` -> synthetic samples; ``--data-path`` -> those prefixes (or text sources, tokenized as
+they are read: megalite.data.text_source) with the tokenizer options; neither
 -> the built-in corpus (built on first use). Each prefix's documents are cut into train/valid/test ranges by
 ``--split``; with several prefixes every split is a blend of the prefixes' same split, by the given weights or, with
 none given, by each prefix's number of tokens in that split.
@@ -19,12 +20,14 @@ from typing import Optional, Protocol
 import torch
 
 from megalite.config import MegaliteConfig
+from megalite.config.schema import multi_word_values
 from megalite.data.blended_dataset import BlendedDataset
 from megalite.data.default_corpus import ensure_default_corpus
 from megalite.data.errors import DataError
 from megalite.data.gpt_dataset import SPLIT_NAMES, GPTDataset, split_documents
 from megalite.data.indexed_dataset import IndexedDataset, check_token_range
 from megalite.data.mock import MockGPTDataset
+from megalite.data.text_source import TextSource, is_text_source
 from megalite.data.tokenizer import Tokenizer, build_tokenizer, configured_tokenizer
 
 CACHE_DIR_NAME = "megalite-cache"
@@ -55,6 +58,7 @@ class _Sources:
     tokenizer: Tokenizer
     cache_dirs: list[Path]       # one per prefix: where its indices are cached
     blend_cache_dir: Path
+    json_keys: list[str]         # the documents' keys in text sources
 
 
 def run_tokenizer(cfg: MegaliteConfig) -> Optional[Tokenizer]:
@@ -79,13 +83,17 @@ def _sources(cfg: MegaliteConfig, tokenizer: Optional[Tokenizer]) -> _Sources:
         cache_dirs = [Path(d.data_cache_path)] * len(prefixes)
     else:
         cache_dirs = [Path(prefix).parent / CACHE_DIR_NAME for prefix in prefixes]
-    return _Sources(prefixes, weights, tokenizer, cache_dirs, cache_dirs[0])
+    return _Sources(prefixes, weights, tokenizer, cache_dirs, cache_dirs[0], multi_word_values(d.json_keys))
 
 
 def _open(sources: _Sources, progress: bool) -> list[IndexedDataset]:
-    """Every prefix opened (headers and sizes validated) and its tokens checked against the vocabulary."""
+    """Every prefix opened (headers and sizes validated) and its tokens checked against the vocabulary; every text
+    source opened and its documents' tokens counted (once: the counts are cached)."""
     datasets = []
     for prefix, cache_dir in zip(sources.prefixes, sources.cache_dirs):
+        if is_text_source(prefix):   # tokenized by the run's tokenizer as it is read: no range to check
+            datasets.append(TextSource(prefix, sources.json_keys, sources.tokenizer, cache_dir, progress))
+            continue
         indexed = IndexedDataset(prefix)
         if len(indexed) == 0:
             raise DataError(f"{indexed.index_path}: the dataset has no documents")

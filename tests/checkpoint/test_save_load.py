@@ -4,6 +4,7 @@ that would move its --save directory's pointer back."""
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import pytest
@@ -30,12 +31,32 @@ ARGV = [*TINY, "--train-iters", "4", "--lr", "1e-3"]
 def test_exact_resume(tmp_path, options):
     sections = {"data": {"eval_interval": 0}, **options}
     sections["training"] = {"train_iters": 6, **options.get("training", {})}
-    cfg = tiny_config(**sections)
+    _assert_exact_resume(tiny_config(**sections), tmp_path)
+
+
+def test_exact_resume_mid_epoch_of_a_text_source_blended_with_a_prefix(corpus, tmp_path):
+    """A Parquet file tokenized as it is read (in the prefetch thread), blended with a .bin/.idx: the resumed run
+    reads the samples the straight one read, mid-epoch."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    lines = corpus.jsonl.read_text(encoding="utf-8").splitlines()
+    source = tmp_path / "docs.parquet"
+    pq.write_table(pa.Table.from_pylist([json.loads(line) for line in lines if line.strip()]), source,
+                   row_group_size=64)
+    cfg = tiny_config(data={"mock_data": False, "data_path": f"0.6 {source} 0.4 {corpus.prefix}",
+                            "tokenizer_model": str(corpus.tokenizer_model), "data_cache_path": str(tmp_path / "cache"),
+                            "eval_interval": 0}, training={"train_iters": 4, "global_batch_size": 4})
+    _assert_exact_resume(cfg, tmp_path / "ckpt")
+
+
+def _assert_exact_resume(cfg, directory) -> None:
+    """Training cfg's iterations straight, and in two parts (saved after 3, then resumed), gives the same losses."""
     with single_layout():
         straight = losses(Trainer.on_registered_layout(cfg, CPU).train())
-    first = train_and_save(cfg, tmp_path, 3)
+    first = train_and_save(cfg, directory, 3)
     with single_layout():
-        second = losses(Trainer.on_registered_layout(with_checkpoint(cfg, load=str(tmp_path)), CPU).train())
+        second = losses(Trainer.on_registered_layout(with_checkpoint(cfg, load=str(directory)), CPU).train())
     assert first + second == straight   # bit for bit
 
 

@@ -1,4 +1,4 @@
-"""FP8 training in one process: 50 iterations of a tiny GPT on the built-in corpus in bf16 and in each FP8 recipe
+"""FP8 training in one process: 30 iterations of a tiny GPT on the built-in corpus in bf16 and in each FP8 recipe
 (hybrid format) stay within 2% of the bf16 losses; a delayed-scaling run saved and resumed has its amax histories
 back bit for bit and continues with the uninterrupted run's losses; the start-up line names the recipe and says
 that without FP8 tensor cores it is not faster."""
@@ -14,7 +14,7 @@ from megalite.training import Trainer
 from ..checkpoint.helpers import CPU
 from ..helpers import losses, single_layout, tiny_config, with_checkpoint
 
-ITERATIONS = 50
+ITERATIONS = 30   # torch._scaled_mm on the CPU is a slow reference kernel (~0.15 s for 128 x 64 x 256)
 RECIPES = {"tensorwise": {}, "delayed": {"fp8_amax_history_len": 16, "fp8_amax_compute_algo": "max"},
            "rowwise": {}}
 
@@ -29,7 +29,7 @@ def test_fp8_recipes_train_like_bf16():
     with single_layout():
         bf16 = losses(Trainer.on_registered_layout(_config(None), CPU).train())
         runs = {recipe: losses(Trainer.on_registered_layout(_config(recipe), CPU).train()) for recipe in RECIPES}
-    assert bf16[-1] < bf16[0] - 1.0   # it learns
+    assert bf16[-1] < bf16[0] - 0.3   # it learns
     for recipe, run in runs.items():
         gaps = [abs(a - b) / b for a, b in zip(run[-10:], bf16[-10:])]
         assert max(gaps) < 0.02, f"{recipe}: the last 10 losses differ from bf16's by up to {max(gaps):.2%}"
@@ -37,18 +37,18 @@ def test_fp8_recipes_train_like_bf16():
 
 
 def test_delayed_histories_resume_bit_for_bit(tmp_path):
-    cfg = _config("delayed", train_iters=6)
+    cfg = _config("delayed", train_iters=4)
     with single_layout():
         whole = losses(Trainer.on_registered_layout(cfg, CPU).train())
         first = Trainer.on_registered_layout(with_checkpoint(cfg, save=str(tmp_path)), CPU)
-        head = [first.train_step()["loss"] for _ in range(3)]
+        head = [first.train_step()["loss"] for _ in range(2)]
         first.save_checkpoint(str(tmp_path))
         resumed = Trainer.on_registered_layout(with_checkpoint(cfg, load=str(tmp_path)), CPU)
         assert ("bfloat16 with FP8 hybrid delayed (amax history 16, max) in the attention and MLP linears (no FP8 "
                 "tensor cores on cpu: correct, but not faster than bf16" in resumed.describe())
         assert len(resumed.fp8_histories) == 2 * 4   # qkv, proj, fc1, fc2 of both layers
         for (name, saved), (again, loaded) in zip(first.fp8_histories, resumed.fp8_histories):
-            assert name == again and saved.steps == loaded.steps == 3
+            assert name == again and saved.steps == loaded.steps == 2
             assert torch.equal(saved.history, loaded.history) and torch.equal(saved.scales, loaded.scales)
         rest = losses(resumed.train())
     assert head + rest == whole

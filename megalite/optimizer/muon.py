@@ -152,15 +152,19 @@ class MuonSettings:
         return result.mul_(scale_factor(rows, cols, self.scale_mode) * self.extra_scale)
 
 
-def _owners(params: list[torch.nn.Parameter], world: int) -> dict[int, int]:
-    """Each matrix's DP rank: the largest first, each to the least loaded rank (the same on every rank)."""
+def owners(sizes: list[int], world: int) -> list[int]:
+    """The DP rank of each matrix of these sizes: the largest first, each to the least loaded rank (the same on every
+    rank; ties keep the given order). The planner counts Newton-Schulz's work per rank with it too."""
     load = [0] * world
-    owner = {}
-    for param in sorted(params, key=lambda p: -p.numel()):
-        rank = min(range(world), key=lambda r: load[r])
-        owner[id(param)] = rank
-        load[rank] += param.numel()
+    owner = [0] * len(sizes)
+    for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
+        owner[i] = min(range(world), key=lambda r: load[r])
+        load[owner[i]] += sizes[i]
     return owner
+
+
+def _owners(params: list[torch.nn.Parameter], world: int) -> dict[int, int]:
+    return {id(p): rank for p, rank in zip(params, owners([p.numel() for p in params], world))}
 
 
 class Muon:

@@ -246,7 +246,6 @@ class Muon:
                 result[id(piece.main)] = shard[piece.start - start: piece.end - start]
         return result
 
-
     def _fully_sharded_step(self, matrices: list[torch.nn.Parameter],
                             updates: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
         """ZeRO-3's matrices of one mesh (all of this rank's dense or expert matrices): each rank's rows to the
@@ -267,9 +266,9 @@ class Muon:
             return last - first
 
         owned = [[p for p in matrices if owner[id(p)] == rank] for rank in range(world)]
-        # There: this rank's rows of each owner's matrices, by owner.
-        sent = [update_of[id(p)] for rank in range(world) for p in owned[rank] if size(p, me)]
-        send = torch.cat(sent) if sent else torch.empty(0, device=device)
+        # There: this rank's rows of each owner's matrices, by owner (a rank may hold no rows of a short matrix).
+        order = [p for rank in range(world) for p in owned[rank] if size(p, me)]
+        send = torch.cat([update_of[id(p)] for p in order]) if order else torch.empty(0, device=device)
         to_owner = [sum(size(p, me) for p in owned[rank]) for rank in range(world)]
         from_rank = [sum(size(p, rank) for p in owned[me]) for rank in range(world)]
         received = torch.empty(sum(from_rank), dtype=torch.float32, device=device)
@@ -286,8 +285,7 @@ class Muon:
         send = torch.cat(back) if back else torch.empty(0, device=device)
         mine = torch.empty(sum(to_owner), dtype=torch.float32, device=device)
         dist.all_to_all_single(mine, send, to_owner, from_rank, group=group)
-        pieces = dict(zip([id(p) for rank in range(world) for p in owned[rank] if size(p, me)],
-                          mine.split([size(p, me) for rank in range(world) for p in owned[rank] if size(p, me)])))
+        pieces = dict(zip(map(id, order), mine.split([size(p, me) for p in order])))
         return {id(p.main): pieces[id(p.param)] for p in self.pieces if id(p.param) in pieces}
 
 

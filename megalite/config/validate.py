@@ -655,9 +655,6 @@ def _check_muon(o: OptimizerConfig) -> None:
         return
     _require(not o.optimizer_cpu_offload,
              f"{FLAG.optimizer} muon does not run with {FLAG.optimizer_cpu_offload} (the CPU optimizer is AdamW only)")
-    _require(o.zero_stage != 3,
-             f"{FLAG.optimizer} muon does not run with {FLAG.zero_stage} 3 yet (Newton-Schulz needs whole matrices, "
-             f"which FSDP2 shards by rows); use {FLAG.use_distributed_optimizer} with {FLAG.zero_stage} 1 or 2")
 
 
 def _check_fully_sharded(cfg: MegaliteConfig, dims: ParallelDims) -> None:

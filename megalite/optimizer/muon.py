@@ -31,6 +31,14 @@ assigned whole to one DP rank (greedily by size, the same on every rank: Megatro
 the ranks all-gather the momentum updates, each owner orthogonalizes its matrices, and a reduce-scatter of the results
 (zero elsewhere) hands each rank its shard of them. That is an all-reduce's traffic per bucket of matrices, and 1/DP
 of the NS work per rank.
+
+Under ZeRO-3 (FSDP2) a rank holds a row shard of every parameter (a DTensor over the data-parallel mesh, or the
+expert-data-parallel one for routed experts). The momentum stays sharded as above, and the matrices are assigned to
+the mesh's ranks as above; but since every row of a matrix has a known home (FSDP2 cuts rows like torch.chunk), the
+pieces travel straight to their owner: one ``all_to_all_single`` sends each rank's rows of the momentum updates to the
+matrices' owners, the owners orthogonalize, and a second one sends each rank its rows of the results. A rank sends
+about N(D-1)/D^2 elements each way (N: the matrices' size, D: the mesh's size) instead of the N(D-1)/D of an
+all-gather and a reduce-scatter, and holds at most its owned matrices whole (~N/D) beside the two buffers.
 """
 
 from __future__ import annotations
@@ -41,10 +49,12 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from megalite import parallel_state
 from megalite.config import OptimizerConfig
 from megalite.distributed.data_parallel import DataParallel
+from megalite.distributed.fully_sharded import row_range
 from megalite.parallel_state import GroupInfo
 
 QUINTIC = (3.4445, -4.7750, 2.0315)   # Keller Jordan's coefficients, as torch.optim.Muon's
@@ -142,15 +152,19 @@ class MuonSettings:
         return result.mul_(scale_factor(rows, cols, self.scale_mode) * self.extra_scale)
 
 
-def _owners(params: list[torch.nn.Parameter], world: int) -> dict[int, int]:
-    """Each matrix's DP rank: the largest first, each to the least loaded rank (the same on every rank)."""
+def owners(sizes: list[int], world: int) -> list[int]:
+    """The DP rank of each matrix of these sizes: the largest first, each to the least loaded rank (the same on every
+    rank; ties keep the given order). The planner counts Newton-Schulz's work per rank with it too."""
     load = [0] * world
-    owner = {}
-    for param in sorted(params, key=lambda p: -p.numel()):
-        rank = min(range(world), key=lambda r: load[r])
-        owner[id(param)] = rank
-        load[rank] += param.numel()
+    owner = [0] * len(sizes)
+    for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
+        owner[i] = min(range(world), key=lambda r: load[r])
+        load[owner[i]] += sizes[i]
     return owner
+
+
+def _owners(params: list[torch.nn.Parameter], world: int) -> dict[int, int]:
+    return {id(p): rank for p, rank in zip(params, owners([p.numel() for p in params], world))}
 
 
 class Muon:
@@ -191,11 +205,17 @@ class Muon:
         for engine in self.engines:
             if isinstance(engine, DataParallel) and engine.distributed and engine.dp > 1:
                 result.update(self._layer_wise_step(engine, updates))
+        # ZeRO-3: the dense matrices' mesh first, then the experts' (the same order on every rank).
+        sharded = [p for e in self.engines for p in getattr(e, "params", ()) if _fully_sharded(p) and is_muon_matrix(p)]
+        for experts in (False, True):
+            matrices = [p for p in sharded if getattr(p, "is_expert", False) == experts]
+            if matrices:
+                result.update(self._fully_sharded_step(matrices, updates))
         return result
 
     def _layer_wise(self, param: torch.nn.Parameter) -> bool:
-        return any(isinstance(e, DataParallel) and e.distributed and e.dp > 1 and id(param) in e.plan.ranges
-                   for e in self.engines)
+        return _fully_sharded(param) or any(isinstance(e, DataParallel) and e.distributed and e.dp > 1
+                                            and id(param) in e.plan.ranges for e in self.engines)
 
     def _layer_wise_step(self, engine: DataParallel, updates: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
         """The distributed optimizer's matrices, bucket by bucket: gather, orthogonalize the owned, scatter."""
@@ -226,3 +246,49 @@ class Muon:
                 result[id(piece.main)] = shard[piece.start - start: piece.end - start]
         return result
 
+    def _fully_sharded_step(self, matrices: list[torch.nn.Parameter],
+                            updates: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+        """ZeRO-3's matrices of one mesh (all of this rank's dense or expert matrices): each rank's rows to the
+        owners, orthogonalized there, each rank's rows of the results back (two all-to-alls)."""
+        mesh = matrices[0].device_mesh
+        group, world, me = mesh.get_group(), mesh.size(), mesh.get_local_rank()
+        device = matrices[0].to_local().device   # the compute device (Muon does not run with offloaded shards)
+        owner = _owners(matrices, world)
+        update_of = {id(p.param): updates[id(p.main)] for p in self.pieces if id(p.param) in owner}
+
+        def rows(param, rank):   # the flat range of ``rank``'s rows
+            first, last = row_range(param.shape[0], world, rank)
+            row_size = param.numel() // param.shape[0]
+            return first * row_size, last * row_size
+
+        def size(param, rank):
+            first, last = rows(param, rank)
+            return last - first
+
+        owned = [[p for p in matrices if owner[id(p)] == rank] for rank in range(world)]
+        # There: this rank's rows of each owner's matrices, by owner (a rank may hold no rows of a short matrix).
+        order = [p for rank in range(world) for p in owned[rank] if size(p, me)]
+        send = torch.cat([update_of[id(p)] for p in order]) if order else torch.empty(0, device=device)
+        to_owner = [sum(size(p, me) for p in owned[rank]) for rank in range(world)]
+        from_rank = [sum(size(p, rank) for p in owned[me]) for rank in range(world)]
+        received = torch.empty(sum(from_rank), dtype=torch.float32, device=device)
+        dist.all_to_all_single(received, send.float(), from_rank, to_owner, group=group)
+        # The owned matrices whole (each rank's rows are in matrix order within its chunk), orthogonalized.
+        chunks = [list(chunk.split([size(p, rank) for p in owned[me]]))
+                  for rank, chunk in enumerate(received.split(from_rank))]
+        results = []
+        for i, param in enumerate(owned[me]):
+            whole = torch.cat([chunks[rank][i] for rank in range(world)]).view(param.shape)
+            results.append(self.settings.orthogonalize(whole, param).reshape(-1))
+        # Back: each rank's rows of the results.
+        back = [result[slice(*rows(p, rank))] for rank in range(world) for p, result in zip(owned[me], results)]
+        send = torch.cat(back) if back else torch.empty(0, device=device)
+        mine = torch.empty(sum(to_owner), dtype=torch.float32, device=device)
+        dist.all_to_all_single(mine, send, to_owner, from_rank, group=group)
+        pieces = dict(zip(map(id, order), mine.split([size(p, me) for p in order])))
+        return {id(p.main): pieces[id(p.param)] for p in self.pieces if id(p.param) in pieces}
+
+
+def _fully_sharded(param: torch.nn.Parameter) -> bool:
+    """A ZeRO-3 shard of a matrix split over more than one rank (a mesh of one holds it whole)."""
+    return isinstance(param, DTensor) and param.device_mesh.size() > 1

@@ -14,12 +14,12 @@ import torch
 from megalite.config import MegaliteConfig
 from megalite.config.batches import batch_schedule, describe
 from megalite.pipeline.simulation import schedule_bubble
-from megalite.planner.hardware import GiB
+from megalite.planner.hardware import GiB, Hardware
 from megalite.planner.layout import Layout
 from megalite.model.flops import model_flops_per_iteration
 from megalite.planner.memory import Numerics, StageMemory, expert_state_bytes, memory_per_stage
 from megalite.planner.parameters import count_parameters
-from megalite.planner.performance import all_to_all_bytes, context_parallel_bytes
+from megalite.planner.performance import all_to_all_bytes, context_parallel_bytes, muon_step_cost
 
 
 def dtype_bytes(cfg: MegaliteConfig) -> int:
@@ -76,6 +76,17 @@ def _experts_lines(cfg: MegaliteConfig, model, layout: Layout, peak: StageMemory
             f"over the expert-parallel group; {flops / 1e12:,.2f} TFLOP per step of the active parameters"]
 
 
+def _muon_line(model, layout: Layout) -> str:
+    """Muon's Newton-Schulz work and communication per step on the busiest GPU (megalite.planner.performance)."""
+    cost = muon_step_cost(model, layout, Hardware())
+    where = (f"each matrix owned by one of the {layout.replicas} data-parallel ranks"
+             if layout.zero and layout.replicas > 1 else "every matrix on every data-parallel rank")
+    return (f"  Muon (--muon-tp-mode {layout.muon_tp_mode}, {layout.muon_ns_steps} Newton-Schulz steps, {where}): "
+            f"{cost.flops / 1e9:,.2f} GFLOP per step on the busiest GPU, {cost.tp_bytes / 2**20:.2f} MiB in TP "
+            f"collectives, {cost.dp_bytes / 2**20:.2f} MiB in the layer-wise distribution; "
+            f"{cost.seconds * 1e3:.3g} ms on the planner's default (H100-like) GPUs")
+
+
 def format_dry_run(cfg: MegaliteConfig, world_size: int, cuda: bool | None = None) -> str:
     """What --dry-run prints: the layout, the parameters, and each stage's memory split, most loaded marked."""
     cuda = torch.cuda.is_available() if cuda is None else cuda
@@ -113,6 +124,8 @@ def format_dry_run(cfg: MegaliteConfig, world_size: int, cuda: bool | None = Non
                      "gradients")
     if params.is_moe:
         lines += _experts_lines(cfg, model, layout, peak, dtype_bytes(cfg), m)
+    if layout.muon:
+        lines.append(_muon_line(model, layout))
     if peak.host:
         what = "parameter, gradient and optimizer" if peak.host_weights else "optimizer"
         lines.append(f"  plus {peak.host / GiB:.3f} GiB of {what} states on the host (CPU offload)")

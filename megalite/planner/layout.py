@@ -39,6 +39,9 @@ class Layout:
     experts_split: bool = True           # routed experts split over TP (--expert-tensor-parallel-size TP), or whole
     split: Optional[tuple[int, ...]] = None   # transformer layers per virtual stage when uneven; None: even
     muon: bool = False                   # --optimizer muon: the hidden matrices keep one state buffer, not two
+    muon_tp_mode: str = "duplicated"     # --muon-tp-mode: how a TP-split matrix is orthogonalized
+    muon_ns_steps: int = 5               # --muon-num-ns-steps
+    muon_split_qkv: bool = True          # not --muon-no-split-qkv: q, k and v orthogonalized as three matrices
 
     @functools.cached_property
     def dims(self) -> ParallelDims:
@@ -148,4 +151,6 @@ class Layout:
                    cp_comm_type=p.cp_comm_type, ep=p.expert_model_parallel_size,
                    cp_a2a=(p.hierarchical_context_parallel() or (1, 1))[0],
                    experts_split=p.expert_tensor_parallel_size in (None, tp), muon=o.optimizer == "muon",
+                   muon_tp_mode=o.muon_tp_mode, muon_ns_steps=o.muon_num_ns_steps,
+                   muon_split_qkv=not o.muon_no_split_qkv,
                    split=p.pipeline_split(cfg.model))

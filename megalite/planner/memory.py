@@ -22,7 +22,7 @@ ZeRO-3 (``--zero-stage 3``, FSDP2, megalite.distributed.fully_sharded) holds no 
 rank's slice) is cut by rows over DP, ceil(rows / DP) rows per rank, so DP rank 0 holds the most (tests: equal to the
 byte to what the real engine allocates on every rank, tests/multiprocess/test_planner_zero3.py). The shards stay
 fp32 whatever the model dtype and are the optimizer's main parameters: weights 4 bytes, gradients 4 (fp32), Adam 8
-per element of the shard, and no main copy. ``--optimizer-cpu-offload`` moves Adam and a main copy (12) to the host;
+(Muon 4 for the hidden matrices' rows) per element of the shard, and no main copy. ``--optimizer-cpu-offload`` moves Adam and a main copy (12) to the host;
 with ``--offload-params`` too, the weight and gradient shards go there as well (the main copy is then the shard
 itself: 4 + 4 + 8 on the host, nothing on the device).
 
@@ -198,7 +198,7 @@ def model_state_bytes(model: ModelConfig, layout: Layout, pp_rank: int = 0, *, d
     if layout.zero == 3:
         key = (dataclasses.astuple(model), layout.tp, layout.pp, layout.virtual_stages, replicas,
                layout.optimizer_cpu_offload, layout.offload_params, pp_rank, dtype_bytes, dp_rank,
-               prefetch_bucket_size, experts, layout.split)   # 1f1b only
+               prefetch_bucket_size, experts, layout.split, layout.muon)   # 1f1b only
         if key not in _STATES_CACHE:
             _STATES_CACHE[key] = _fully_sharded_state_bytes(model, *key[1:])
         return _STATES_CACHE[key]
@@ -385,11 +385,13 @@ def gathered_bytes(model: ModelConfig, tp: int, dp: int, dtype_bytes: int, pp: i
 def _fully_sharded_state_bytes(model: ModelConfig, tp: int, pp: int, v: int, dp: int, offload: bool,
                                offload_params: bool, pp_rank: int, dtype_bytes: int, dp_rank: int,
                                prefetch_bucket_size: Optional[int], experts: tuple[int, int],
-                               split: Optional[tuple[int, ...]]) -> ModelStates:
+                               split: Optional[tuple[int, ...]], muon: bool = False) -> ModelStates:
     ep, expert_tp = experts
     units = fully_sharded_units(model, tp, pp, v, pp_rank, ep, expert_tp, split)
-    owned = sum(shard_rows(t.dim0, dp // ep if t.expert else dp, dp_rank // ep if t.expert else dp_rank)
-                * (t.numel // t.dim0) for t in units.tensors)
+    shards = [(t, shard_rows(t.dim0, dp // ep if t.expert else dp, dp_rank // ep if t.expert else dp_rank)
+               * (t.numel // t.dim0)) for t in units.tensors]
+    owned = sum(n for _, n in shards)
+    matrices = sum(n for t, n in shards if muon and is_muon_matrix(t))   # Muon's one buffer where Adam keeps two
     gathered = gathered_bytes(model, tp, dp, dtype_bytes, pp, v, pp_rank, prefetch_bucket_size, ep, expert_tp, split)
     shard = owned * 4.0                     # fp32, whatever the model dtype
     if offload_params:                      # the optimizer steps the host shards themselves: no main copy
@@ -397,7 +399,7 @@ def _fully_sharded_state_bytes(model: ModelConfig, tp: int, pp: int, v: int, dp:
                            gathered=gathered)
     if offload:                             # Adam and an fp32 main copy of the device shard on the host
         return ModelStates(shard, shard, 0.0, host_optimizer=owned * 12.0, gathered=gathered)
-    return ModelStates(shard, shard, owned * 8.0, gathered=gathered)
+    return ModelStates(shard, shard, owned * 8.0 - matrices * 4.0, gathered=gathered)
 
 
 # ---- activations ----------------------------------------------------------------------------------------------------

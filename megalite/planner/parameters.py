@@ -44,6 +44,7 @@ class Tensor:
     deferred: bool = False   # a tied word embedding (or the last stage's copy): its own gradient bucket
     expert: bool = False     # a routed expert's: its own engine over the expert-data-parallel ranks
     fp8: bool = False        # an FP8 linear's weight: its own buckets under the distributed optimizer
+    tp_dim: Optional[int] = None   # the dimension TP splits: 0 rows (column-parallel), 1 columns (row-parallel)
 
     @property
     def dim0(self) -> int:
@@ -59,12 +60,12 @@ def _norm(cfg: ModelConfig, prefix: str) -> list[Tensor]:
 
 def _column(name: str, rows: int, cols: int, tp: int) -> Tensor:
     """A column-parallel matrix (or bias, cols = 1): its output rows split over TP."""
-    return Tensor(name, rows * cols // tp, rows * cols, rows=rows // tp if cols > 1 else 0)
+    return Tensor(name, rows * cols // tp, rows * cols, rows=rows // tp if cols > 1 else 0, tp_dim=0)
 
 
 def _row(name: str, rows: int, cols: int, tp: int) -> Tensor:
     """A row-parallel matrix: its input columns split over TP, all its rows on every rank."""
-    return Tensor(name, rows * cols // tp, rows * cols, rows=rows)
+    return Tensor(name, rows * cols // tp, rows * cols, rows=rows, tp_dim=1)
 
 
 def layer_tensors(cfg: ModelConfig, tp: int, index: int, ep: int = 1, expert_tp: int | None = None,

@@ -57,9 +57,22 @@ bf16 peak, ``Hardware.fp8_peak_ratio``), the attention core and the output layer
 parallelism the column-parallel inputs are gathered in FP8 (one byte an element). The quantization passes
 (memory-bound) are not counted, nor FP8's smaller saved activations in the memory estimate.
 
-Not modelled: kernel efficiency changing with matrix sizes (one efficiency for all), the optimizer step itself
-(memory-bound, small next to a step; with CPU offload it is the host's Adam, and --offload-params adds host-device
-copies of every shard), stragglers and network contention between groups (ZeRO-3's gathers share the links with
+Muon (``--optimizer muon``), after the backward, not hidden (:func:`muon_step_cost`): Newton-Schulz's products and
+its communication. One quintic step on an m x n matrix with Gram side g (the smaller, g <= n = the other) computes
+A = X X^T (g g n multiply-adds), cA^2 + bA (g^3) and (...) X (g g n): 2 (2 g^2 n + g^3) FLOPs, times
+--muon-num-ns-steps, for each matrix (q, k and v apart unless --muon-no-split-qkv), in fp32 on TF32 tensor cores
+(half the bf16 peak on Ampere and Hopper, TF32_PEAK_RATIO). A matrix split over TP: ``duplicated`` all-gathers the
+fp32 update over TP and runs NS on the whole matrix; ``distributed`` keeps the Gram side whole (the unsplit one),
+runs the long side's products on the shard (n / TP) and all-reduces the g x g Gram matrix each step (and the norm
+once); ``blockwise`` runs NS on the shard alone. Under the distributed optimizer (ZeRO-1/2) each matrix is owned by
+one DP rank (megalite.optimizer.muon.owners, by size): the busiest owner's work counts, and each bucket holding
+matrices is all-gathered and reduce-scattered in fp32 over DP; under ZeRO-3 two all-to-alls move each rank's rows
+to the owners and back (the largest a rank sends or receives counts, at the DP group's bandwidth). Without them every
+DP rank orthogonalizes every matrix. The routed experts' matrices are owned over the expert-data-parallel ranks.
+
+Not modelled: kernel efficiency changing with matrix sizes (one efficiency for all), AdamW's step (memory-bound,
+small next to a step; with CPU offload it is the host's Adam, and --offload-params adds host-device copies of every
+shard), stragglers and network contention between groups (ZeRO-3's gathers share the links with
 TP's all-reduces).
 """
 
@@ -70,18 +83,24 @@ from dataclasses import dataclass
 from megalite.config import ModelConfig
 from megalite.distributed.data_parallel import default_bucket_size
 from megalite.model.flops import core_width, macs_per_token_per_layer, model_flops_per_iteration
+from megalite.optimizer.muon import owners
 from megalite.pipeline.partition import chunks_of_rank
 from megalite.pipeline.simulation import schedule_bubble
 from megalite.planner.hardware import Hardware
 from megalite.planner.layout import Layout
-from megalite.planner.memory import engine_buckets, fully_sharded_units, model_state_bytes, padded_elements
-from megalite.planner.parameters import rank_tensors
+from megalite.planner.memory import (engine_buckets, fully_sharded_units, is_muon_matrix, model_state_bytes,
+                                     padded_elements, shard_rows)
+from megalite.planner.parameters import Tensor, rank_tensors
 
 
 # megalite's ring attention on a GPU computes each block with unfused torch ops (q k^T, softmax, times v, the scores
 # written to memory), which run about 3x slower than a fused flash-attention kernel (Dao et al. 2022, FlashAttention:
 # up to 3x over PyTorch's standard attention on GPT-2): its FLOPs are counted at a third of the kernels' efficiency.
 UNFUSED_ATTENTION_SLOWDOWN = 3.0
+
+# Muon's Newton-Schulz runs in fp32, which megalite lets CUDA compute on TF32 tensor cores (allow_tf32): their dense
+# peak is half of bf16's on A100 (156 / 312 TFLOP/s) and H100 SXM (495 / 989).
+TF32_PEAK_RATIO = 0.5
 
 
 def ring_all_reduce_time(num_bytes: float, n: int, bandwidth: float) -> float:
@@ -109,6 +128,7 @@ class StepTime:
     cp: float = 0.0          # context-parallel communication per step, total (the ring's partly hidden)
     cp_exposed: float = 0.0  # ... the part that does not hide behind the attention blocks' compute
     all_to_all: float = 0.0  # expert-parallel token dispatch per step (not hidden)
+    muon: float = 0.0        # Muon's Newton-Schulz and its communication per step (not hidden)
 
     def tokens_per_second(self, global_batch_size: int, seq_length: int) -> float:
         return global_batch_size * seq_length / self.step
@@ -214,13 +234,14 @@ def step_time(model: ModelConfig, layout: Layout, hardware: Hardware, global_bat
                                                    layer_flops / rate - layer_forward, dtype_bytes)
     else:
         dp_total, dp_exposed = _data_parallel_time(model, layout, hardware, m, slowest_compute, dtype_bytes)
-    step = pipeline + dp_exposed
+    muon = muon_step_cost(model, layout, hardware).seconds if layout.muon else 0.0
+    step = pipeline + dp_exposed + muon
     return StepTime(compute=slowest_compute * m, tp=slowest_tp * m, pp=2 * v * pp_message * m, dp=dp_total,
                     dp_exposed=dp_exposed, bubble=bubble, bubble_time=slowest_slot * m * bubble,
                     recompute=slowest_recompute * m, imbalance=(slowest_compute - total_compute / pp) * m, step=step,
                     model_flops=model_flops_per_iteration(model, global_batch_size),
                     cp=slowest_layers * cp_total * m, cp_exposed=slowest_layers * cp_exposed * m,
-                    all_to_all=slowest_a2a * m)
+                    all_to_all=slowest_a2a * m, muon=muon)
 
 
 def kv_head_gather_elements(model: ModelConfig, layout: Layout) -> int:
@@ -419,3 +440,108 @@ def _fully_sharded_time(model: ModelConfig, layout: Layout, hardware: Hardware, 
     between = max(0, n - 1) * (max(0.0, layer_gather - layer_forward)
                                + max(0.0, layer_gather + layer_scatter - layer_backward))
     return num_micro_batches * total, num_micro_batches * (ends + between)
+
+
+def newton_schulz_flops(gram: int, other: int, steps: int) -> float:
+    """FLOPs of ``steps`` quintic Newton-Schulz steps on a matrix whose Gram side (X X^T's) has ``gram`` rows and
+    the other side ``other`` (megalite.optimizer.muon.newton_schulz): per step X X^T, the polynomial's A^2 and its
+    product with X."""
+    return steps * 2.0 * (2 * gram * gram * other + gram ** 3)
+
+
+@dataclass(frozen=True)
+class MuonCost:
+    """Muon's work per step on the busiest rank of the slowest pipeline stage (see the module docstring)."""
+    flops: float = 0.0      # Newton-Schulz FLOPs
+    tp_bytes: float = 0.0   # fp32 bytes of the TP collectives (duplicated: gathered matrices; distributed: Gram sums)
+    dp_bytes: float = 0.0   # fp32 bytes of the layer-wise distribution (the buckets gathered and scattered; ZeRO-3:
+                            # what the rank sends in the two all-to-alls)
+    seconds: float = 0.0    # all of it, not hidden
+
+
+def _matrix_cost(t: Tensor, layout: Layout, model: ModelConfig, hardware: Hardware,
+                 world: int) -> tuple[float, float, float]:
+    """(FLOPs, TP bytes, TP seconds) of orthogonalizing one matrix this rank holds (its TP slice ``t``)."""
+    steps, mode = layout.muon_ns_steps, layout.muon_tp_mode
+    rows, cols = t.rows, t.numel // t.rows
+    split = t.tp_dim if world > 1 else None
+    blocks = [rows]
+    if layout.muon_split_qkv and t.name.endswith("linear_qkv.weight"):   # q, k and v, each on its own
+        groups = model.query_groups * model.head_dim
+        blocks = [size // world for size in (model.query_size, groups, groups)]
+    flops = tp_bytes = seconds = 0.0
+    bw = hardware.bandwidth(world)
+    for local_rows in blocks:
+        if split is None or mode == "blockwise":
+            flops += newton_schulz_flops(min(local_rows, cols), max(local_rows, cols), steps)
+        elif mode == "duplicated":
+            full_rows, full_cols = (local_rows * world, cols) if split == 0 else (local_rows, cols * world)
+            flops += newton_schulz_flops(min(full_rows, full_cols), max(full_rows, full_cols), steps)
+            tp_bytes += full_rows * full_cols * 4
+            seconds += ring_gather_time(full_rows * full_cols * 4, world, bw)
+        else:   # distributed: the unsplit side's Gram matrix, whole on every rank, summed over TP each step
+            gram, long = (cols, local_rows) if split == 0 else (local_rows, cols)
+            flops += newton_schulz_flops(gram, long, steps)
+            tp_bytes += steps * gram * gram * 4 + 4
+            seconds += steps * ring_all_reduce_time(gram * gram * 4, world, bw) + ring_all_reduce_time(4, world, bw)
+    return flops, tp_bytes, seconds
+
+
+def _owned_cost(matrices: list[Tensor], dp: int, layered: bool, layout: Layout, model: ModelConfig,
+                hardware: Hardware, world: int) -> tuple[float, float, float, int]:
+    """(FLOPs, TP bytes, seconds, rank) of the busiest of ``dp`` ranks when each matrix is owned by one (``layered``),
+    else of any rank (each orthogonalizes all of them)."""
+    rate = hardware.peak_flops * TF32_PEAK_RATIO * hardware.efficiency
+    costs = [_matrix_cost(t, layout, model, hardware, world) for t in matrices]
+    owner = owners([t.numel for t in matrices], dp) if layered else [0] * len(matrices)
+    per_rank = [[0.0, 0.0, 0.0] for _ in range(dp if layered else 1)]
+    for (flops, tp_bytes, seconds), rank in zip(costs, owner):
+        per_rank[rank][0] += flops
+        per_rank[rank][1] += tp_bytes
+        per_rank[rank][2] += flops / rate + seconds
+    rank = max(range(len(per_rank)), key=lambda r: per_rank[r][2])
+    return (*per_rank[rank], rank)
+
+
+def _distribution_bytes(matrices: list[Tensor], tensors: list[Tensor], dp: int, layout: Layout) -> float:
+    """fp32 bytes of one engine's layer-wise distribution per step: the buckets holding matrices, whole (ZeRO-1/2:
+    each all-gathered, then reduce-scattered); ZeRO-3: the most any rank sends or receives in one all-to-all (its
+    rows of the others' matrices; the other ranks' rows of its own), twice."""
+    if layout.zero in (1, 2):
+        plan, _ = engine_buckets(tensors, dp, layout.zero, default_bucket_size(dp))
+        held = {id(t) for t in matrices}
+        return 2 * 4.0 * sum(b.end - b.start for b in plan.buckets if any(id(p.tensor) in held for p in b.params))
+    owner = owners([t.numel for t in matrices], dp)
+    most = 0
+    for rank in range(dp):
+        mine = [shard_rows(t.rows, dp, rank) * (t.numel // t.rows) for t in matrices]
+        sent = sum(n for n, o in zip(mine, owner) if o != rank)
+        received = sum(t.numel - n for t, n, o in zip(matrices, mine, owner) if o == rank)
+        most = max(most, sent, received)
+    return 2 * 4.0 * most
+
+
+def muon_step_cost(model: ModelConfig, layout: Layout, hardware: Hardware) -> MuonCost:
+    """Muon's Newton-Schulz FLOPs, communication and seconds per step (see the module docstring): the slowest
+    pipeline stage's, on its busiest data-parallel rank (the dense matrices' and the routed experts' owners)."""
+    worst = MuonCost()
+    layered = layout.zero in (1, 2, 3)
+    for pp_rank in range(layout.pp):
+        tensors = [t for chunk in rank_tensors(model, layout.tp, layout.pp, layout.virtual_stages, pp_rank,
+                                               layout.placement, ep=layout.ep, expert_tp=layout.expert_tp,
+                                               split=layout.split) for t in chunk]
+        flops = tp_bytes = dp_bytes = seconds = 0.0
+        for expert, dp, world in ((False, layout.replicas, layout.tp), (True, layout.expert_dp, layout.expert_tp)):
+            engine = [t for t in tensors if t.expert == expert]
+            matrices = [t for t in engine if is_muon_matrix(t)]
+            if not matrices:
+                continue
+            spread = layered and dp > 1
+            f, b, s, _ = _owned_cost(matrices, dp, spread, layout, model, hardware, world)
+            moved = _distribution_bytes(matrices, engine, dp, layout) if spread else 0.0
+            flops, tp_bytes, dp_bytes = flops + f, tp_bytes + b, dp_bytes + moved
+            ring = (dp - 1) / dp if layout.zero in (1, 2) else 1.0   # ZeRO-3's all-to-all bytes are those sent
+            seconds += s + moved * ring / hardware.bandwidth(layout.tp * dp)
+        if seconds > worst.seconds:
+            worst = MuonCost(flops, tp_bytes, dp_bytes, seconds)
+    return worst

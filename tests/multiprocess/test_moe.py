@@ -62,6 +62,7 @@ def moe_config(tp=1, pp=1, ep=1, model=None, parallel=None, **sections):
     (2, 2, None, {"moe_token_dispatcher_type": "allgather"}, {"expert_tensor_parallel_size": 1}, {}),
     (1, 2, None, {}, {}, {"zero_stage": 3}),
     (1, 2, None, {}, {}, {"use_distributed_optimizer": True, "optimizer": "muon"}),   # Muon per expert, over EDP
+    (1, 2, None, {}, {}, {"zero_stage": 3, "optimizer": "muon"}),   # the same over ZeRO-3's EDP mesh
     (1, 2, None, {"attention_dropout": 0.0}, {"context_parallel_size": 2}, {}),   # EP from DP x CP: EDP = 2
 ])
 def test_expert_parallel_matches_single_process(tp, ep, ranks, model, parallel, optimizer):

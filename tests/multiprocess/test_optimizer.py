@@ -44,6 +44,9 @@ MUON = {"optimizer": "muon"}
     ("TP=2 x DP=2 ZeRO-1 Muon distributed, matrices layer-wise over DP", 2, 1, None,
      {**DIST, **MUON, "muon_tp_mode": "distributed"}),
     ("PP=2 x DP=2 ZeRO-2 Muon", 1, 2, None, {**DIST, **MUON, "zero_stage": 2}),
+    ("DP=2 ZeRO-3 Muon, matrices layer-wise over the FSDP2 shards", 1, 1, [0, 1], {**MUON, "zero_stage": 3}),
+    ("TP=2 x DP=2 ZeRO-3 Muon duplicated", 2, 1, None, {**MUON, "zero_stage": 3}),
+    ("TP=2 x DP=2 ZeRO-3 Muon distributed", 2, 1, None, {**MUON, "zero_stage": 3, "muon_tp_mode": "distributed"}),
 ])
 def test_matches_single_process(label, tp, pp, ranks, options):
     cfg = tiny_config(tp=tp, pp=pp, optimizer={"ddp_bucket_size": BUCKET, **options},

@@ -8,7 +8,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from megalite import parallel_state
 from megalite.optimizer.muon import Muon, MuonSettings
+from megalite.tensor_parallel.partition import Partition
 from megalite.training import Trainer
 
 from ..helpers import single_layout, tiny_config
@@ -85,3 +87,26 @@ def test_hidden_matrices_take_muon_and_the_rest_adamw():
                                     "mlp.linear_fc2"))
     assert "embedding.word.weight" in str(adam) and "embedding.position.weight" in str(adam)
     assert all("weight" not in n or "norm" in n or "embedding" in n or "output" in n for n in adam), adam
+
+
+def test_blockwise_equals_the_whole_matrix_only_without_tensor_parallelism():
+    """--muon-tp-mode blockwise orthogonalizes a TP shard alone, scaled by the shard's shape: at TP=2 not the
+    single process's update (the duplicated mode's, this rank's rows of the whole matrix's), at TP=1 that update."""
+    torch.manual_seed(3)
+    whole = torch.randn(48, 32)
+    scale = 0.2 * math.sqrt(48)   # spectral: sqrt(max(m, n)) of the whole matrix, with the 0.2 AdamW match
+    single = reference_newton_schulz(whole) * scale
+
+    def param(rows):
+        p = torch.nn.Parameter(torch.empty(rows, 32))
+        p.partition, p.full_shape = Partition(dim=0), (48, 32)
+        return p
+
+    blockwise, duplicated_rows = MuonSettings(tp_mode="blockwise"), single[24:]
+    with parallel_state.simulated_layout(tp=2, tp_rank=1):
+        shard = whole[24:]
+        ours = blockwise.orthogonalize(shard, param(24))
+    assert torch.allclose(ours, reference_newton_schulz(shard) * 0.2 * math.sqrt(32), atol=1e-5)
+    assert (ours - duplicated_rows).abs().max() > 0.1 * duplicated_rows.abs().max()
+    with parallel_state.simulated_layout(tp=1):
+        assert torch.allclose(blockwise.orthogonalize(whole, param(48)), single, atol=1e-5)

@@ -109,10 +109,12 @@ def test_dry_run_prints_the_estimate_and_trains_nothing(monkeypatch, capsys):
 def test_dry_run_of_a_pipeline_marks_the_most_loaded_stage(monkeypatch, capsys):
     monkeypatch.setenv("WORLD_SIZE", "4")
     argv = ARGV + ["--pipeline-model-parallel-size", "2", "--use-distributed-optimizer", "--global-batch-size", "32",
-                   "--dry-run"]
+                   "--optimizer", "muon", "--dry-run"]
     assert pretrain_gpt.main(argv) == 0
     out = capsys.readouterr().out
     assert "TP=1 x PP=2 x DP=2" in out and out.count("<- most loaded") == 1
+    assert ("Muon (--muon-tp-mode duplicated, 5 Newton-Schulz steps, each matrix owned by one of the 2 data-parallel "
+            "ranks): ") in out   # its FLOPs and bytes: tests/planner/test_performance.py
     assert "pipeline schedule 1f1b: bubble 50.0% of compute" in out     # (PP - 1) / M, M = 32 / (DP 2 x 8)
     assert pretrain_gpt.main(argv + ["--pipeline-schedule", "zbv", "--num-layers", "4"]) == 0
     out = capsys.readouterr().out

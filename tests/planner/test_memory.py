@@ -130,6 +130,11 @@ def test_zero3_holds_the_paper_s_16_over_n_as_fp32_shards():
     # cut 6 x 7187 + 7182): no rank holds more than DP rank 0, and all ranks together hold the whole model.
     ranks = [model_state_bytes(model, Layout(dp=7, zero=3), dp_rank=r).weights for r in range(7)]
     assert max(ranks) == ranks[0] > ranks[-1] and sum(ranks) == 4 * count_parameters(model).per_stage[0]
+    # --optimizer muon: one 4-byte buffer for the hidden matrices' rows where Adam keeps two: in the tiny model's two
+    # layers, 2 x (192 + 64 + 256 + 256) x 64 elements (qkv, projection, fc1, fc2), half on each of DP=2's ranks.
+    tiny = tiny_config().model
+    adam, muon = (model_state_bytes(tiny, Layout(dp=2, zero=3, muon=m)).optimizer for m in (False, True))
+    assert adam - muon == 4 * 2 * 768 * 64 / 2
 
 
 def test_zero3_offload_moves_the_states_to_the_host_and_leaves_the_gathered_layers():

@@ -140,9 +140,8 @@ class ActivationOffloader:
         return self._streams[device]
 
     def _pack(self, tensor: torch.Tensor, group: _Group, counts: list[int]):
-        base = tensor if tensor._base is None else tensor._base
-        if isinstance(base, nn.Parameter):
-            return tensor
+        if isinstance(tensor, nn.Parameter) or isinstance(tensor._base, nn.Parameter) or tensor.is_leaf:
+            return tensor   # a parameter (or a view of one, or a leaf: a stage's received input) stays
         storage = tensor.untyped_storage()
         key = storage.data_ptr()
         known, copy = self._copies.get(key, (None, None))

@@ -214,6 +214,19 @@ def test_tiny_config_is_valid_on_several_world_sizes():
      "mla_up_proj)"),
     (tiny_config(model={"recompute_granularity": "selective", "recompute_modules": "moe_act"}), 1,
      "--recompute-modules moe_act needs --num-experts: the model has no such part"),
+    (tiny_config(model={"offload_modules": "core_attn"}), 1,
+     "--offload-modules needs --fine-grained-activation-offloading"),
+    (tiny_config(model={"fine_grained_activation_offloading": True, "offload_modules": "core_attn qkv_linear"}), 1,
+     "--offload-modules: unknown qkv_linear (choose from attn_norm, core_attn, attn_proj, mlp_norm, expert_fc1, "
+     "moe_act)"),
+    (tiny_config(model={"fine_grained_activation_offloading": True, "offload_modules": "attn_proj"}), 1,
+     "--offload-modules attn_proj needs core_attn: the attention core keeps the output projection's input too"),
+    (tiny_config(model={"fine_grained_activation_offloading": True, "offload_modules": "moe_act"}), 1,
+     "--offload-modules moe_act needs --num-experts: the model has no such part"),
+    (tiny_config(model={"fine_grained_activation_offloading": True, "offload_modules": "attn_norm",
+                        "recompute_granularity": "full", "recompute_method": "uniform"}), 1,
+     "--fine-grained-activation-offloading does not apply to --recompute-granularity full: a recomputed layer keeps "
+     "only its input, and its parts save what they keep while backward reruns them"),
     (tiny_config(optimizer={"optimizer": "sgd"}), 1, "--optimizer must be adam or muon, got 'sgd'"),
     (tiny_config(optimizer={"optimizer": "muon", "zero_stage": 3}), 2, "--optimizer muon does not run with "
      "--zero-stage 3 yet"),

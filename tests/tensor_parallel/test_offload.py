@@ -3,6 +3,7 @@ into a new host storage: a tiny GPT and a tiny MoE with dropout on, every --offl
 --recompute-modules layernorm and moe_act for the MoE: a rerun part offloads its inputs), against the same model
 without offloading: the loss and every gradient bit for bit; after the forward the autograd graph keeps none of the
 storages the parts saved (each one freed: the graph holds the offloader's copies), and each part handed some over.
+A linear under offloading still hands its weight gradient to the weight's main-gradient accumulator.
 The bytes saved against the planner's prediction: tests/planner/test_memory.py."""
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from megalite.model.gpt import GPTModel
-from megalite.tensor_parallel import ActivationOffloader, TensorParallelRNG
+from megalite.tensor_parallel import ActivationOffloader, RowParallelLinear, TensorParallelRNG
+from megalite.tensor_parallel.weight_grad import MAIN_GRAD_ACCUMULATOR
 
 from ..helpers import TINY_MOE, tiny_config
 
@@ -57,3 +59,21 @@ def test_offloading_changes_no_bit_and_the_graph_keeps_none_of_the_saved_storage
     assert set(offloader.offloaded) == set(modules.split())
     assert all(tensors > 0 and nbytes > 0 for tensors, nbytes in offloader.offloaded.values())
     assert torch.equal(loss, plain_loss) and all(torch.equal(a, b) for a, b in zip(grads, plain_grads))
+
+
+def test_a_linear_under_offloading_still_adds_its_weight_gradient_into_the_main_gradient():
+    """Under saved-tensor hooks a saved tensor comes back as a new tensor object, without the parameter's attributes:
+    the linear keeps its weight itself, so gradient-accumulation fusion (the data-parallel engine's accumulator on
+    the weight) still gets the weight gradient, the same as without offloading, instead of losing it."""
+    linear = RowParallelLinear(8, 4, init_std=0.1, bias=False)
+    torch.nn.init.normal_(linear.weight, generator=torch.Generator().manual_seed(1))
+    x = torch.randn(2, 3, 8, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    added = []
+    setattr(linear.weight, MAIN_GRAD_ACCUMULATOR, lambda grad, total_input: added.append(grad.t() @ total_input))
+    offloader = ActivationOffloader(frozenset({"attn_proj"}))
+    for name in ("mlp_norm", "attn_proj"):   # not offloaded, then offloaded
+        with offloader.offloading(name, training=True):
+            y = linear(x * 1.0)   # a non-leaf input: offloaded
+        y.square().sum().backward()
+    assert offloader.offloaded["attn_proj"][0] == 1 and linear.weight.grad is None
+    assert len(added) == 2 and torch.equal(added[0], added[1])

@@ -206,6 +206,17 @@ class ModelConfig:
               "(the experts' activation), mla_up_proj (multi-latent attention's up-projections and rope), keeping "
               "nothing: their output is freed once used and recomputed when backward reaches its user.",
         nargs="+", metavar="MODULE", role=NUMERICS_NEUTRAL)
+    fine_grained_activation_offloading: bool = option(
+        False, "Move what the --offload-modules parts of every layer save for backward to host memory during the "
+               "forward (megalite.tensor_parallel.offload: saved-tensor hooks; on a GPU pinned buffers and side "
+               "streams, reloads one module ahead of the backward); the same steps, bit for bit.",
+        role=NUMERICS_NEUTRAL)
+    offload_modules: Optional[str] = option(
+        None, "With --fine-grained-activation-offloading, the parts offloaded (Megatron's names): attn_norm and "
+              "mlp_norm (the norms' inputs and statistics), core_attn (what the attention core keeps: queries, keys, "
+              "values, the softmax), attn_proj (the output projection's input; needs core_attn, which keeps it "
+              "too), expert_fc1 (the routed experts' input), moe_act (the experts' activation input).",
+        nargs="+", metavar="MODULE", role=NUMERICS_NEUTRAL)
     fp8_format: Optional[str] = option(
         None, "FP8 matrix products in the attention and MLP linears (torch._scaled_mm; bf16 master weights, norms, "
               "softmax, embeddings and output layer): e4m3 (every operand e4m3) or hybrid (e4m3 forward, e5m2 "
@@ -360,6 +371,12 @@ class ModelConfig:
         if self.recompute_granularity != "selective":
             return frozenset()
         return frozenset(multi_word_values(self.recompute_modules) if self.recompute_modules else ["core_attn"])
+
+    def offloaded_modules(self) -> frozenset[str]:
+        """--offload-modules as a set; empty without --fine-grained-activation-offloading."""
+        if not self.fine_grained_activation_offloading or not self.offload_modules:
+            return frozenset()
+        return frozenset(multi_word_values(self.offload_modules))
 
     def attention_windows(self) -> list[Optional[int]]:
         """Each layer's (by global index) attention window: the tokens before a query it attends to besides itself,

@@ -351,6 +351,7 @@ def _check_architecture(cfg: MegaliteConfig) -> None:
         _require(m.recompute_method is None,
                  f"{FLAG.recompute_method} applies to {FLAG.recompute_granularity} full only")
     _check_recompute_modules(m)
+    _check_offload_modules(m)
 
 
 RECOMPUTE_MODULES = ("core_attn", "mlp", "moe", "shared_experts", "layernorm", "moe_act", "mla_up_proj")
@@ -376,6 +377,37 @@ def _check_recompute_modules(m: ModelConfig) -> None:
         _require(present, f"{FLAG.recompute_modules} {module} needs {flag}: the model has no such part")
     _require(not {"moe", "shared_experts"} <= modules and not {"moe", "moe_act"} <= modules,
              f"{FLAG.recompute_modules} moe already reruns the whole MoE layer: drop shared_experts and moe_act")
+
+
+OFFLOAD_MODULES = ("attn_norm", "core_attn", "attn_proj", "mlp_norm", "expert_fc1", "moe_act")
+
+
+def _check_offload_modules(m: ModelConfig) -> None:
+    """--fine-grained-activation-offloading with --offload-modules (Megatron's names), each for a part the model has
+    that keeps something in the forward: a part rerun in backward keeps only its inputs, and a fully recomputed layer
+    or MoE layer keeps nothing of its parts (their rerun happens in backward, where nothing is offloaded)."""
+    offloading = FLAG.fine_grained_activation_offloading
+    if not m.fine_grained_activation_offloading:
+        _require(m.offload_modules is None, f"{FLAG.offload_modules} needs {offloading}")
+        return
+    _require(bool(m.offload_modules), f"{offloading} needs {FLAG.offload_modules} (choose from "
+                                      f"{', '.join(OFFLOAD_MODULES)})")
+    modules = m.offloaded_modules()
+    unknown = sorted(modules - set(OFFLOAD_MODULES))
+    _require(not unknown, f"{FLAG.offload_modules}: unknown {' '.join(unknown)} (choose from "
+                          f"{', '.join(OFFLOAD_MODULES)})")
+    experts = sorted(modules & {"expert_fc1", "moe_act"})
+    _require(not experts or m.num_experts is not None,
+             f"{FLAG.offload_modules} {' '.join(experts)} needs {FLAG.num_experts}: the model has no such part")
+    _require("attn_proj" not in modules or "core_attn" in modules,
+             f"{FLAG.offload_modules} attn_proj needs core_attn: the attention core keeps the output projection's "
+             f"input too")
+    _require(m.recompute_granularity != "full",
+             f"{offloading} does not apply to {FLAG.recompute_granularity} full: a recomputed layer keeps only its "
+             f"input, and its parts save what they keep while backward reruns them")
+    _require(not experts or "moe" not in m.recomputed_modules(),
+             f"{FLAG.offload_modules} {' '.join(experts)} does not apply with {FLAG.recompute_modules} moe: the "
+             f"MoE layer keeps only its input, the experts save what they keep while backward reruns them")
 
 
 def _check_latent_attention(m: ModelConfig) -> None:

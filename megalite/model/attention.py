@@ -65,7 +65,8 @@ from megalite.model.norms import norm
 from megalite.model.rotary import RotaryEmbedding, rope_scaling
 from megalite.model.sinks import sink_attention
 from megalite.tensor_parallel import (ColumnParallelLinear, Fp8Recipe, RowParallelLinear, TensorParallelRNG,
-                                      all_gather_over, mark_sequence_parallel, recompute)
+                                      ActivationOffloader, all_gather_over, mark_sequence_parallel, offloading,
+                                      recompute)
 from megalite.tensor_parallel.partition import Partition, mark, normal_init
 
 
@@ -79,6 +80,8 @@ def _head_norm(cfg: ModelConfig, kernels: KernelPolicy) -> nn.Module:
 
 
 class SelfAttention(nn.Module):
+    offloader: Optional[ActivationOffloader] = None   # --offload-modules core_attn, attn_proj: set by GPTModel
+
     def __init__(self, cfg: ModelConfig, rng: TensorParallelRNG | None, sequence_parallel: bool = False,
                  kernels: KernelPolicy = DEFAULT_POLICY, window: Optional[int] = None):
         super().__init__()
@@ -156,15 +159,18 @@ class SelfAttention(nn.Module):
             else:
                 q, k = self.rotary(q, k, offset=0 if cache is None else cache.offset)
         sink = self._sink(q)
-        if cache is not None:
-            context = cache.attend(q, k, v, self.window, sink, self.scale)
-        elif self.recompute_core and self.training and torch.is_grad_enabled():
-            # The sink is an input too, so that its gradient leaves the recomputed core like q's, k's and v's.
-            inputs = (q, k, v) if sink is None else (q, k, v, sink)
-            context = recompute(lambda q, k, v, sink=None: self._attend(q, k, v, shard, sink), self.rng, *inputs)
-        else:
-            context = self._attend(q, k, v, shard, sink)
-        return self.linear_proj(context)
+        with offloading(self.offloader, "core_attn", self.training):
+            if cache is not None:
+                context = cache.attend(q, k, v, self.window, sink, self.scale)
+            elif self.recompute_core and self.training and torch.is_grad_enabled():
+                # The sink is an input too, so that its gradient leaves the recomputed core like q's, k's and v's.
+                inputs = (q, k, v) if sink is None else (q, k, v, sink)
+                context = recompute(lambda q, k, v, sink=None: self._attend(q, k, v, shard, sink), self.rng,
+                                    *inputs)
+            else:
+                context = self._attend(q, k, v, shard, sink)
+        with offloading(self.offloader, "attn_proj", self.training):
+            return self.linear_proj(context)
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shard: SequenceShard | None,
                 sink: Optional[torch.Tensor] = None) -> torch.Tensor:

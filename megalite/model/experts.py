@@ -23,6 +23,7 @@ not (FSDP2's gathered parameters), they are stacked, with the same numbers.
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -31,7 +32,8 @@ from torch import nn
 from megalite import parallel_state
 from megalite.config import ModelConfig
 from megalite.model.mlp import gated_activation
-from megalite.tensor_parallel import DiscardedOutput, copy_to_tensor_parallel, reduce_from_tensor_parallel
+from megalite.tensor_parallel import (ActivationOffloader, DiscardedOutput, copy_to_tensor_parallel, offloading,
+                                      reduce_from_tensor_parallel)
 from megalite.tensor_parallel.partition import REPLICATED, Partition, local_shape, mark, normal_init, zeros_init
 
 
@@ -80,6 +82,7 @@ def grouped_mm_available(x: torch.Tensor, widths: list[int]) -> bool:
 
 class LocalExperts(nn.ModuleDict):
     """This expert-parallel rank's experts, keyed by global index."""
+    offloader: Optional[ActivationOffloader] = None   # --offload-modules expert_fc1, moe_act: set by GPTModel
 
     def __init__(self, cfg: ModelConfig):
         ep = parallel_state.get_expert_model_parallel_world_size()
@@ -128,11 +131,14 @@ class LocalExperts(nn.ModuleDict):
         widths = [tokens.shape[-1], fc1[0].weight.shape[0], fc2[0].weight.shape[1]]
         if self.grouped and grouped_mm_available(tokens, widths):
             offsets = device_counts.cumsum(0).to(torch.int32)
-            out = self._activated(_grouped_linear(tokens, fc1, device_counts, offsets),
-                                  lambda hidden: _grouped_linear(hidden, fc2, device_counts, offsets, with_bias=False))
+            with offloading(self.offloader, "expert_fc1", self.training):
+                hidden = _grouped_linear(tokens, fc1, device_counts, offsets)
+            out = self._activated(hidden, lambda hidden: _grouped_linear(hidden, fc2, device_counts, offsets,
+                                                                         with_bias=False))
         else:
-            outs = [self._activated(F.linear(x, a.weight, a.bias), lambda hidden, b=b: F.linear(hidden, b.weight))
-                    for x, a, b in zip(tokens.split(counts), fc1, fc2)]
+            with offloading(self.offloader, "expert_fc1", self.training):
+                hidden = [F.linear(x, a.weight, a.bias) for x, a in zip(tokens.split(counts), fc1)]
+            outs = [self._activated(y, lambda hidden, b=b: F.linear(hidden, b.weight)) for y, b in zip(hidden, fc2)]
             out = torch.cat(outs) if outs else tokens[:0]
         if self.split:
             out = reduce_from_tensor_parallel(out)
@@ -144,9 +150,13 @@ class LocalExperts(nn.ModuleDict):
         """``second_linear(activation(y))``; with --recompute-modules moe_act the activation's output is freed once
         the second linear has run and recomputed from ``y`` when backward reaches the linear's output."""
         if not (self.recompute_activation and self.training and torch.is_grad_enabled()):
-            return second_linear(self._activation(y))
+            with offloading(self.offloader, "moe_act", self.training):   # --offload-modules moe_act
+                activated = self._activation(y)
+            return second_linear(activated)
         activation = DiscardedOutput(self._activation, None)
-        out = second_linear(activation.run(y))
+        with offloading(self.offloader, "moe_act", self.training):   # what the rerun needs: y
+            activated = activation.run(y)
+        out = second_linear(activated)
         activation.discard(out)
         return out
 

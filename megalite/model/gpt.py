@@ -40,9 +40,9 @@ from megalite.model.kv_cache import KVCache
 from megalite.model.multi_token_prediction import MultiTokenPrediction, MultiTokenTargets
 from megalite.model.norms import norm, position_embedding
 from megalite.model.transformer import TransformerLayer, run_layers
-from megalite.tensor_parallel import (ColumnParallelLinear, Fp8History, TensorParallelRNG, VocabParallelEmbedding,
-                                      fp8_histories, gather_from_tensor_parallel, initialize_parameters,
-                                      mark_sequence_parallel, vocab_parallel_cross_entropy)
+from megalite.tensor_parallel import (ActivationOffloader, ColumnParallelLinear, Fp8History, TensorParallelRNG,
+                                      VocabParallelEmbedding, fp8_histories, gather_from_tensor_parallel,
+                                      initialize_parameters, mark_sequence_parallel, vocab_parallel_cross_entropy)
 
 
 @functools.lru_cache(maxsize=None)
@@ -124,6 +124,13 @@ class GPTModel(nn.Module):
                 sequence_parallel=sequence_parallel)
             if self.holds_embedding_copy:
                 self._embedding_copy().is_embedding_copy = True
+        # --offload-modules: one offloader per model chunk (a forward is one chain of groups to prefetch along),
+        # handed to the layers' parts that offload (their ``offloader`` attribute).
+        offloaded = cfg.offloaded_modules()
+        self.offloader = ActivationOffloader(offloaded) if offloaded else None
+        for module in self.modules() if self.offloader is not None else ():
+            if module is not self and hasattr(module, "offloader"):
+                module.offloader = self.offloader
         # What --decoupled-lr steps at its own rate (Megatron's is_embedding_or_output_parameter).
         for module in (self.embedding.word if self.embedding is not None else None,
                        self.output_layer if post_process else None):
@@ -185,6 +192,8 @@ class GPTModel(nn.Module):
         if shard is None and parallel_state.get_context_parallel_world_size() > 1:
             raise ValueError("under context parallelism the model needs the SequenceShard of its tokens")
         first_position = 0 if cache is None else cache.length
+        if self.offloader is not None:
+            self.offloader.begin_forward()
         hidden = self.embedding(tokens, shard, first_position) if self.pre_process else tokens
         hidden = run_layers(self.layers, hidden, self.cfg, self.rng, shard, cache, self.layer_offset)
         if cache is not None:

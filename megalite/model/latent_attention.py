@@ -56,7 +56,7 @@ from megalite.model.norms import norm
 from megalite.model.rotary import RotaryEmbedding, rope_scaling
 from megalite.tensor_parallel import (ColumnParallelLinear, DiscardedOutput, RowParallelLinear, TensorParallelRNG,
                                       all_gather_tensor_parallel, copy_to_tensor_parallel, mark_sequence_parallel,
-                                      recompute)
+                                      offloading, recompute)
 from megalite.tensor_parallel.mappings import SEQUENCE_DIM
 from megalite.tensor_parallel.partition import REPLICATED, mark, normal_init, zeros_init
 
@@ -133,7 +133,8 @@ class LatentAttention(SelfAttention):
         else:
             q, k, v = self._per_head(q, latent, k_rope, shard, cache)
             context = self._core_of(q, k, v, shard, cache)
-        return self.linear_proj(context)
+        with offloading(self.offloader, "attn_proj", self.training):
+            return self.linear_proj(context)
 
     def _per_head(self, q: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor, shard: SequenceShard | None,
                   cache: Optional[LayerCache]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -163,14 +164,13 @@ class LatentAttention(SelfAttention):
                  cache: Optional[LayerCache]) -> torch.Tensor:
         """The attention core (recomputed with --recompute-modules core_attn), heads merged: [batch, seq, heads x v]."""
         sink = self._sink(q)
-        if cache is not None:
-            context = cache.attend_stored(q, k, v, self.window, sink)
-        elif self.recompute_core and self.training and torch.is_grad_enabled():
-            inputs = (q, k, v) if sink is None else (q, k, v, sink)
-            context = recompute(lambda q, k, v, sink=None: self._attend(q, k, v, shard, sink), self.rng, *inputs)
-        else:
-            context = self._attend(q, k, v, shard, sink)
-        return context
+        with offloading(self.offloader, "core_attn", self.training):   # --offload-modules core_attn
+            if cache is not None:
+                return cache.attend_stored(q, k, v, self.window, sink)
+            if self.recompute_core and self.training and torch.is_grad_enabled():
+                inputs = (q, k, v) if sink is None else (q, k, v, sink)
+                return recompute(lambda q, k, v, sink=None: self._attend(q, k, v, shard, sink), self.rng, *inputs)
+            return self._attend(q, k, v, shard, sink)
 
     def _keys_and_values(self, latent: torch.Tensor, k_rope: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's heads' keys [batch, heads, seq, qk + rope] and values [batch, heads, seq, v] of the latent

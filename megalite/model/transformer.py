@@ -23,10 +23,12 @@ from megalite.model.latent_attention import LatentAttention
 from megalite.model.mlp import MLP
 from megalite.model.moe import MoELayer
 from megalite.model.norms import norm
-from megalite.tensor_parallel import DiscardedOutput, TensorParallelRNG, recompute
+from megalite.tensor_parallel import ActivationOffloader, DiscardedOutput, TensorParallelRNG, offloading, recompute
 
 
 class TransformerLayer(nn.Module):
+    offloader: Optional[ActivationOffloader] = None   # --offload-modules attn_norm, mlp_norm: set by GPTModel
+
     def __init__(self, cfg: ModelConfig, rng: TensorParallelRNG | None, sequence_parallel: bool = False,
                  kernels: KernelPolicy = DEFAULT_POLICY, layer_number: int = 0):
         super().__init__()
@@ -61,25 +63,32 @@ class TransformerLayer(nn.Module):
                 cache: Optional[LayerCache] = None) -> torch.Tensor:
         if not (self.training and torch.is_grad_enabled()) or not (self.recompute_norms or self.recompute_mlp):
             x = x + self._dropout(self._sandwich(self.post_attention_norm,
-                                                 self.self_attention(self.input_norm(x), shard, cache)))
-            return x + self._dropout(self._sandwich(self.post_mlp_norm, self.mlp(self.pre_mlp_norm(x))))
-        attention = self._after_norm(self.input_norm, lambda h: self.self_attention(h, shard), x)
+                                                 self.self_attention(self._norm("attn_norm", x), shard, cache)))
+            return x + self._dropout(self._sandwich(self.post_mlp_norm, self.mlp(self._norm("mlp_norm", x))))
+        attention = self._after_norm("attn_norm", lambda h: self.self_attention(h, shard), x)
         x = x + self._dropout(self._sandwich(self.post_attention_norm, attention))
         mlp = (lambda h: recompute(self.mlp, self.rng, h)) if self.recompute_mlp else self.mlp
-        return x + self._dropout(self._sandwich(self.post_mlp_norm, self._after_norm(self.pre_mlp_norm, mlp, x)))
+        return x + self._dropout(self._sandwich(self.post_mlp_norm, self._after_norm("mlp_norm", mlp, x)))
+
+    def _norm(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        """The input (attn_norm) or pre-MLP (mlp_norm) norm of ``x``, offloading what it saves if so chosen."""
+        with offloading(self.offloader, name, self.training):   # --offload-modules attn_norm, mlp_norm
+            return (self.input_norm if name == "attn_norm" else self.pre_mlp_norm)(x)
 
     @staticmethod
     def _sandwich(post_norm: Optional[nn.Module], out: torch.Tensor) -> torch.Tensor:
         """--sandwich-norm: a sublayer's output normalized before its residual add."""
         return out if post_norm is None else post_norm(out)
 
-    def _after_norm(self, norm_module: nn.Module, consumer, x: torch.Tensor) -> torch.Tensor:
-        """``consumer(norm(x))``, the norm's output freed once the consumer has run (--recompute-modules
-        layernorm): recomputed when backward reaches the consumer's output."""
+    def _after_norm(self, name: str, consumer, x: torch.Tensor) -> torch.Tensor:
+        """``consumer(norm(x))`` (``name``: attn_norm or mlp_norm), the norm's output freed once the consumer has run
+        (--recompute-modules layernorm): recomputed when backward reaches the consumer's output."""
         if not self.recompute_norms:
-            return consumer(norm_module(x))
-        normed = DiscardedOutput(norm_module, self.rng)
-        out = consumer(normed.run(x))
+            return consumer(self._norm(name, x))
+        normed = DiscardedOutput(self.input_norm if name == "attn_norm" else self.pre_mlp_norm, self.rng)
+        with offloading(self.offloader, name, self.training):   # what the rerun needs: x
+            normed_x = normed.run(x)
+        out = consumer(normed_x)
         normed.discard(out)
         return out
 

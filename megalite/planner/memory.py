@@ -502,7 +502,51 @@ def layer_activation_bytes(model: ModelConfig, tp: int, sequence_parallel: bool,
             core += context_parallel_core_bytes(model, tp, micro_batch_size, numerics, cp, cp_comm_type)
     moe_layer = model.num_experts is not None and model.moe_layers()[index]
     fp8 = fp8_saved_difference(model, tp, s * b, replicated_share, p, keeps_output, moe_layer)
-    return replicated * replicated_share + split + core + fp8
+    offloaded = offloaded_bytes(model, tp, s * b, numerics, replicated_share, core, moe_layer, expert_tp or tp)
+    return replicated * replicated_share + split + core + fp8 - offloaded
+
+
+def offloaded_bytes(model: ModelConfig, tp: int, tokens: int, numerics: Numerics, replicated_share: float,
+                    core: float, moe_layer: bool, expert_tp: int) -> float:
+    """What --offload-modules moves off the device per layer and micro-batch (megalite.tensor_parallel.offload;
+    measured with saved-tensor hooks, tests/planner/test_memory.py), given the attention ``core``'s kept bytes:
+    attn_norm, mlp_norm: the norm's input and statistics (the input only when --recompute-modules layernorm reruns
+    it); core_attn: the core's own tensors and the storages of its queries, keys and values (the fused QKV output
+    that one of them views, the rotated q and k with rope, a gathered [k; v]; multi-latent attention's per-head q,
+    k and key/value up-projection, an estimate); attn_proj: the output projection's input; expert_fc1:
+    the experts' input rows; moe_act: what the activation keeps (the fc1 output, and silu's output when gated and
+    not rerun)."""
+    modules = model.offloaded_modules()
+    if not modules:
+        return 0.0
+    p, h, d, g = numerics.activation_bytes, model.hidden_size, model.head_dim, model.query_groups
+    recomputed = model.recomputed_modules()
+    norm = p * tokens * h + (0 if "layernorm" in recomputed else _norm_statistics(model) * tokens)
+    moved = norm * replicated_share * len(modules & {"attn_norm", "mlp_norm"})
+    if "core_attn" in modules:
+        heads, kv_heads = model.num_attention_heads / tp, max(g // tp, 1)
+        rope = model.position_embedding_type == "rope"
+        if model.multi_latent_attention:
+            qk = model.qk_head_dim + model.qk_pos_emb_head_dim
+            moved += p * tokens * heads * (2 * qk + model.qk_head_dim + model.v_head_dim)
+        else:
+            if tp <= g or not rope:   # q, k or v views the fused output
+                moved += p * tokens * (model.query_size + 2 * g * d) / tp
+            if rope:
+                moved += p * tokens * (model.query_size / tp + kv_heads * d)
+            if tp > g:
+                moved += p * tokens * 2 * kv_heads * d
+        moved += core
+    if "attn_proj" in modules:
+        moved += p * tokens * (model.num_attention_heads * model.v_head_dim if model.multi_latent_attention
+                               else model.query_size) / tp
+    if moe_layer and modules & {"expert_fc1", "moe_act"}:
+        rows, f = model.moe_router_topk * tokens, model.expert_ffn_size / expert_tp
+        if "expert_fc1" in modules:
+            moved += p * rows * h
+        if "moe_act" in modules:
+            moved += p * rows * f * ((2 if "moe_act" in recomputed else 3) if model.gated_mlp else 1)
+    return moved
 
 
 def fp8_saved_difference(model: ModelConfig, tp: int, tokens: int, replicated_share: float, p: float,

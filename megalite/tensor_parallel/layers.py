@@ -56,7 +56,11 @@ class _Linear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, gather_input: bool, scatter_output: bool, store: WeightGradStore | None):
-        ctx.save_for_backward(x, weight)
+        # The weight itself, not a saved tensor: under saved-tensor hooks (activation offloading) a saved tensor
+        # comes back as a new tensor object, without the parameter's main-gradient accumulator (its gradient would
+        # be lost) or identity. A leaf on ctx makes no reference cycle.
+        ctx.save_for_backward(x)
+        ctx.weight = weight
         ctx.has_bias, ctx.gather_input, ctx.scatter_output, ctx.store = (bias is not None, gather_input,
                                                                          scatter_output, store)
         y = F.linear(all_gather(x, SEQUENCE_DIM) if gather_input else x, weight, bias)
@@ -64,7 +68,7 @@ class _Linear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        x, weight = ctx.saved_tensors
+        (x,), weight = ctx.saved_tensors, ctx.weight
         grad_output = all_gather(grad, SEQUENCE_DIM) if ctx.scatter_output else grad
         grad_input = grad_weight = grad_bias = None
         if ctx.needs_input_grad[0]:

@@ -27,7 +27,8 @@ within 1e-5):
   parallelism and full recompute (uniform); its communication, counted, is the planner's.
 
 With dropout on, full and selective recompute at TP=2 x PP=2 (1F1B, so other micro-batches' forwards run between a
-forward and its recompute) give exactly the losses, gradient norms and weights of the run without recompute.
+forward and its recompute) give exactly the losses, gradient norms and weights of the run without recompute; so does
+offloading what attn_norm, core_attn, attn_proj and mlp_norm save (several micro-batches' copies in flight).
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ FULL_BLOCK = {"recompute_granularity": "full", "recompute_method": "block", "rec
 FULL_UNIFORM = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 2}
 SELECTIVE = {"recompute_granularity": "selective"}
 DENSE_MODULES = {**SELECTIVE, "recompute_modules": "core_attn mlp layernorm"}   # Megatron's --recompute-modules
+OFFLOAD = {"fine_grained_activation_offloading": True, "offload_modules": "attn_norm core_attn attn_proj mlp_norm"}
 WINDOW = {"window_size": "7,0", "window_attn_skip_freq": "[1,0,1,1]"}
 GEMMA = {"swiglu": False, "gated_linear_unit": True, "openai_gelu": True, "sandwich_norm": True, "qk_layernorm": True,
          "apply_layernorm_1p": True, "scale_embeddings": True, "softmax_scale": 0.3, "local_rotary_base": 1000,
@@ -97,7 +99,7 @@ def test_recompute_with_dropout_matches_no_recompute():
 
     plain_records, plain_weights = run({})
     for label, recompute in [("full", {**FULL_UNIFORM, "recompute_num_layers": 1}), ("selective", SELECTIVE),
-                             ("core_attn, mlp and layernorm", DENSE_MODULES)]:
+                             ("core_attn, mlp and layernorm", DENSE_MODULES), ("offloading and no", OFFLOAD)]:
         records, weights = run(recompute)
         loss_diff = max_relative_difference([r["loss"] for r in records], [r["loss"] for r in plain_records])
         norm_diff = max_relative_difference([r["grad_norm"] for r in records],

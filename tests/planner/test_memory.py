@@ -45,6 +45,8 @@ LLAMA = {"position_embedding_type": "rope", "normalization": "RMSNorm", "swiglu"
          "group_query_attention": True, "num_query_groups": 2, "disable_bias_linear": True,
          "untie_embeddings_and_output_weights": True}
 MODULES = {"recompute_granularity": "selective"}   # with "recompute_modules": Megatron's --recompute-modules
+OFFLOAD = {"fine_grained_activation_offloading": True}   # with "offload_modules": Megatron's --offload-modules
+DENSE_OFFLOAD = {**OFFLOAD, "offload_modules": "attn_norm core_attn attn_proj mlp_norm"}
 
 
 # ---- model states ---------------------------------------------------------------------------------------------------
@@ -233,6 +235,34 @@ def test_activations_match_what_autograd_keeps(local_collectives, tp, sp, pre, p
     print(f"TP={tp} SP={sp} first={pre} last={post} b={b} {options}: measured {measured}, planned {kept:.0f} "
           f"(ratio {measured / kept:.5f})")
     assert abs(measured / kept - 1) < 0.15
+
+
+@pytest.mark.parametrize("tp, sp, options, modules", [
+    (1, False, {"hidden_dropout": 0.1, "attention_dropout": 0.1}, "attn_norm core_attn attn_proj mlp_norm"),
+    (2, True, LLAMA, "core_attn attn_norm"),
+    (2, True, {**LLAMA, **MODULES, "recompute_modules": "core_attn layernorm"}, "attn_norm core_attn mlp_norm"),
+    (1, False, {**TINY_MOE, **MODULES, "swiglu": True, "recompute_modules": "moe_act"}, "mlp_norm expert_fc1 moe_act"),
+])
+def test_offloaded_bytes_leave_what_autograd_keeps_as_planned(local_collectives, tp, sp, options, modules):
+    """--offload-modules: the bytes autograd keeps on the device with and without offloading, measured (what the
+    offloaded parts save is handed to the offloader's hooks, whose host copies autograd keeps instead), against
+    the planner's: the saving exactly, the totals within the suite's 15% (the output layer's share)."""
+    layout = Layout(tp=tp, sequence_parallel=sp, micro_batch_size=2)
+    bytes_of = {}
+    for offload in (False, True):
+        model = tiny_config(model={"num_layers": 2, **options, **({**OFFLOAD, "offload_modules": modules} if offload
+                                                                   else {})}).model
+        measured = _measured_activations(model, tp, sp, True, True, 2)
+        planned, _ = _chunk_activation_bytes(model, dataclasses.replace(layout, recompute=model.recompute_granularity),
+                                             model.num_layers, True, True, Numerics.cpu())
+        bytes_of[offload] = measured, planned
+    (plain, plain_planned), (offloaded, offloaded_planned) = bytes_of[False], bytes_of[True]
+    print(f"TP={tp} SP={sp} offloading {modules}: measured {plain} -> {offloaded} bytes "
+          f"({offloaded / plain:.3f}), planned {plain_planned:.0f} -> {offloaded_planned:.0f} "
+          f"({offloaded_planned / plain_planned:.3f}); saving measured/planned "
+          f"{(plain - offloaded) / (plain_planned - offloaded_planned):.4f}")
+    assert offloaded < plain and abs(offloaded / offloaded_planned - 1) < 0.15
+    assert plain - offloaded == pytest.approx(plain_planned - offloaded_planned, rel=1e-9)
 
 
 @pytest.mark.parametrize("recipe, tp, sp, options", [

@@ -26,6 +26,7 @@ from .equivalence import CPU, check_against_reference
 BUCKET = 4000
 DIST = {"use_distributed_optimizer": True}
 MUON = {"optimizer": "muon"}
+HSDP = {"instances": 2}   # --num-distributed-optimizer-instances (a ParallelConfig field)
 
 
 @pytest.mark.parametrize("label, tp, pp, ranks, options", [
@@ -44,9 +45,13 @@ MUON = {"optimizer": "muon"}
     ("TP=2 x DP=2 ZeRO-1 Muon distributed, matrices layer-wise over DP", 2, 1, None,
      {**DIST, **MUON, "muon_tp_mode": "distributed"}),
     ("PP=2 x DP=2 ZeRO-2 Muon", 1, 2, None, {**DIST, **MUON, "zero_stage": 2}),
+    ("DP=4 as 2 instances x 2 (HSDP) ZeRO-1 overlapped", 1, 1, None,
+     {**DIST, **HSDP, "overlap_grad_reduce": True, "overlap_param_gather": True}),
 ])
 def test_matches_single_process(label, tp, pp, ranks, options):
-    cfg = tiny_config(tp=tp, pp=pp, optimizer={"ddp_bucket_size": BUCKET, **options},
+    options = dict(options)
+    parallel = {"num_distributed_optimizer_instances": options.pop("instances", 1)}
+    cfg = tiny_config(tp=tp, pp=pp, optimizer={"ddp_bucket_size": BUCKET, **options}, parallel=parallel,
                       training={"micro_batch_size": 1})
     check_against_reference(cfg, ranks, label)
 

@@ -46,6 +46,7 @@ LLAMA = {"position_embedding_type": "rope", "normalization": "RMSNorm", "swiglu"
     ("ZeRO-3 PP=2 x DP=2, tied embedding across stages", 1, {}, {"num_layers": 4}, {"pipeline_model_parallel_size": 2}),
     ("ZeRO-3 PP=2 (V=2) x DP=2, interleaved", 1, {}, {"num_layers": 4},
      {"pipeline_model_parallel_size": 2, "num_virtual_stages_per_pipeline_rank": 2}),
+    ("ZeRO-3 DP=4 as 2 instances x 2 (HSDP)", 1, {}, {}, {"num_distributed_optimizer_instances": 2}),
 ])
 def test_matches_single_process(label, tp, options, model, parallel):
     cfg = tiny_config(tp=tp, optimizer={**ZERO3, **options}, model=model, parallel=parallel,

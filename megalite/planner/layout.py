@@ -39,11 +39,14 @@ class Layout:
     experts_split: bool = True           # routed experts split over TP (--expert-tensor-parallel-size TP), or whole
     split: Optional[tuple[int, ...]] = None   # transformer layers per virtual stage when uneven; None: even
     muon: bool = False                   # --optimizer muon: the hidden matrices keep one state buffer, not two
+    instances: int = 1                   # HSDP: ZeRO shards over DP x CP / instances ranks, replicated across them
+                                         # (--num-distributed-optimizer-instances; never proposed by the search)
 
     @functools.cached_property
     def dims(self) -> ParallelDims:
         """The layout's sizes, and those derived from them, as the run computes them."""
-        return ParallelDims(self.world_size, self.tp, self.cp, self.pp, self.ep, None if self.experts_split else 1)
+        return ParallelDims(self.world_size, self.tp, self.cp, self.pp, self.ep, None if self.experts_split else 1,
+                            self.instances)
 
     @property
     def expert_tp(self) -> int:
@@ -65,10 +68,16 @@ class Layout:
         return self.dims.dp_cp
 
     @property
+    def shard_replicas(self) -> int:
+        """The ranks ZeRO shards over: DP x CP, or with HSDP one instance of them (DP x CP / instances)."""
+        return self.dims.shard_dp
+
+    @property
     def optimizer_name(self) -> str:
         offload = "+offload" if self.optimizer_cpu_offload else ""
         return {0: "DDP", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3"}[self.zero] + offload + \
-            ("+params" if self.offload_params else "")
+            ("+params" if self.offload_params else "") + (f" (HSDP {self.instances} x {self.shard_replicas})"
+                                                          if self.instances > 1 else "")
 
     @property
     def placement(self) -> str:
@@ -112,7 +121,8 @@ class Layout:
             sequence_parallel=self.sequence_parallel, num_layers_per_virtual_pipeline_stage=None,
             num_virtual_stages_per_pipeline_rank=self.virtual_stages if self.virtual_stages > 1 else None,
             pipeline_schedule=self.pipeline_schedule, **self._split_options(cfg.model),
-            expert_model_parallel_size=self.ep, expert_tensor_parallel_size=None if self.experts_split else 1)
+            expert_model_parallel_size=self.ep, expert_tensor_parallel_size=None if self.experts_split else 1,
+            num_distributed_optimizer_instances=self.instances)
         # Overlap whatever our engine can: ZeRO-3 refuses these options (FSDP2 overlaps its own gathers and
         # reductions), and there is nothing to reduce without data parallelism.
         optimizer = dataclasses.replace(
@@ -148,4 +158,4 @@ class Layout:
                    cp_comm_type=p.cp_comm_type, ep=p.expert_model_parallel_size,
                    cp_a2a=(p.hierarchical_context_parallel() or (1, 1))[0],
                    experts_split=p.expert_tensor_parallel_size in (None, tp), muon=o.optimizer == "muon",
-                   split=p.pipeline_split(cfg.model))
+                   split=p.pipeline_split(cfg.model), instances=p.num_distributed_optimizer_instances)

@@ -26,6 +26,12 @@ replicas of one set of experts, over which expert gradients are summed) come fro
 the experts are split over TP (``--expert-tensor-parallel-size`` = TP, the default) and each rank alone when they are
 not (size 1: every TP rank holds whole experts).
 
+HSDP (``--num-distributed-optimizer-instances N``, Megatron's distributed-optimizer instances) cuts each DP x CP
+group into N instances of adjacent members (``intra_instance``: the ranks the distributed optimizer or ZeRO-3 shards
+over, inside a node when DP x CP / N ranks fit there) and joins the members at the same place of each instance
+(``inter_instance``: the replicas of one shard, over which the reduced shards are all-reduced). For DP=4, N=2:
+instances [0,1] [2,3], replicas [0,2] [1,3]. With N=1 the instance is the DP x CP group and each rank its own replica.
+
 A layout may cover a subset of the world (``ranks=``): the tests use it to run a 2-rank layout inside a 4-rank launch,
 and a 1x1x1 layout on every rank as the single-process reference. Groups of one member are never created: the
 communication helpers treat a size-1 group as "nothing to do", which is also what makes the reference run cheap.
@@ -91,6 +97,8 @@ class ParallelState:
     expert_data: GroupInfo   # DP x CP / EP: the ranks holding the same experts (expert gradients are summed over it)
     expert_tensor: GroupInfo   # the TP group if experts are split over TP, else this rank alone
     embedding: Optional[GroupInfo]   # first and last pipeline stage (tied word embeddings); None elsewhere
+    intra_instance: GroupInfo   # HSDP: this rank's distributed-optimizer instance, DP x CP / N adjacent ranks
+    inter_instance: GroupInfo   # HSDP: the N ranks holding the same shard in each instance
     # size -> the group of that many consecutive ranks of this rank's TP group, for every size that divides TP
     # (1 < size < TP): the ranks sharing one key/value head when there are fewer key/value heads than TP ranks.
     tensor_shares: dict[int, GroupInfo] = field(default_factory=dict, hash=False)
@@ -143,11 +151,11 @@ def _groups_spanning(sizes: dict[str, int], dimensions: tuple[str, ...],
 
 
 def layout_groups(num_ranks: int, tp: int, pp: int, cp: int = 1, ep: int = 1,
-                  etp: Optional[int] = None) -> dict[str, list[list[int]]]:
+                  etp: Optional[int] = None, instances: int = 1) -> dict[str, list[list[int]]]:
     """All groups of the layout as lists of layout-local ranks (pure function, tested on its own). ``ep`` must
-    divide DP x CP; ``etp`` (default TP) is TP or 1. The sizes are :class:`ParallelDims`' (ConfigError, a
-    ValueError, if the ranks are not whole TP x CP x PP replicas)."""
-    dims = ParallelDims(num_ranks, tp, cp, pp, ep, etp)
+    divide DP x CP; ``etp`` (default TP) is TP or 1; ``instances`` (HSDP) divides DP x CP. The sizes are
+    :class:`ParallelDims`' (ConfigError, a ValueError, if the ranks are not whole TP x CP x PP replicas)."""
+    dims = ParallelDims(num_ranks, tp, cp, pp, ep, etp, instances)
     dims.check()
     if dims.dp_cp % ep:
         raise ValueError(f"EP {ep} does not divide DP x CP = {dims.dp_cp}")
@@ -159,6 +167,10 @@ def layout_groups(num_ranks: int, tp: int, pp: int, cp: int = 1, ep: int = 1,
     groups.update({kind: _groups_spanning(expert_sizes, EXPERT_DIMENSIONS, spanned)
                    for kind, spanned in EXPERT_GROUP_DIMENSIONS.items()})
     groups["expert_tensor"] = groups["tensor"] if dims.expert_tp == tp else [[r] for r in range(num_ranks)]
+    size = dims.shard_dp
+    groups["intra_instance"] = [members[i:i + size] for members in groups["data_context"]
+                                for i in range(0, len(members), size)]
+    groups["inter_instance"] = [members[j::size] for members in groups["data_context"] for j in range(size)]
     # The tied word embedding lives on the first and last stage of each pipeline.
     groups["embedding"] = [sorted({members[0], members[-1]}) for members in groups["pipeline"]]
     return groups
@@ -186,7 +198,8 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_mode
                               ranks: Optional[Sequence[int]] = None,
                               timeout: Optional[datetime.timedelta] = None,
                               context_parallel_size: int = 1, expert_model_parallel_size: int = 1,
-                              expert_tensor_parallel_size: Optional[int] = None) -> ParallelState:
+                              expert_tensor_parallel_size: Optional[int] = None,
+                              num_distributed_optimizer_instances: int = 1) -> ParallelState:
     """Build every group of the layout over ``ranks`` (default: the whole world) and register them.
 
     Every process of the world must call this with the same arguments (torch's ``new_group`` is collective), except
@@ -203,7 +216,8 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_mode
     if timeout is None and dist.is_initialized():
         timeout = world_timeout()
     groups = layout_groups(len(ranks), tensor_model_parallel_size, pipeline_model_parallel_size,
-                           context_parallel_size, expert_model_parallel_size, expert_tensor_parallel_size)
+                           context_parallel_size, expert_model_parallel_size, expert_tensor_parallel_size,
+                           num_distributed_optimizer_instances)
     mine: dict[str, GroupInfo] = {}
     made: dict[tuple[int, ...], dist.ProcessGroup] = {}   # one torch group per member list (kinds may coincide)
     for kind, members_list in groups.items():
@@ -388,6 +402,17 @@ def get_context_parallel_world_size() -> int:
 def get_data_parallel_group(with_context_parallel: bool = False) -> GroupInfo:
     """The data-parallel group; ``with_context_parallel``: DP x CP, every rank holding this rank's model shard."""
     return state().data_context if with_context_parallel else state().data
+
+
+def get_intra_distributed_optimizer_instance_group() -> GroupInfo:
+    """HSDP: the DP x CP / N adjacent ranks this rank's optimizer states (gradients, parameters per ZeRO stage) are
+    sharded over; the whole DP x CP group when N = 1."""
+    return state().intra_instance
+
+
+def get_inter_distributed_optimizer_instance_group() -> GroupInfo:
+    """HSDP: the N ranks, one per instance, holding the same shard (this rank alone when N = 1)."""
+    return state().inter_instance
 
 
 def get_data_parallel_rank(with_context_parallel: bool = False) -> int:

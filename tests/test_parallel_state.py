@@ -42,6 +42,17 @@ def test_context_parallel_ranks_sit_between_tensor_and_data():
     assert groups["model"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
 
 
+def test_hsdp_instances_are_adjacent_ranks_of_each_data_context_group():
+    # TP=2 x DP=4 as 2 instances (8 ranks): each instance's ranks are adjacent in DP (one node), the replicas of a
+    # shard sit one instance apart.
+    groups = layout_groups(8, tp=2, pp=1, instances=2)
+    assert groups["data_context"] == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert groups["intra_instance"] == [[0, 2], [4, 6], [1, 3], [5, 7]]
+    assert groups["inter_instance"] == [[0, 4], [2, 6], [1, 5], [3, 7]]
+    single = layout_groups(4, tp=1, pp=1)   # one instance: the DP x CP group, every rank its own replica
+    assert single["intra_instance"] == single["data_context"] and single["inter_instance"] == [[0], [1], [2], [3]]
+
+
 def test_context_parallel_with_pipeline_keeps_stages_outermost():
     # CP=2 x DP=2 x PP=2: rank = pp * 4 + dp * 2 + cp.
     groups = layout_groups(8, tp=1, pp=2, cp=2)

@@ -8,7 +8,8 @@ Who writes what, so that every piece is stored exactly once:
   a routed expert's weights (expert parallelism) come from expert-data-parallel rank 0 of the ranks holding it,
   under its global name, so the experts reshard across EP by name;
 - optimizer state (fp32 main parameter, Adam moments) per piece of :class:`MegaliteOptimizer`: with the
-  distributed optimizer every DP rank writes the ranges it owns, without it DP rank 0 writes whole parameters;
+  distributed optimizer every DP rank writes the ranges it owns (with HSDP those of the first instance), without
+  it DP rank 0 writes whole parameters;
 - RNG states: every rank, under its (pp, tp, dp) coordinates;
 - FP8 amax histories (delayed scaling), equal on every rank holding the layer: TP and DP rank 0 of its stage;
 - the manifest, with every rank's digests, and the tokenizer's files (which tools/generate.py uses): rank 0, last.
@@ -56,6 +57,7 @@ class _Coordinates:
     dp: int
     dp_rank: int
     expert_dp_rank: int   # among the ranks holding the same experts (expert parallelism)
+    instance: int   # HSDP: which distributed-optimizer instance (its shards are the other instances' too)
 
     @classmethod
     def registered(cls) -> "_Coordinates":
@@ -66,7 +68,8 @@ class _Coordinates:
                    ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank(),
                    ps.get_data_parallel_world_size(with_context_parallel=True),
                    ps.get_data_parallel_rank(with_context_parallel=True),
-                   ps.get_expert_data_parallel_group().rank)
+                   ps.get_expert_data_parallel_group().rank,
+                   ps.get_inter_distributed_optimizer_instance_group().rank)
 
     def replica(self, param: torch.nn.Parameter) -> int:
         """This rank's place among the ranks holding the same copy of ``param``: the writer is the one at 0."""
@@ -249,6 +252,8 @@ def _optimizer_tensors(optimizer: MegaliteOptimizer, at: _Coordinates,
             continue
         if not engine.distributed and at.replica(param) != 0:
             continue   # plain data parallel: every replica holds the same whole states
+        if at.instance != 0:
+            continue   # HSDP: the first instance's shards stand for every instance's
         world, rank = slice_of(param.partition, at.tp_rank, at.tp)
         param_start = engine.range(param)[0]
         lo, hi = piece.start - param_start, piece.end - param_start

@@ -605,8 +605,6 @@ _ZERO_SPEED_OR_MEMORY = {
     "stage3_gather_fp16_weights_on_model_save": _SAVE_16BIT,
     "zero_hpz_partition_size": "ZeRO++'s second, intra-node copy of the parameters, for faster gathers: megalite "
                                "gathers over the whole data-parallel group (less memory, more traffic)",
-    "mics_shard_size": "MiCS shards over groups of this many ranks and replicates across them; megalite shards over "
-                       "the whole data-parallel group (less memory, more traffic)",
     "zeropp_loco_param": "only used with zero_quantized_gradients",
     "memory_efficient_linear": "DeepSpeed's memory-saving stage-3 linear layer; megalite's layers are its own",
     "pipeline_loading_checkpoint": "how DeepSpeed loads stage-3 checkpoints",
@@ -663,6 +661,7 @@ def _zero(r: _Reader) -> None:
                             "stage3_prefetch_bucket_size": "not used below stage 3 (in DeepSpeed too)",
                             "prefetch_bucket_size": "not used below stage 3 (in DeepSpeed too)"})
     r.ignores(f"{z}.", _ZERO_SPEED_OR_MEMORY)
+    _mics(r, f"{z}.mics_shard_size", level)
     r.either(f"{z}.load_from_fp32_weights", bool, (True,), "megalite's checkpoints keep the fp32 main parameters",
              "megalite restores the fp32 main parameters of its checkpoints, never rounds them from 16-bit weights")
     for key, what in [("zero_quantized_weights", "weights"), ("zero_quantized_gradients", "gradients"),
@@ -671,6 +670,29 @@ def _zero(r: _Reader) -> None:
                  f"ZeRO++'s quantized {what} change the values trained on")
     if r.given(f"{z}.zenflow"):
         r.refuse(f"{z}.zenflow", why="ZenFlow applies unimportant gradients late: different steps")
+
+
+def _mics(r: _Reader, key: str, level: int) -> None:
+    """MiCS (``mics_shard_size`` S, DeepSpeed's stage 3 only): shard over groups of S ranks, replicated across them,
+    which is HSDP: --num-distributed-optimizer-instances DP x CP / S. -1, DeepSpeed's default, turns it off."""
+    size = r.take(key, int, keeps=("parallel.num_distributed_optimizer_instances",))
+    if size is _MISSING:
+        return
+    if size == -1 or size == 0:
+        r.matches(key, size, "MiCS off: shards over the whole data-parallel group, as megalite does")
+        return
+    if level != 3:
+        r.ignore(key, size, "MiCS applies at stage 3 only (in DeepSpeed too)")
+        return
+    try:
+        dims = ParallelDims.of(r.current.parallel, r.world_size)
+    except ConfigError as error:
+        raise ConfigError(f"--deepspeed-config {r.name}: {key} needs the data-parallel size, but {error}") from None
+    if size < 1 or dims.dp_cp % size:
+        raise ConfigError(f"--deepspeed-config {r.name}: {key} {size} does not divide the data-parallel x "
+                          f"context-parallel size {dims.dp_cp}")
+    r.map(key, size, {"parallel.num_distributed_optimizer_instances": dims.dp_cp // size},
+          f"HSDP: {dims.dp_cp // size} instances of {size} ranks")
 
 
 def _zero_stage(r: _Reader, key: str, stage: int, note: str) -> None:

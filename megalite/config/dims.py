@@ -23,13 +23,14 @@ class ParallelDims:
     pp: int = 1
     ep: int = 1
     etp: Optional[int] = None    # the routed experts' tensor-parallel size: None (= TP) or 1
+    instances: int = 1           # distributed-optimizer instances (HSDP): DP x CP split into this many shard groups
 
     @classmethod
     def of(cls, parallel: ParallelConfig, world: int) -> "ParallelDims":
         """The sizes a config gives at ``world`` ranks; ConfigError (one line) if TP x CP x PP does not divide it."""
         dims = cls(world, parallel.tensor_model_parallel_size, parallel.context_parallel_size,
                    parallel.pipeline_model_parallel_size, parallel.expert_model_parallel_size,
-                   parallel.expert_tensor_parallel_size)
+                   parallel.expert_tensor_parallel_size, parallel.num_distributed_optimizer_instances)
         dims.check()
         return dims
 
@@ -45,6 +46,9 @@ class ParallelDims:
             raise ConfigError(f"world size {self.world} is not divisible by {FLAG.tensor_model_parallel_size} "
                               f"{self.tp} x {context}{FLAG.pipeline_model_parallel_size} {self.pp} = "
                               f"{self.model_parallel}")
+        if self.instances < 1 or self.dp_cp % self.instances:
+            raise ConfigError(f"{FLAG.num_distributed_optimizer_instances} {self.instances} does not divide the "
+                              f"data-parallel x context-parallel size {self.dp_cp}")
 
     @property
     def whole_replicas(self) -> bool:
@@ -67,6 +71,11 @@ class ParallelDims:
         """DP x CP: the ranks that hold the same weights and share a global batch's tokens (gradients are summed,
         and the distributed optimizer shards, over them)."""
         return self.dp * self.cp
+
+    @property
+    def shard_dp(self) -> int:
+        """The ranks of one distributed-optimizer instance, over which ZeRO shards: DP x CP / instances (HSDP)."""
+        return self.dp_cp // self.instances
 
     @property
     def expert_tp(self) -> int:

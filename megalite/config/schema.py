@@ -477,6 +477,11 @@ class ParallelConfig:
         None, "Tensor-parallel size inside the routed experts: the tensor-parallel size (default: experts split like "
               "the dense MLP) or 1 (every tensor-parallel rank holds whole experts and computes them redundantly, "
               "with no tensor-parallel reduction of their outputs).")
+    num_distributed_optimizer_instances: int = option(
+        1, "HSDP: with the distributed optimizer (ZeRO-1/2) or --zero-stage 3, split the data-parallel x "
+           "context-parallel ranks into this many groups of adjacent ranks (instances); optimizer states (and "
+           "gradients, parameters per stage) are sharded inside each instance and replicated across them. Gradients "
+           "are reduce-scattered inside an instance, then all-reduced across instances.")
     num_layers_per_virtual_pipeline_stage: Optional[int] = option(
         None, "Layers per model chunk for the interleaved schedule (alternative to the next option).")
     num_virtual_stages_per_pipeline_rank: Optional[int] = option(

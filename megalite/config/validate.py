@@ -78,6 +78,7 @@ def validate(cfg: MegaliteConfig, world_size: int) -> None:
         _require(0.0 <= value < 1.0, f"{getattr(FLAG, name)} must be in [0, 1), got {value}")
     _at_least(0, [("init_method_std", m.init_method_std), ("layernorm_epsilon", m.layernorm_epsilon)])
     _check_optimizer(cfg, dims)
+    _check_instances(cfg, dims)
     _check_data(cfg)
     _check_logging(cfg, world_size)
     _check_checkpoint(cfg)
@@ -673,6 +674,25 @@ def _check_optimizer(cfg: MegaliteConfig, dims: ParallelDims) -> None:
     _require(0 < o.min_loss_scale <= o.initial_loss_scale,
              f"need 0 < {FLAG.min_loss_scale} <= {FLAG.initial_loss_scale}, got {o.min_loss_scale} and "
              f"{o.initial_loss_scale}")
+
+
+def _check_instances(cfg: MegaliteConfig, dims: ParallelDims) -> None:
+    """HSDP (--num-distributed-optimizer-instances N > 1; N dividing DP x CP is ParallelDims' rule): something
+    sharded to replicate, and what does not split into instances yet refused."""
+    n, flag, o = dims.instances, FLAG.num_distributed_optimizer_instances, cfg.optimizer
+    if n == 1:
+        return
+    _require(o.zero_level > 0, f"{flag} {n} needs {FLAG.use_distributed_optimizer} or {FLAG.zero_stage} 3: the "
+                               f"instances shard optimizer states, which plain data parallelism does not")
+    _require(o.zero_level != 3 or dims.shard_dp > 1,
+             f"{flag} {n} with {FLAG.zero_stage} 3 leaves one rank per instance (data-parallel x context-parallel "
+             f"size {dims.dp_cp}): nothing to shard")
+    _require(cfg.model.num_experts is None, f"{flag} {n} does not split the expert-data-parallel group into "
+                                            f"instances yet: not with {FLAG.num_experts}")
+    _require(not cfg.model.fp8_param_gather, f"{flag} {n} does not run with {FLAG.fp8_param_gather} yet")
+    _require(o.optimizer != "muon" or o.zero_level != 3,
+             f"{flag} {n} with {FLAG.zero_stage} 3 does not run with {FLAG.optimizer} muon yet (its matrices are "
+             f"owned over a one-dimensional data-parallel mesh)")
 
 
 def _check_muon(o: OptimizerConfig) -> None:

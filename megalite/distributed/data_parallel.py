@@ -16,6 +16,14 @@ The reduction depends on the optimizer:
   is ready *in each micro-batch*; then they are packed into a scratch buffer, reduce-scattered, added to this rank's
   shard accumulator and freed. Memory for gradients is 1/DP plus what backward holds in flight.
 
+HSDP (``--num-distributed-optimizer-instances N``): ``data_group`` is then one instance's DP x CP / N ranks, over
+which the distributed optimizer shards, and ``replica_group`` the N ranks holding the same shard in each instance.
+Megatron's two-level reduction: each bucket is reduce-scattered inside the instance, then its shard is all-reduced
+across the replicas (on NCCL both on a side stream, the all-reduce after the reduce-scatter, so backward's stream
+waits only at the end). Under ZeRO-2, whose reduce-scatter runs every micro-batch, the accumulated shards are
+all-reduced across the replicas once per step instead. Parameters are gathered inside the instance only: every
+instance steps the same shards alike.
+
 Sums, not means: the loss is already normalized by the global token count. After the optimizer step, the
 distributed optimizer writes updated shards into the flat parameter buffer and ``gather_params`` all-gathers each
 bucket (asynchronously with ``overlap_param_gather``: a forward pre-hook waits for a module's buckets just before
@@ -32,6 +40,7 @@ rest. Under the distributed optimizer the FP8 linears' weights have buckets of t
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections import Counter
 from typing import Callable, Optional
@@ -81,11 +90,17 @@ class DataParallel(DataParallelEngine):
                  overlap_grad_reduce: bool = False, overlap_param_gather: bool = False,
                  tensor_group: Optional[GroupInfo] = None, grad_dtype: torch.dtype = torch.float32,
                  select: Callable[[torch.nn.Parameter], bool] = lambda param: True,
-                 gradient_accumulation_fusion: bool = False, fp8_param_gather: bool = False):
+                 gradient_accumulation_fusion: bool = False, fp8_param_gather: bool = False,
+                 replica_group: Optional[GroupInfo] = None):
         """``select``: which of the modules' trainable parameters this engine owns (all by default; with expert
         parallelism one engine takes the dense parameters and another the experts', see expert_parallel).
-        ``fp8_param_gather``: the distributed optimizer gathers the FP8 linears' weights in FP8."""
+        ``fp8_param_gather``: the distributed optimizer gathers the FP8 linears' weights in FP8.
+        ``replica_group`` (HSDP, the distributed optimizer only): the ranks holding this rank's shard in the other
+        instances, over which the shards reduced over ``data_group`` are summed."""
         self.group = data_group
+        self.replica_group = replica_group if replica_group is not None and replica_group.size > 1 else None
+        if self.replica_group is not None and zero not in (1, 2):
+            raise ValueError("replicas of the shards (HSDP) need the distributed optimizer (ZeRO-1 or 2)")
         self.grad_dtype = grad_dtype
         self.embedding_group = embedding_group
         self.tensor_group = tensor_group
@@ -99,6 +114,9 @@ class DataParallel(DataParallelEngine):
             raise ValueError(f"all parameters must share one dtype, got {sorted(map(str, dtypes))}")
         self.param_dtype = dtypes.pop()
         self.device = device = self.params[0].device
+        # HSDP on a GPU: each overlapped bucket's reduce-scatter and then all-reduce run in order on this stream.
+        self._side_stream = (torch.cuda.Stream(device) if self.replica_group is not None and device.type == "cuda"
+                             else None)
         size = bucket_size or default_bucket_size(self.dp)
         # The FP8 linears' weights get buckets of their own under the distributed optimizer, with or without
         # fp8_param_gather: the same layout sums gradients in the same order, so the option changes the gather only.
@@ -282,17 +300,30 @@ class DataParallel(DataParallelEngine):
             self._pending_reductions.append((work, lambda: None))
             return
         start, end = self.shard(bucket)
-        if self.dp > 1:
-            shard_sum = torch.empty(end - start, dtype=self.grad_dtype, device=full.device)
-            work = _reduce_scatter(shard_sum, full, group=self.group.group, async_op=async_op)
-        else:
-            shard_sum, work = full, None
+        shard_sum = (torch.empty(end - start, dtype=self.grad_dtype, device=full.device) if self.dp > 1
+                     else full)   # an instance of one rank: its shard is the bucket
+        work = self._reduce(shard_sum, full, async_op)
         if self.zero2:
             accumulator = self.grad_shards[bucket.index]
             self._pending_reductions.append((work, lambda: accumulator.add_(shard_sum)))
         else:
             target = self.grad_buffer[start:end]
             self._pending_reductions.append((work, lambda: target.copy_(shard_sum) if self.dp > 1 else None))
+
+    def _reduce(self, shard_sum: torch.Tensor, full: torch.Tensor, async_op: bool) -> Optional[dist.Work]:
+        """Sum ``full`` over the data group into this rank's ``shard_sum`` (reduce-scatter), then over the replicas
+        (HSDP, not under ZeRO-2: see the module docstring); the last collective's Work (None: nothing launched)."""
+        across = self.replica_group is not None and not self.zero2
+        side = self._side_stream if across and async_op else None
+        if side is not None:   # the gradients it reduces were written on the compute stream
+            side.wait_stream(torch.cuda.current_stream(self.device))
+        work = None
+        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+            if self.dp > 1:   # before the all-reduce reads its result (on NCCL a stream wait, not a host one)
+                work = _reduce_scatter(shard_sum, full, group=self.group.group, async_op=async_op and not across)
+            if across:
+                work = dist.all_reduce(shard_sum, group=self.replica_group.group, async_op=async_op)
+        return work
 
     def finish_grad_sync(self) -> None:
         finalize_model_grads(self)   # the tied copies summed, reduce_data_parallel, the sequence-parallel sums
@@ -323,6 +354,9 @@ class DataParallel(DataParallelEngine):
                 work.wait()
             complete()
         self._pending_reductions.clear()
+        if self.zero2 and self.replica_group is not None:   # the step's accumulated shards, over the replicas
+            for shard in self.grad_shards:
+                self.replica_group.sum(shard)
 
     def _zero_fresh(self, params) -> None:
         """Zero the summed gradient of parameters that got none this step (it still holds the last step's)."""

@@ -30,7 +30,8 @@ class Piece:
 class DataParallelEngine(Protocol):
     params: list[torch.nn.Parameter]   # this rank's trainable parameters, in model order
     device: torch.device
-    distributed: bool   # the ranks' pieces are disjoint over DP, so sums over them (the gradient norm) run over DP
+    distributed: bool   # the ranks' pieces are disjoint over DP (with HSDP over one instance), so sums over them
+    #                     (the gradient norm) run over it
 
     def range(self, param: torch.nn.Parameter) -> tuple[int, int]:
         """The parameter's [first, last) in the coordinates of its pieces' start and end."""

@@ -29,6 +29,11 @@ with ``--grad-reduce-in-bf16``).
 With ``offload_params`` the parameter and gradient shards live on the CPU (``CPUOffloadPolicy``) and the optimizer
 steps them there.
 
+HSDP (``--num-distributed-optimizer-instances N``): ``data_group`` is one instance's DP x CP / N ranks and
+``replica_group`` the N ranks holding the same shards in each instance; the units are sharded over a 2-D mesh
+(replicate, shard), FSDP2's HSDP: parameters gathered inside the instance, gradients reduce-scattered inside it and
+the shards all-reduced across the replicas.
+
 With ``fp8_param_gather`` the FP8 linears' weights are all-gathered as FP8 bytes (megalite.distributed.
 fp8_fully_sharded).
 
@@ -91,16 +96,15 @@ class FullyShardedDataParallel(DataParallelEngine):
                  tied_params: list[torch.nn.Parameter] = (), compute_dtype: torch.dtype = torch.float32,
                  offload_params: bool = False, prefetch_bucket_size: Optional[int] = None,
                  grad_dtype: torch.dtype = torch.float32, expert_group: Optional[GroupInfo] = None,
-                 fp8_param_gather: bool = False):
+                 fp8_param_gather: bool = False, replica_group: Optional[GroupInfo] = None):
         """``expert_group``: the expert-data-parallel group, over which each MoE layer's experts (parameters flagged
         ``is_expert``) are sharded as a unit of their own (expert parallelism; None: a model without experts).
-        ``fp8_param_gather``: the FP8 linears' weights are gathered in FP8."""
+        ``fp8_param_gather``: the FP8 linears' weights are gathered in FP8. ``replica_group``: HSDP's replicas of
+        this rank's shards (see the module docstring; not with experts or FP8 gathers)."""
         self.group, self.tensor_group, self.embedding_group = data_group, tensor_group, embedding_group
         self.device = device = next(modules[0].parameters()).device
-        # Meshes over the same ranks compare equal unless their names differ, and DTensor caches communication plans
-        # by mesh: naming the mesh after its group keeps a later layout (tests build many) off a destroyed group.
-        mesh = DeviceMesh.from_group(data_group.group, device.type,
-                                     mesh_dim_names=(f"data_parallel_{data_group.group.group_name}",))
+        # Each mesh is named after its group (see _mesh).
+        mesh = _mesh(data_group, replica_group, device)
         expert_mesh = (None if expert_group is None else
                        DeviceMesh.from_group(expert_group.group, device.type,
                                              mesh_dim_names=(f"expert_data_parallel_{expert_group.group.group_name}",)))
@@ -154,7 +158,9 @@ class FullyShardedDataParallel(DataParallelEngine):
         result = []
         for p in self.params:
             rows = p.shape[0]
-            dp, dp_rank = p.device_mesh.size(), p.device_mesh.get_local_rank()   # DP x CP, or expert-data-parallel
+            # The shard dimension, the last: DP x CP (or one HSDP instance of it), or expert-data-parallel
+            mesh, shard_dim = p.device_mesh, p.device_mesh.ndim - 1
+            dp, dp_rank = mesh.size(shard_dim), mesh.get_local_rank(shard_dim)
             first, last = row_range(rows, dp, dp_rank)
             if first == last:
                 continue
@@ -200,6 +206,21 @@ class FullyShardedDataParallel(DataParallelEngine):
         evaluation and callers after training must see the shards."""
         for unit in self.units:
             unit.reshard()
+
+
+def _mesh(data_group: GroupInfo, replica_group: Optional[GroupInfo], device: torch.device) -> DeviceMesh:
+    """The ranks FSDP2 shards over: ``data_group``, or with HSDP replicas the 2-D (replicate, shard) mesh."""
+    # Meshes over the same ranks compare equal unless their names differ, and DTensor caches communication plans
+    # by mesh: naming the mesh after its group keeps a later layout (tests build many) off a destroyed group.
+    name = f"data_parallel_{data_group.group.group_name}"
+    if replica_group is None or replica_group.size == 1:
+        return DeviceMesh.from_group(data_group.group, device.type, mesh_dim_names=(name,))
+    # Row i is instance i. The DP x CP ranks are evenly spaced (TP apart), so instance i's members are this
+    # instance's shifted by the distance from this rank to its replica in instance i.
+    me = data_group.ranks[data_group.rank]
+    rows = [[member + replica - me for member in data_group.ranks] for replica in replica_group.ranks]
+    return DeviceMesh.from_group([replica_group.group, data_group.group], device.type, mesh=rows,
+                                 mesh_dim_names=(f"replicas_{replica_group.group.group_name}", name))
 
 
 def _quiet_view_warning(chunk: torch.nn.Module) -> None:

@@ -4,8 +4,9 @@ Each rank sums the squares of the gradient pieces it owns: tensor-parallel shard
 parameters (norms, row-parallel biases, position embeddings; under sequence parallelism too, since the data-parallel
 engine has summed their gradients over TP by then) on TP rank 0 only, and the last stage's copy of a tied
 embedding not at all. With the distributed optimizer a rank holds only its DP x CP shard of each gradient, so the
-pieces of different DP x CP ranks are disjoint and the sum also runs over DP x CP; without it, those replicas hold
-equal gradients and are not summed. One all-reduce per group gives the squared norm of exactly one whole model.
+pieces of different DP x CP ranks are disjoint and the sum also runs over DP x CP (with HSDP over one instance of
+it, whose pieces tile the model: the other instances hold the same); without it, those replicas hold equal gradients
+and are not summed. One all-reduce per group gives the squared norm of exactly one whole model.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ def global_grad_norm(pieces: list[tuple[torch.nn.Parameter, torch.Tensor]], shar
     expert_squares = _sum_of_squares([g for p, g in counted if getattr(p, "is_expert", False)], device)
     if sharded_over_data:
         squares += expert_squares
-        parallel_state.get_data_parallel_group(with_context_parallel=True).sum(squares)
+        parallel_state.get_intra_distributed_optimizer_instance_group().sum(squares)   # DP x CP unless HSDP
     else:
         parallel_state.get_expert_model_parallel_group().sum(expert_squares)
         squares += expert_squares

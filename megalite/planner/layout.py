@@ -42,11 +42,14 @@ class Layout:
     muon_tp_mode: str = "duplicated"     # --muon-tp-mode: how a TP-split matrix is orthogonalized
     muon_ns_steps: int = 5               # --muon-num-ns-steps
     muon_split_qkv: bool = True          # not --muon-no-split-qkv: q, k and v orthogonalized as three matrices
+    instances: int = 1                   # HSDP: ZeRO shards over DP x CP / instances ranks, replicated across them
+                                         # (--num-distributed-optimizer-instances; never proposed by the search)
 
     @functools.cached_property
     def dims(self) -> ParallelDims:
         """The layout's sizes, and those derived from them, as the run computes them."""
-        return ParallelDims(self.world_size, self.tp, self.cp, self.pp, self.ep, None if self.experts_split else 1)
+        return ParallelDims(self.world_size, self.tp, self.cp, self.pp, self.ep, None if self.experts_split else 1,
+                            self.instances)
 
     @property
     def expert_tp(self) -> int:
@@ -68,10 +71,16 @@ class Layout:
         return self.dims.dp_cp
 
     @property
+    def shard_replicas(self) -> int:
+        """The ranks ZeRO shards over: DP x CP, or with HSDP one instance of them (DP x CP / instances)."""
+        return self.dims.shard_dp
+
+    @property
     def optimizer_name(self) -> str:
         offload = "+offload" if self.optimizer_cpu_offload else ""
         return {0: "DDP", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3"}[self.zero] + offload + \
-            ("+params" if self.offload_params else "")
+            ("+params" if self.offload_params else "") + (f" (HSDP {self.instances} x {self.shard_replicas})"
+                                                          if self.instances > 1 else "")
 
     @property
     def placement(self) -> str:
@@ -115,7 +124,8 @@ class Layout:
             sequence_parallel=self.sequence_parallel, num_layers_per_virtual_pipeline_stage=None,
             num_virtual_stages_per_pipeline_rank=self.virtual_stages if self.virtual_stages > 1 else None,
             pipeline_schedule=self.pipeline_schedule, **self._split_options(cfg.model),
-            expert_model_parallel_size=self.ep, expert_tensor_parallel_size=None if self.experts_split else 1)
+            expert_model_parallel_size=self.ep, expert_tensor_parallel_size=None if self.experts_split else 1,
+            num_distributed_optimizer_instances=self.instances)
         # Overlap whatever our engine can: ZeRO-3 refuses these options (FSDP2 overlaps its own gathers and
         # reductions), and there is nothing to reduce without data parallelism.
         optimizer = dataclasses.replace(
@@ -153,4 +163,4 @@ class Layout:
                    experts_split=p.expert_tensor_parallel_size in (None, tp), muon=o.optimizer == "muon",
                    muon_tp_mode=o.muon_tp_mode, muon_ns_steps=o.muon_num_ns_steps,
                    muon_split_qkv=not o.muon_no_split_qkv,
-                   split=p.pipeline_split(cfg.model))
+                   split=p.pipeline_split(cfg.model), instances=p.num_distributed_optimizer_instances)

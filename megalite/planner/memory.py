@@ -18,6 +18,9 @@ allocate; in fact exact, bucket padding included):
   the embeddings or the output layer) keep Muon's one momentum buffer (4 bytes) instead of Adam's two; Muon's
   transient work (the gathered matrix, Newton-Schulz's Gram products) is not counted.
 
+With HSDP (``--num-distributed-optimizer-instances N``) every "1/DP" here and at ZeRO-3 below is 1/(DP x CP / N):
+ZeRO shards over one instance of DP x CP / N ranks, and the N instances hold the same shards.
+
 ZeRO-3 (``--zero-stage 3``, FSDP2, megalite.distributed.fully_sharded) holds no flat buffer: every tensor (this TP
 rank's slice) is cut by rows over DP, ceil(rows / DP) rows per rank, so DP rank 0 holds the most (tests: equal to the
 byte to what the real engine allocates on every rank, tests/multiprocess/test_planner_zero3.py). The shards stay
@@ -193,7 +196,7 @@ def model_state_bytes(model: ModelConfig, layout: Layout, pp_rank: int = 0, *, d
     padding sits at the end of each bucket, in the last rank's shard), or at ZeRO-3 from FSDP2's row shards (DP rank
     0 holds the most: ceil(rows / DP) rows, the last ranks fewer). ``bucket_size``: --ddp-bucket-size at stages 0-2;
     ``prefetch_bucket_size``: --zero3-prefetch-bucket-size at stage 3."""
-    replicas = layout.replicas   # DP x CP: the ranks the gradients are reduced over and the states sharded over
+    replicas = layout.shard_replicas   # DP x CP (with HSDP, one instance of it): the ranks ZeRO shards over
     experts = (layout.ep, layout.expert_tp)
     if layout.zero == 3:
         key = (dataclasses.astuple(model), layout.tp, layout.pp, layout.virtual_stages, replicas,

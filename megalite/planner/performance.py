@@ -31,7 +31,10 @@ one, else the network):
   reduction runs during the last micro-batch's backward and only the last bucket, or what exceeds that backward,
   shows; ZeRO-2's per-micro-batch reductions hide behind the whole backward; with --overlap-param-gather the
   gather hides behind the next forward. A tied embedding split across stages adds one unhidden all-reduce of its
-  gradient between the first and last stage.
+  gradient between the first and last stage. HSDP (--num-distributed-optimizer-instances N, Megatron's two-level
+  reduction): the reduce-scatter and the gather run over one instance's DP x CP / N adjacent ranks (inside a node
+  when they fit), and each reduced shard, 4 / (DP x CP / N) bytes per parameter, is all-reduced over the N
+  instances on the slowest link the DP x CP ranks span; at ZeRO-3 after every unit's reduce-scatter.
 - ZeRO-3 (FSDP2), per micro-batch, not per step: each layer's parameters are all-gathered in the compute dtype (the
   FP8 linears' weights in one byte with --fp8-param-gather) for
   its forward and again for its backward, and its fp32 gradients reduce-scattered after it (the root unit,
@@ -346,7 +349,7 @@ def _data_parallel_time(model: ModelConfig, layout: Layout, hardware: Hardware, 
     """(total, exposed) seconds of the data-parallel gradient reduction and parameter gather per step: the dense
     engine's over DP x CP (the ranks holding one model shard), and with a mixture of experts the experts' engine
     over the expert-data-parallel ranks."""
-    tp, dp = layout.tp, layout.replicas
+    tp, dp = layout.tp, layout.shard_replicas
     states = model_state_bytes(model, layout, 0, dtype_bytes=dtype_bytes)
     fp8 = fp8_gathered_elements(model, layout)
     elements = (states.weights - fp8) / dtype_bytes          # the padded flat buffers (less the FP8 copies' byte)
@@ -359,7 +362,7 @@ def _data_parallel_time(model: ModelConfig, layout: Layout, hardware: Hardware, 
         tied = model.padded_vocab_size(tp) * model.hidden_size // tp * 4
         embedding_sum = ring_all_reduce_time(tied, 2, hardware.bandwidth(hardware.num_gpus))
     times = [_engine_time(elements - expert_elements, dp, layout, hardware, num_micro_batches,
-                          compute_per_micro_batch, dtype_bytes, fp8),
+                          compute_per_micro_batch, dtype_bytes, fp8, layout.instances),
              _engine_time(expert_elements, layout.expert_dp, layout, hardware, num_micro_batches,
                           compute_per_micro_batch, dtype_bytes)]
     return sum(t for t, _ in times) + embedding_sum, sum(e for _, e in times) + embedding_sum
@@ -377,11 +380,20 @@ def fp8_gathered_elements(model: ModelConfig, layout: Layout) -> int:
     return sum(plan.buckets[i].end - plan.buckets[i].start for i in fp8)
 
 
+def _across_instances_time(shard_bytes: float, layout: Layout, hardware: Hardware) -> float:
+    """HSDP's second level: the all-reduce of a reduced shard of ``shard_bytes`` over the instances, one rank of each,
+    DP x CP / instances x TP ranks apart (across nodes once the instances do not share one: the slowest link)."""
+    return ring_all_reduce_time(shard_bytes, layout.instances, hardware.bandwidth(layout.tp * layout.replicas))
+
+
 def _engine_time(elements: float, dp: int, layout: Layout, hardware: Hardware, num_micro_batches: int,
-                 compute_per_micro_batch: float, dtype_bytes: int, fp8_elements: float = 0) -> tuple[float, float]:
+                 compute_per_micro_batch: float, dtype_bytes: int, fp8_elements: float = 0,
+                 instances: int = 1) -> tuple[float, float]:
     """(total, exposed) seconds of one engine's reduction (and gather) of ``elements`` over ``dp`` ranks, of which
-    ``fp8_elements`` are gathered in one byte (--fp8-param-gather)."""
-    if dp == 1 or elements == 0:
+    ``fp8_elements`` are gathered in one byte (--fp8-param-gather). With HSDP ``instances`` > 1 the reduced shards
+    are all-reduced across the instances: once per bucket after its reduce-scatter at ZeRO-1 (overlapped alike), once
+    per step after the backward at ZeRO-2 (exposed)."""
+    if dp * instances == 1 or elements == 0:
         return 0.0, 0.0
     grad_bytes = elements * 4
     bw = hardware.bandwidth(layout.tp * dp)
@@ -396,17 +408,20 @@ def _engine_time(elements: float, dp: int, layout: Layout, hardware: Hardware, n
     gather_exposed = max(ring_gather_time(bucket_bytes / 4 * dtype_bytes, dp, bw), gather - forward)
     scatter = ring_gather_time(grad_bytes, dp, bw)
     last = ring_gather_time(bucket_bytes, dp, bw)
+    across = _across_instances_time(grad_bytes / dp, layout, hardware) if instances > 1 else 0.0
     if layout.zero == 1:
-        return scatter + gather, max(last, scatter - backward) + gather_exposed
+        last += _across_instances_time(bucket_bytes / dp, layout, hardware) if instances > 1 else 0.0
+        return scatter + across + gather, max(last, scatter + across - backward) + gather_exposed
     scatters = num_micro_batches * scatter                    # ZeRO-2: every micro-batch
     exposed = max(last, scatters - backward * num_micro_batches)
-    return scatters + gather, exposed + gather_exposed
+    return scatters + across + gather, exposed + across + gather_exposed
 
 
 def _fully_sharded_time(model: ModelConfig, layout: Layout, hardware: Hardware, num_micro_batches: int,
                         layer_forward: float, layer_backward: float, dtype_bytes: int) -> tuple[float, float]:
-    """(total, exposed) seconds of ZeRO-3's gathers and reduce-scatters per step (see the module docstring)."""
-    dp = layout.replicas
+    """(total, exposed) seconds of ZeRO-3's gathers and reduce-scatters per step (see the module docstring); with HSDP
+    each reduce-scatter of a dense unit is followed by the all-reduce of its shard across the instances."""
+    dp = layout.shard_replicas
     if dp == 1:
         return 0.0, 0.0
     bw = hardware.bandwidth(layout.tp * dp)
@@ -426,7 +441,8 @@ def _fully_sharded_time(model: ModelConfig, layout: Layout, hardware: Hardware, 
         return ring_gather_time(elements * dtype_bytes, n, bw)
 
     def scatter(elements: float, n: int = dp) -> float:
-        return ring_gather_time(elements * 4, n, bw)
+        across = _across_instances_time(elements * 4 / n, layout, hardware) if n == dp and layout.instances > 1 else 0
+        return ring_gather_time(elements * 4, n, bw) + across
 
     layer_gather = ring_gather_time((layer - fp8) * dtype_bytes + fp8, dp, bw) + gather(experts, expert_dp)
     layer_scatter = scatter(layer) + scatter(experts, expert_dp)

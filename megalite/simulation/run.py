@@ -178,7 +178,8 @@ def simulate_rank(run: Run, rank: int) -> RankReport:
         parallel_state.initialize_model_parallel(
             p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
             context_parallel_size=p.context_parallel_size, expert_model_parallel_size=p.expert_model_parallel_size,
-            expert_tensor_parallel_size=p.expert_tensor_parallel_size)
+            expert_tensor_parallel_size=p.expert_tensor_parallel_size,
+            num_distributed_optimizer_instances=p.num_distributed_optimizer_instances)
         try:
             coordinates = {"tp": parallel_state.get_tensor_model_parallel_rank(),
                            "cp": parallel_state.get_context_parallel_rank(),

@@ -139,7 +139,9 @@ def initialize_distributed(parallel: ParallelConfig, timeout_s: float = 600.0,
                                              parallel.pipeline_model_parallel_size, timeout=timeout,
                                              context_parallel_size=parallel.context_parallel_size,
                                              expert_model_parallel_size=parallel.expert_model_parallel_size,
-                                             expert_tensor_parallel_size=parallel.expert_tensor_parallel_size)
+                                             expert_tensor_parallel_size=parallel.expert_tensor_parallel_size,
+                                             num_distributed_optimizer_instances=(
+                                                 parallel.num_distributed_optimizer_instances))
     return device
 
 

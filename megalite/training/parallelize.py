@@ -45,9 +45,10 @@ def parallelize(run: Run, device: torch.device) -> Parallelized:
     for chunk in model:
         chunk.initialize(t.seed)   # in fp32, then cast: the same initial weights for every dtype and layout
     # Context-parallel ranks hold the same weights: gradients are summed over DP x CP, and the distributed
-    # optimizer and ZeRO-3 shard over it. With the first and last stage on one rank (v-shape) both embedding
-    # copies are here: summed locally.
-    shared = dict(data_group=parallel_state.get_data_parallel_group(with_context_parallel=True),
+    # optimizer and ZeRO-3 shard over it, or with HSDP over one instance of it, replicated across the instances. With
+    # the first and last stage on one rank (v-shape) both embedding copies are here: summed locally.
+    shared = dict(data_group=parallel_state.get_intra_distributed_optimizer_instance_group(),
+                  replica_group=parallel_state.get_inter_distributed_optimizer_instance_group(),
                   tensor_group=parallel_state.get_tensor_model_parallel_group(),
                   embedding_group=parallel_state.get_embedding_group() if pipeline.loss_rank != 0 else None,
                   tied_params=[w for chunk in model for w in chunk.tied_embedding_weights()])
@@ -70,6 +71,6 @@ def parallelize(run: Run, device: torch.device) -> Parallelized:
                                   fp8_param_gather=m.fp8_param_gather)
         engine = dense(**shared) if expert_data is None else EngineUnion([
             dense(**shared, select=lambda p: not is_expert(p)),
-            dense(data_group=expert_data, tensor_group=shared["tensor_group"], select=is_expert)])
+            dense(data_group=expert_data, tensor_group=shared["tensor_group"], select=is_expert)])   # no HSDP
     attach_weight_grad_store(model, pipeline.weight_grads)   # zero-bubble schedules defer weight gradients
     return Parallelized(model, engine, pipeline, rng, dtype)

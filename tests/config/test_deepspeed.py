@@ -177,7 +177,8 @@ CODE_ONLY_ZERO_KEYS = {
 }
 MAPPED_AT_STAGE_3 = {"stage", "offload_param.device", "offload_optimizer.device", "stage3_prefetch_bucket_size",
                      "load_from_fp32_weights", "offload_optimizer.ratio", "zero_quantized_weights",
-                     "zero_quantized_gradients", "zero_quantized_nontrainable_weights", "prefetch_bucket_size"}
+                     "zero_quantized_gradients", "zero_quantized_nontrainable_weights", "prefetch_bucket_size",
+                     "mics_shard_size"}
 
 
 @pytest.mark.parametrize("stage", [3, 2])
@@ -595,13 +596,26 @@ def test_keys_that_only_tune_speed_or_memory_set_nothing(ds):
     speed = {"stage": 3, "contiguous_gradients": False, "sub_group_size": 1e8, "stage3_max_live_parameters": 1e8,
              "stage3_max_reuse_distance": 0, "stage3_param_persistence_threshold": 0, "overlap_comm": False,
              "reduce_bucket_size": 1000, "allgather_bucket_size": 1000, "round_robin_gradients": True,
-             "stage3_gather_16bit_weights_on_model_save": True, "zero_hpz_partition_size": 8, "mics_shard_size": 4,
+             "stage3_gather_16bit_weights_on_model_save": True, "zero_hpz_partition_size": 8,
              "offload_optimizer": {"device": "none", "pin_memory": True, "ratio": 0.3}}
     command_line = ds({"zero_optimization": speed, "aio": {"queue_depth": 16}, "disable_python_gc": True,
                        "checkpoint": {"tag_validation": "Fail", "parallel_write": {"pipeline_stage": True}}},
                       world_size=2)
     assert command_line.config == ds({"zero_optimization": {"stage": 3}}, world_size=2).config
-    assert command_line.deepspeed.counts() == {MAPPED: 2, IGNORED: 18, REFUSED: 0}
+    assert command_line.deepspeed.counts() == {MAPPED: 2, IGNORED: 17, REFUSED: 0}
+
+
+def test_mics_shard_size_is_hsdp_at_stage_3(ds):
+    """MiCS shards over groups of mics_shard_size ranks and replicates across them: HSDP's instances."""
+    command_line = ds({"zero_optimization": {"stage": 3, "mics_shard_size": 2}}, world_size=4)
+    assert command_line.config.parallel.num_distributed_optimizer_instances == 2
+    assert rows(command_line)["zero_optimization.mics_shard_size"][0] == MAPPED
+    stage2 = ds({"zero_optimization": {"stage": 2, "mics_shard_size": 2}}, world_size=4)
+    assert stage2.config.parallel.num_distributed_optimizer_instances == 1   # DeepSpeed reads it at stage 3 only
+    assert rows(stage2)["zero_optimization.mics_shard_size"][0] == IGNORED
+    with pytest.raises(ConfigError, match="mics_shard_size 3 does not divide the data-parallel x context-parallel "
+                                          "size 4"):
+        ds({"zero_optimization": {"stage": 3, "mics_shard_size": 3}}, world_size=4)
 
 
 def test_precedence_yaml_then_file_then_overrides_then_flags(ds, tmp_path, monkeypatch):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from megalite.config import ConfigError, validate
+from megalite.config import ConfigError, OptimizerConfig, validate
 
 from ..helpers import tiny_config
 
@@ -250,12 +250,35 @@ def test_tiny_config_is_valid_on_several_world_sizes():
      "--window-size"),
     (tiny_config(model={"local_rotary_base": 0, "position_embedding_type": "rope", "window_size": "8,0"}), 1,
      "--local-rotary-base must be >= 1, got 0"),
+    (tiny_config(parallel={"num_distributed_optimizer_instances": 3}, optimizer={"use_distributed_optimizer": True}),
+     4, "--num-distributed-optimizer-instances 3 does not divide the data-parallel x context-parallel size 4"),
+    (tiny_config(parallel={"num_distributed_optimizer_instances": 0}), 4,
+     "--num-distributed-optimizer-instances 0 does not divide the data-parallel x context-parallel size 4"),
+    (tiny_config(parallel={"num_distributed_optimizer_instances": 2}), 4,
+     "--num-distributed-optimizer-instances 2 needs --use-distributed-optimizer or --zero-stage 3: the instances "
+     "shard optimizer states, which plain data parallelism does not"),
+    (tiny_config(parallel={"num_distributed_optimizer_instances": 2}, optimizer={"zero_stage": 3}), 2,
+     "--num-distributed-optimizer-instances 2 with --zero-stage 3 leaves one rank per instance"),
+    (tiny_config(parallel={"num_distributed_optimizer_instances": 2}, optimizer={"use_distributed_optimizer": True},
+                 model={"num_experts": 4}), 4,
+     "--num-distributed-optimizer-instances 2 does not split the expert-data-parallel group into instances yet"),
+    (tiny_config(parallel={"num_distributed_optimizer_instances": 2}, optimizer={"zero_stage": 3,
+                                                                                  "optimizer": "muon"}), 4,
+     "--num-distributed-optimizer-instances 2 with --zero-stage 3 does not run with --optimizer muon yet"),
 ])
 def test_bad_values_name_the_numbers(cfg, world, message):
     with pytest.raises(ConfigError) as error:
         validate(cfg, world)
     assert message in str(error.value)
     assert "\n" not in str(error.value)
+
+
+def test_hsdp_layouts_are_valid():
+    """HSDP with ZeRO-1, 2 and 3, beside TP, PP and CP; N = 1 with plain data parallelism (the default)."""
+    for zero, tp, pp, cp, world in [(1, 1, 1, 1, 4), (2, 2, 1, 1, 8), (3, 1, 2, 1, 8), (1, 1, 1, 2, 4)]:
+        validate(tiny_config(tp=tp, pp=pp, parallel={"num_distributed_optimizer_instances": 2,
+                                                     "context_parallel_size": cp},
+                             optimizer=OptimizerConfig.zero_settings(zero)), world)
 
 
 def test_context_parallel_layouts():

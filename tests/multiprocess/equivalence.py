@@ -48,7 +48,7 @@ def train(cfg, ranks=None, inspect=None):
     p = cfg.parallel
     with layout(p.tensor_model_parallel_size, p.pipeline_model_parallel_size, ranks=ranks,
                 cp=p.context_parallel_size, ep=p.expert_model_parallel_size,
-                etp=p.expert_tensor_parallel_size) as member:
+                etp=p.expert_tensor_parallel_size, instances=p.num_distributed_optimizer_instances) as member:
         if not member:
             return None
         trainer = Trainer.on_registered_layout(cfg, CPU)

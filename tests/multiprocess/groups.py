@@ -11,12 +11,13 @@ from megalite import parallel_state
 
 
 @contextlib.contextmanager
-def layout(tp: int = 1, pp: int = 1, ranks=None, cp: int = 1, ep: int = 1, etp=None):
+def layout(tp: int = 1, pp: int = 1, ranks=None, cp: int = 1, ep: int = 1, etp=None, instances: int = 1):
     """Build a layout over ``ranks`` (default: the world); yields True on member ranks, False elsewhere.
 
     Its groups inherit the world's short test timeout (see lockstep.py)."""
     state = parallel_state.initialize_model_parallel(tp, pp, ranks, context_parallel_size=cp,
-                                                     expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
+                                                     expert_model_parallel_size=ep, expert_tensor_parallel_size=etp,
+                                                     num_distributed_optimizer_instances=instances)
     try:
         yield state is not None
     finally:

@@ -7,6 +7,7 @@ exercised; micro-batch size 1 makes several micro-batches, so gradients accumula
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ import torch.distributed as dist
 
 from megalite import parallel_state
 from megalite.distributed import data_parallel
+from megalite.planner import Layout, model_state_bytes
 from megalite.training import Trainer
 from megalite.training.hooks import StepHook
 
@@ -26,6 +28,7 @@ from .equivalence import CPU, check_against_reference
 BUCKET = 4000
 DIST = {"use_distributed_optimizer": True}
 MUON = {"optimizer": "muon"}
+HSDP = {"instances": 2}   # --num-distributed-optimizer-instances (a ParallelConfig field)
 
 
 @pytest.mark.parametrize("label, tp, pp, ranks, options", [
@@ -47,9 +50,13 @@ MUON = {"optimizer": "muon"}
     ("DP=2 ZeRO-3 Muon, matrices layer-wise over the FSDP2 shards", 1, 1, [0, 1], {**MUON, "zero_stage": 3}),
     ("TP=2 x DP=2 ZeRO-3 Muon duplicated", 2, 1, None, {**MUON, "zero_stage": 3}),
     ("TP=2 x DP=2 ZeRO-3 Muon distributed", 2, 1, None, {**MUON, "zero_stage": 3, "muon_tp_mode": "distributed"}),
+    ("DP=4 as 2 instances x 2 (HSDP) ZeRO-1 overlapped", 1, 1, None,
+     {**DIST, **HSDP, "overlap_grad_reduce": True, "overlap_param_gather": True}),
 ])
 def test_matches_single_process(label, tp, pp, ranks, options):
-    cfg = tiny_config(tp=tp, pp=pp, optimizer={"ddp_bucket_size": BUCKET, **options},
+    options = dict(options)
+    parallel = {"num_distributed_optimizer_instances": options.pop("instances", 1)}
+    cfg = tiny_config(tp=tp, pp=pp, optimizer={"ddp_bucket_size": BUCKET, **options}, parallel=parallel,
                       training={"micro_batch_size": 1})
     check_against_reference(cfg, ranks, label)
 
@@ -61,6 +68,7 @@ def _state_bytes(cfg) -> int:
 
 
 def test_optimizer_state_bytes_are_one_over_dp():
+    """And with HSDP (DP=4 as 2 instances x 2) one over the instance's 2 ranks, as the planner predicts."""
     cfg = tiny_config(optimizer={"ddp_bucket_size": BUCKET, **DIST}, training={"train_iters": 1})
     with layout(1, 1, ranks=[torch.distributed.get_rank()]):
         unsharded, _ = _state_bytes(cfg)
@@ -72,6 +80,14 @@ def test_optimizer_state_bytes_are_one_over_dp():
     print(f"Adam state bytes: unsharded {unsharded}, DP={parallel_state_world} shard {sharded} "
           f"(ratio {sharded / unsharded:.4f})")
     assert unsharded / dp <= sharded + 1 and sharded * dp <= unsharded + padding_bytes
+    hsdp = Layout(dp=dp, zero=1, instances=2)
+    with layout(1, 1, instances=2):
+        instance_rank = parallel_state.get_intra_distributed_optimizer_instance_group().rank
+        held, _ = _state_bytes(dataclasses.replace(cfg, parallel=hsdp.apply(cfg).parallel))
+    planned = model_state_bytes(cfg.model, hsdp, dtype_bytes=4, dp_rank=instance_rank, bucket_size=BUCKET).optimizer
+    print(f"HSDP DP={dp} as 2 x {dp // 2}: Adam state bytes {held} (x unsharded {held / unsharded:.4f}), planned "
+          f"{planned:.0f} (measured / planned {held / planned:.4f})")
+    assert held == planned and unsharded / (dp // 2) <= held <= unsharded / (dp // 2) + padding_bytes
 
 
 def test_fp16_overflow_on_one_rank_skips_the_step_everywhere():

@@ -45,16 +45,20 @@ def _held(trainer: Trainer) -> dict[str, int]:
     ("DP=4, GPT, bf16 (the shards stay fp32)", 1, ODD, {"bf16": True}, {}),
     ("DP=4, parameters and optimizer offloaded", 1, ODD, {}, {"optimizer_cpu_offload": True, "offload_params": True}),
     ("TP=2 x DP=2, sequence parallel, Llama-style", 2, LLAMA, {}, {}),
+    ("DP=4 as 2 instances x 2 (HSDP), GPT, bf16", 1, ODD, {"bf16": True}, {"instances": 2}),
 ])
 def test_model_states_equal_the_engine_s_on_every_rank(label, tp, model, training, optimizer):
+    optimizer = dict(optimizer)
+    instances = optimizer.pop("instances", 1)   # --num-distributed-optimizer-instances
     cfg = tiny_config(tp=tp, model=model, optimizer={"zero_stage": 3, **optimizer},
-                      parallel={"sequence_parallel": tp > 1},
+                      parallel={"sequence_parallel": tp > 1, "num_distributed_optimizer_instances": instances},
                       training={"train_iters": 1, "micro_batch_size": 1, **training}, data={"eval_interval": 0})
-    with layout(tp, 1):
+    with layout(tp, 1, instances=instances):
         trainer = Trainer.on_registered_layout(cfg, CPU)
         trainer.train()
         measured = _held(trainer)
-        dp_rank, dp = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
+        dp = parallel_state.get_data_parallel_world_size()
+        dp_rank = parallel_state.get_intra_distributed_optimizer_instance_group().rank   # the rank within its shards
     lay = Layout.from_config(cfg, torch.distributed.get_world_size())
     assert (lay.dp, lay.zero) == (dp, 3)
     states = model_state_bytes(cfg.model, lay, dtype_bytes=2 if cfg.training.bf16 else 4, dp_rank=dp_rank)

@@ -2,15 +2,17 @@
 with the other stages.
 
 - Equivalence (fp32, 10 iterations, micro-batch 1 so gradients accumulate over micro-batches): DP=4, TP=2 x DP=2
-  (with sequence parallelism and a Llama-style model: RMSNorm, SwiGLU, grouped-query attention, rotary), DP=4 with
+  (with sequence parallelism and a Llama-style model: RMSNorm, SwiGLU, grouped-query attention, rotary), DP=4 as
+  2 HSDP instances x 2 (sharded over 2 ranks, replicated over the 2 instances), DP=4 with
   parameter and optimizer offload, DP=4 with full recompute, PP=2 x DP=2 (1F1B, the tied embedding summed across
   stages) and PP=2 (V=2) x DP=2 (interleaved); in the 8-rank launch TP=2 x PP=2 x DP=2: losses, gradient norms
   and weights within 1e-5.
 - Memory: at DP=4 each rank holds one row shard of every parameter, gradient and Adam state; the shards of the four
   ranks add up to the unsharded bytes exactly, and the largest rank holds at most 1/DP of them plus row rounding.
 - Mixed precision: bf16 and fp16 (dynamic loss scaling) at stage 3 follow stage 1 of the same precision.
-- Checkpoints: saved at stage 3, resumed at stage 1 and in one process without sharding; saved at stage 1, resumed at
-  stage 3; each continuation equals the uninterrupted run within 1e-5.
+- Checkpoints: saved at stage 3, resumed at stage 1 (plain, and HSDP: 2 instances x 2) and in one process without
+  sharding; saved at stage 1 under HSDP, resumed at stage 3; each continuation equals the uninterrupted run within
+  1e-5.
 - DeepSpeed's ZeRO-3 offload example config, read through the command line, equals the single-process run.
 """
 
@@ -46,6 +48,7 @@ LLAMA = {"position_embedding_type": "rope", "normalization": "RMSNorm", "swiglu"
     ("ZeRO-3 PP=2 x DP=2, tied embedding across stages", 1, {}, {"num_layers": 4}, {"pipeline_model_parallel_size": 2}),
     ("ZeRO-3 PP=2 (V=2) x DP=2, interleaved", 1, {}, {"num_layers": 4},
      {"pipeline_model_parallel_size": 2, "num_virtual_stages_per_pipeline_rank": 2}),
+    ("ZeRO-3 DP=4 as 2 instances x 2 (HSDP)", 1, {}, {}, {"num_distributed_optimizer_instances": 2}),
 ])
 def test_matches_single_process(label, tp, options, model, parallel):
     cfg = tiny_config(tp=tp, optimizer={**ZERO3, **options}, model=model, parallel=parallel,
@@ -108,17 +111,22 @@ def test_checkpoints_move_between_stages(directory):
     cfg = tiny_config(optimizer={"adam_eps": 1e-5}, data={"eval_interval": 0})   # adam_eps: see equivalence.py
     stage1 = dataclasses.replace(cfg, optimizer=dataclasses.replace(cfg.optimizer, use_distributed_optimizer=True))
     stage3 = dataclasses.replace(cfg, optimizer=dataclasses.replace(cfg.optimizer, **ZERO3))
-    with layout(1, 1):
-        straight = losses(Trainer.on_registered_layout(with_checkpoint(stage1, save=f"{directory}/s1", save_interval=5), CPU).train())
+    # HSDP: the ZeRO-1 run is DP=4 as 2 instances x 2 (each Adam state sharded over 2 ranks, replicated twice).
+    hsdp = dataclasses.replace(stage1, parallel=dataclasses.replace(stage1.parallel,
+                                                                    num_distributed_optimizer_instances=2))
+    with layout(1, 1, instances=2):
+        straight = losses(Trainer.on_registered_layout(with_checkpoint(hsdp, save=f"{directory}/s1", save_interval=5), CPU).train())
     with layout(1, 1):
         zero3 = losses(Trainer.on_registered_layout(with_checkpoint(stage3, save=f"{directory}/s3", save_interval=5), CPU).train())
     assert max_relative_difference(zero3, straight) < RTOL
     for label, run_cfg, saved, ranks in [
         ("saved at ZeRO-3, resumed at ZeRO-1", stage1, "s3", None),
+        ("saved at ZeRO-3, resumed at ZeRO-1 as 2 instances x 2 (HSDP)", hsdp, "s3", None),
         ("saved at ZeRO-3, resumed in one process, unsharded", cfg, "s3", [0]),
-        ("saved at ZeRO-1, resumed at ZeRO-3", stage3, "s1", None),
+        ("saved at ZeRO-1 as 2 instances x 2 (HSDP), resumed at ZeRO-3", stage3, "s1", None),
     ]:
-        with layout(1, 1, ranks=ranks) as member:
+        instances = run_cfg.parallel.num_distributed_optimizer_instances
+        with layout(1, 1, ranks=ranks, instances=instances) as member:
             if not member:
                 continue
             trainer = Trainer.on_registered_layout(with_checkpoint(run_cfg, load=f"{directory}/{saved}/iter_0000005"), CPU)

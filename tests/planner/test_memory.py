@@ -118,6 +118,14 @@ def test_bytes_per_parameter_are_the_published_numbers_with_fp32_gradients():
         assert abs(total / params / bytes_per_parameter(zero, 8) - 1) < 0.002, zero
 
 
+def test_hsdp_shards_over_one_instance():
+    """--num-distributed-optimizer-instances N: every rank holds what DP x CP / N ranks of a plain layout hold."""
+    model = load_model_config("gpt2_medium")
+    for zero in (1, 2, 3):
+        hsdp = model_state_bytes(model, Layout(dp=8, zero=zero, instances=4))
+        assert hsdp == model_state_bytes(model, Layout(dp=2, zero=zero)), zero
+
+
 def test_zero3_holds_the_paper_s_16_over_n_as_fp32_shards():
     """4 (fp32 weight shard, the main parameter) + 4 (fp32 gradient shard) + 8 (Adam) over N, whatever the model
     dtype: the ZeRO paper's total, split differently (its 2 + 2 + 12)."""

@@ -16,7 +16,8 @@ from megalite.config.cli import parse_args
 from megalite.config import validate
 from megalite.config.dims import ParallelDims
 from megalite.pipeline import schedule_bubble
-from megalite.planner import Hardware, Layout, command_line, load_model_config, search, step_time, to_json
+from megalite.planner import (Hardware, Layout, command_line, load_model_config, model_state_bytes, search, step_time,
+                              to_json)
 from megalite.planner.memory import fully_sharded_units, padded_elements
 from megalite.model.flops import dense_macs_per_token_per_layer
 from megalite.planner.performance import context_parallel_bytes
@@ -100,6 +101,7 @@ def test_zero3_is_a_candidate_only_without_pipelining():
     Layout(pp=2, dp=2, zero=1),
     Layout(tp=2, cp=2, dp=2, zero=1, sequence_parallel=True, cp_comm_type="allgather"),
     Layout(cp=4, dp=2, zero=3, cp_comm_type="a2a"),
+    Layout(tp=2, dp=4, zero=3, instances=2),
 ])
 def test_a_layout_round_trips_through_megalite_s_parser(layout):
     """argv() -> pretrain_gpt.py's parser and validation -> from_config gives the layout back (and the same config
@@ -278,6 +280,23 @@ def test_zero3_moves_the_parameters_three_times_per_micro_batch():
     assert 0.5 * zero3.dp < zero3.dp_exposed <= zero3.dp
     fast = step_time(model, Layout(dp=8, zero=3), Hardware(num_gpus=8), 8 * 4)
     assert fast.dp_exposed < 0.3 * fast.dp and fast.step < zero3.step
+
+
+def test_hsdp_reduces_inside_the_node_and_all_reduces_the_shards_across():
+    """DP=16 over 2 nodes of 8 at ZeRO-1: flat, the reduce-scatter and the gather of all 16 ranks run at the network's
+    speed; as 2 instances of 8 (HSDP) they stay on the node's links, and only the reduced shards, 4/8 bytes per
+    parameter, cross the network in an all-reduce of 2."""
+    model = load_model_config("gpt2_medium")
+    hardware = Hardware(num_gpus=16, intra_node_gbps=10.0, inter_node_gbitps=8.0)   # 10 GB/s inside, 1 GB/s across
+    elements = model_state_bytes(model, Layout(dp=8, zero=1)).weights / 2   # the padded bf16 flat buffer at 8
+    hsdp = step_time(model, Layout(dp=16, zero=1, instances=2), hardware, 16 * 4)
+    inside = 7 / 8 * (elements * 4 + elements * 2) / 10e9   # fp32 reduce-scatter, bf16 gather
+    across = 2 * (1 / 2) * elements * 4 / 8 / 1e9           # all-reduce over 2 of each rank's 1/8 shard
+    assert hsdp.dp == pytest.approx(inside + across)
+    flat = step_time(model, Layout(dp=16, zero=1), hardware, 16 * 4)
+    assert hsdp.dp < flat.dp / 3
+    zero3 = step_time(model, Layout(dp=16, zero=3, instances=2), hardware, 16 * 4)
+    assert zero3.dp < step_time(model, Layout(dp=16, zero=3), hardware, 16 * 4).dp / 3
 
 
 def test_bubble_and_interleaving():

@@ -215,10 +215,13 @@ def test_activation_bytes_per_stage_against_1f1b_and_the_planner():
     its W keeps each linear layer's input and output gradient, about a whole layer's activations (and here the
     logits' gradient, a vocabulary 6 x the hidden size): the paper's claim that ZB-H1 needs no more memory than 1F1B
     holds where that is much smaller than what B frees (kept attention scores). The planner predicts every number
-    within 5% (megalite.planner.memory, CPU numerics, transients left out)."""
+    within 5% (megalite.planner.memory, CPU numerics, transients left out), and so does an uneven 1F1B split (1 + 3
+    layers: --decoder-first-pipeline-num-layers 1)."""
     measured, planned, in_flight = {}, {}, {}
-    for schedule in SCHEDULES:
-        cfg = tiny_config(pp=2, model={"num_layers": 4}, parallel={"pipeline_schedule": schedule},
+    runs = {schedule: {"pipeline_schedule": schedule} for schedule in SCHEDULES}
+    runs["1f1b, 1 + 3 layers"] = {"pipeline_schedule": "1f1b", "decoder_first_pipeline_num_layers": 1}
+    for schedule, parallel in runs.items():
+        cfg = tiny_config(pp=2, model={"num_layers": 4}, parallel=parallel,
                           training={"global_batch_size": 16, "micro_batch_size": 2, "train_iters": 1},
                           data={"eval_interval": 0})
         with layout(1, 2, ranks=[0, 1]) as member:   # every rank builds every layout (group creation is collective)
@@ -241,9 +244,11 @@ def test_activation_bytes_per_stage_against_1f1b_and_the_planner():
         return
     assert measured["zero-bubble"][0] == measured["1f1b"][0]
     assert max(in_flight["zero-bubble"]) <= max(in_flight["1f1b"]) == 2
-    for schedule in SCHEDULES:
+    for schedule in runs:
         for m, p in zip(measured[schedule], planned[schedule]):
             assert abs(m / p - 1) < 0.05, schedule
+    assert measured["1f1b, 1 + 3 layers"][0] < measured["1f1b"][0] and \
+        measured["1f1b, 1 + 3 layers"][1] > measured["1f1b"][1]
 
 
 @requires_world(4)

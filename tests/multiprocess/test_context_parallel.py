@@ -7,7 +7,7 @@ q, k and v), with grouped-query attention and packed documents, in fp64 where th
 to rounding. Multi-token prediction rides along in three layouts (TP x CP with sequence parallelism, ZeRO-3 with full
 recompute, packed documents under PP): its tokens k places ahead are cut from the whole sample before CP takes its
 load-balanced chunks, and its loss is compared too. Fine-tuning on conversations (--sft: the loss on the assistant's
-tokens only) rides along twice, padded at TP x CP and packed at TP x CP x PP (5 iterations each).
+tokens only) rides along twice, padded at TP x CP and packed at TP x CP x PP (3 iterations each).
 """
 
 from __future__ import annotations
@@ -135,7 +135,7 @@ def test_context_pipeline_and_data_parallel_match_single_process(chat_data):
     check_against_reference(cfg, label="p2p CP=2 x PP=2 x DP=2")
     # Fine-tuning on conversations, packed: the assistant-only loss mask through CP's split, TP and the last stage.
     packed = {**chat_data, "reset_position_ids": True, "reset_attention_mask": True}
-    cfg = cp_config(2, tp=2, pp=2, model={"num_layers": 4}, data=packed, training=SHORT)
+    cfg = cp_config(2, tp=2, pp=2, data=packed, training=SHORT)
     check_against_reference(cfg, label="chat conversations (--sft), packed, p2p CP=2 x TP=2 x PP=2")
 
 
@@ -173,11 +173,11 @@ def chat_data(directory):
         path.write_text("".join(json.dumps(record) + "\n" for record in chat_records(300)))
     dist.barrier()
     return {"mock_data": False, "sft": True, "data_path": str(path), "tokenizer_type": "HuggingFaceTokenizer",
-            "tokenizer_model": str(tokenizer), "eval_interval": 3}
+            "tokenizer_model": str(tokenizer), "eval_interval": 2}
 
 
-# Chat runs are shorter (5 iterations, evaluated after 3 and 5): the test-time budget.
-SHORT = {"train_iters": 5}
+# Chat runs are shorter (3 iterations, evaluated after 2 and 3): the test-time budget.
+SHORT = {"train_iters": 3}
 
 
 @requires_world(4)

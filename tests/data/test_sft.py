@@ -57,6 +57,13 @@ def test_the_chat_template_renders_as_transformers_does(chat_dir):
             "<|endoftext|>"
 
 
+def test_a_template_saved_by_transformers_is_read(chat_dir, tmp_path):
+    """transformers 5 saves the template as chat_template.jinja, not in tokenizer_config.json (import-hf keeps it)."""
+    transformers.AutoTokenizer.from_pretrained(str(chat_dir)).save_pretrained(str(tmp_path))
+    assert (tmp_path / "chat_template.jinja").is_file()
+    assert ChatRenderer(HuggingFaceTokenizer.from_directory(tmp_path)).name == "the tokenizer's chat template"
+
+
 def test_the_plain_format_without_a_template(corpus):
     renderer = ChatRenderer(corpus.tokenizer)
     assert renderer.name == "the plain format"

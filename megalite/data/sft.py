@@ -165,7 +165,8 @@ def load_conversations(cfg: MegaliteConfig, tokenizer: Tokenizer) -> tuple[list[
     renderer = None
     loaded = []
     for source in prefixes:
-        stamp = os.stat(source).st_mtime_ns if os.path.exists(source) else None
+        stamped = source if os.path.exists(source) else f"{source}.idx"   # a file, a directory or a prefix
+        stamp = os.stat(stamped).st_mtime_ns if os.path.exists(stamped) else None
         key = (os.path.abspath(source), stamp, tokenizer.fingerprint(), seq_length, packing)
         if key not in _LOADED:
             renderer = renderer or ChatRenderer(tokenizer)

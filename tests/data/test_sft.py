@@ -7,11 +7,11 @@ import dataclasses
 import json
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
 from megalite.config import ConfigError
+from megalite.config.validate import validate
 from megalite.data import DataError, build_datasets, check_data_files
 from megalite.data.chat_template import ChatRenderer, conversation_messages
 from megalite.data.tokenizer import HuggingFaceTokenizer
@@ -85,10 +85,12 @@ def test_bad_conversations_stop_the_run_in_one_line(tmp_path, chat_dir, record, 
     with pytest.raises(DataError, match=f"^{tmp_path}/chat.jsonl:4: .*{words}") as error:
         check_data_files(sft_config(path, chat_dir, seq_length))
     assert "\n" not in str(error.value)
+
+
+def test_sft_needs_its_data(tmp_path, chat_dir):
+    cfg = sft_config(tmp_path / "chat.jsonl", chat_dir)
     with pytest.raises(ConfigError, match="--sft needs --data-path"):
-        from megalite.config.validate import validate
-        validate(dataclasses.replace(sft_config(path, chat_dir), data=dataclasses.replace(
-            sft_config(path, chat_dir).data, data_path=None)), world_size=1)
+        validate(dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, data_path=None)), world_size=1)
 
 
 def _items(dataset) -> list[torch.Tensor]:

@@ -9,6 +9,11 @@ GPT-2's BPE: ``--tokenizer-type GPT2BPETokenizer --vocab-file vocab.json --merge
 documents are as for train_tokenizer.py (megalite/data/documents.py: a bad JSON record is skipped with a warning
 naming its file and line, and counted in the summary, or stops the tool with one line where the options are wrong);
 the file format is in megalite/data/indexed_dataset.py.
+
+Conversations for supervised fine-tuning (``--sft``; megalite/data/sft.py): each input a JSONL, Parquet or Arrow
+file or a datasets directory of ``{"messages": [...]}`` or ``{"prompt", "response"}`` records, rendered with the
+tokenizer's chat template (else the plain format) into PREFIX.bin/.idx and the loss mask into
+PREFIX_loss_mask.bin/.idx; then train with ``--sft --data-path PREFIX``.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
@@ -24,6 +30,7 @@ from megalite.config import TOKENIZER_TYPES  # noqa: E402
 from megalite.config.tool import check_writable, run_tool  # noqa: E402
 from megalite.data.documents import iter_documents  # noqa: E402
 from megalite.data.preprocess import preprocess  # noqa: E402
+from megalite.data.sft import LOSS_MASK_SUFFIX, write_preprocessed  # noqa: E402
 from megalite.data.tokenizer import build_tokenizer  # noqa: E402
 
 
@@ -49,6 +56,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
                         help="A plain-text file is one document (source code), instead of one per line.")
     parser.add_argument("--workers", type=int, default=1, help="Tokenizing processes (default 1).")
     parser.add_argument("--append-eod", action="store_true", help="Append the end-of-document id to each document.")
+    parser.add_argument("--sft", action="store_true",
+                        help="Conversations (JSONL/Parquet/Arrow/datasets directory) with their loss mask, for --sft.")
     parser.add_argument("--quiet", action="store_true", help="No progress bar.")
     return parser.parse_args(argv)
 
@@ -67,6 +76,13 @@ def tokenize(args: argparse.Namespace) -> int:
                                 tiktoken_pattern=args.tiktoken_pattern,
                                 tiktoken_num_special_tokens=args.tiktoken_num_special_tokens,
                                 tiktoken_special_tokens=" ".join(args.tiktoken_special_tokens or []) or None)
+    if args.sft:
+        start = time.perf_counter()
+        conversations, tokens, trained = write_preprocessed(args.input, tokenizer, os.fspath(args.output_prefix))
+        print(f"wrote {os.fspath(args.output_prefix)}.bin/.idx and {LOSS_MASK_SUFFIX} .bin/.idx: {conversations:,} "
+              f"conversations, {tokens:,} tokens ({trained:,} trained) in {time.perf_counter() - start:.1f} s",
+              file=sys.stderr)
+        return 0
     documents = iter_documents(args.input, args.json_keys, args.whole_files)
     stats = preprocess(documents, tokenizer, args.output_prefix, args.workers, args.append_eod,
                        progress=None if args.quiet else sys.stderr)

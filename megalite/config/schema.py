@@ -706,8 +706,17 @@ class DataConfig:
     eod_mask_loss: bool = option(
         False, "Packed documents: no loss where the input token is an end-of-document token (the prediction of the "
                "next document's first token), as Megatron.")
+    sft: bool = option(
+        False, "Supervised fine-tuning: --data-path names conversations (JSONL, Parquet, Arrow, a datasets directory "
+               "or a prefix from tools/preprocess_data.py --sft), rendered with the tokenizer's chat template (else "
+               "the plain format), the loss on the assistant's tokens only; packed with --reset-attention-mask, else "
+               "one conversation per sample, padded.")
     eval_interval: int = option(1000, "Compute the validation loss every this many iterations; 0 disables it.")
     eval_iters: int = option(100, "Global batches per validation-loss evaluation.")
+
+    def masks_loss(self) -> bool:
+        """Whether some tokens may be left out of the loss (--eod-mask-loss, --sft): then the trainer counts them."""
+        return self.eod_mask_loss or self.sft
 
     def tokenizer_given(self) -> bool:
         """Whether any tokenizer option differs from its default (else: the built-in corpus's, or --load's)."""

@@ -788,6 +788,9 @@ def _check_data(cfg: MegaliteConfig) -> None:
     _one_of("tokenizer_type", d.tokenizer_type, TOKENIZER_TYPES)
     _check_megatron_tokenizer(cfg)
     _at_least(0, [("eval_interval", d.eval_interval), ("eval_iters", d.eval_iters)])
+    _require(not d.sft or d.data_path is not None,
+             f"{FLAG.sft} needs {FLAG.data_path} (the conversations: JSONL, Parquet, Arrow, a datasets directory "
+             f"or a prefix from tools/preprocess_data.py --sft)")
     if d.mock_data:
         _require(d.data_path is None, f"{FLAG.mock_data} and {FLAG.data_path} exclude each other")
         packing = [getattr(FLAG, name) for name in ("reset_position_ids", "reset_attention_mask", "eod_mask_loss")

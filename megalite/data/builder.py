@@ -4,7 +4,8 @@ Which data: ``--mock-data`` -> synthetic samples; ``--data-path`` -> those prefi
 they are read: megalite.data.text_source) with the tokenizer options; neither
 -> the built-in corpus (built on first use). Each prefix's documents are cut into train/valid/test ranges by
 ``--split``; with several prefixes every split is a blend of the prefixes' same split, by the given weights or, with
-none given, by each prefix's number of tokens in that split.
+none given, by each prefix's number of tokens in that split. ``--sft``: ``--data-path`` names conversations
+(megalite.data.sft).
 
 Nothing here talks to other processes. :func:`check_data_files` is cheap enough for every rank to run before any
 collective (headers and sizes; the token-range scan is done once per file and remembered), so a bad file stops every
@@ -27,6 +28,7 @@ from megalite.data.errors import DataError
 from megalite.data.gpt_dataset import SPLIT_NAMES, GPTDataset, split_documents
 from megalite.data.indexed_dataset import IndexedDataset, check_token_range
 from megalite.data.mock import MockGPTDataset
+from megalite.data.sft import load_conversations, sft_splits
 from megalite.data.text_source import TextSource, is_text_source
 from megalite.data.tokenizer import Tokenizer, build_tokenizer, configured_tokenizer
 
@@ -43,7 +45,8 @@ class Dataset(Protocol):
 
 @dataclass
 class DataBundle:
-    """The datasets of one run; item ``i`` of each is a LongTensor of ``seq_length + 1`` tokens."""
+    """The datasets of one run; item ``i`` of each is a LongTensor of ``seq_length + 1`` tokens (with --sft
+    [2, seq_length + 1]: the tokens and their loss mask, megalite.data.sft)."""
     train: Optional[Dataset]
     valid: Optional[Dataset]     # None when the split leaves it no documents or it was asked for no samples
     test: Optional[Dataset]
@@ -117,7 +120,9 @@ def check_data_files(cfg: MegaliteConfig, tokenizer: Optional[Tokenizer] = None)
     holds tokens outside the vocabulary, or if the split leaves nothing to train on. Builds the built-in corpus if it
     is the one used and not built yet. Costs a pass over each .bin the first time only (the verdict is cached).
     ``tokenizer``: the run's (megalite.run built it), else built here."""
-    if not cfg.data.mock_data:
+    if cfg.data.sft:
+        load_conversations(cfg, tokenizer or run_tokenizer(cfg))
+    elif not cfg.data.mock_data:
         _checked(cfg, tokenizer)
 
 
@@ -130,6 +135,10 @@ def build_datasets(cfg: MegaliteConfig, num_samples: tuple[int, int, int],
         mocks = [MockGPTDataset(m.vocab_size, m.seq_length, seed + offset, n)
                  for offset, n in zip(_MOCK_SEED_OFFSETS, num_samples)]
         return DataBundle(*mocks, vocab_size=m.vocab_size, tokenizer=None)
+    if cfg.data.sft:
+        tokenizer = tokenizer or run_tokenizer(cfg)
+        return DataBundle(*sft_splits(cfg, num_samples, tokenizer), vocab_size=tokenizer.vocab_size,
+                          tokenizer=tokenizer)
     sources, indexed = _checked(cfg, tokenizer)
     fractions = cfg.data.split_fractions()
     ranges = [split_documents(len(dataset), fractions) for dataset in indexed]

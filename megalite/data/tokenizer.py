@@ -309,6 +309,7 @@ class _LibraryTokenizer(Tokenizer):
 HF_TOKENIZER_FILE = "tokenizer.json"
 HF_TOKENIZER_CONFIG = "tokenizer_config.json"
 HF_SPECIAL_TOKENS = "special_tokens_map.json"
+HF_CHAT_TEMPLATE = "chat_template.jinja"   # where transformers 5 saves the chat template
 
 
 def _token_text(value) -> Optional[str]:
@@ -345,7 +346,7 @@ def _parse_tokenizer_json(contents: bytes, where: str):
 
 
 class HuggingFaceTokenizer(_LibraryTokenizer):
-    FILES = (HF_TOKENIZER_FILE, HF_TOKENIZER_CONFIG, HF_SPECIAL_TOKENS)   # the ones read, when present
+    FILES = (HF_TOKENIZER_FILE, HF_TOKENIZER_CONFIG, HF_SPECIAL_TOKENS, HF_CHAT_TEMPLATE)   # read when present
 
     @classmethod
     def from_options(cls, options: TokenizerOptions) -> HuggingFaceTokenizer:

@@ -9,7 +9,7 @@ With ``--wandb-project`` the same numbers go to Weights & Biases (``wandb.log`` 
 config as the run's config) when the ``wandb`` package is installed (``pip install 'megalite[wandb]'``); without it
 the run says so in one line and goes on. ``WANDB_MODE=offline`` keeps the run in ``--wandb-save-dir`` for
 ``wandb sync``.
-With ``--eod-mask-loss``, ``loss_tokens`` is the number of tokens the loss averaged over. With ``--mtp-num-layers``,
+With ``--eod-mask-loss`` or ``--sft``, ``loss_tokens`` is the number of tokens the loss averaged over (console too). With ``--mtp-num-layers``,
 ``mtp_loss`` is multi-token prediction's loss, the mean over its depths (``mtp_losses``: each depth's, with more than
 one), beside ``loss``, which stays the language-model loss.
 
@@ -88,7 +88,7 @@ class MetricsLogger:
     def _console_line(self, record: dict) -> str:
         parts = [f"iteration {record['iteration']:>6}/{self.total_iters}"]
         for key, fmt in [("consumed_samples", "{:d}"), ("elapsed_ms", "{:.1f}"), ("lr", "{:.3e}"),
-                         ("loss", "{:.6f}"), ("mtp_loss", "{:.6f}"), ("grad_norm", "{:.4f}"), ("tokens_per_sec", "{:.0f}"),
+                         ("loss", "{:.6f}"), ("loss_tokens", "{:d}"), ("mtp_loss", "{:.6f}"), ("grad_norm", "{:.4f}"), ("tokens_per_sec", "{:.0f}"),
                          ("tflops_per_device", "{:.2f}"), ("mfu", "{:.1%}"), ("peak_memory_gib", "{:.2f}"),
                          ("loss_scale", "{:.1f}"), ("pipeline_bubble", "{:.2f}"), ("eval_loss", "{:.6f}")]:
             if record.get(key) is not None:

@@ -4,10 +4,11 @@ parameter gather) -> log; every ``eval_interval`` iterations, the validation los
 (the same validation samples each time, so evaluations are comparable).
 
 The loss is normalized by the number of tokens in the whole global batch (global batch x sequence length, or the
-tokens left by ``--eod-mask-loss``, counted over every rank), so each rank backpropagates its share of the global
-mean and the DP reduction is a plain sum: the result is the same whatever the DP size or micro-batch size, which is
-what the equivalence tests check. Under context parallelism each rank holds some tokens of every sample of its DP
-rank's micro-batches (megalite.model.context_parallel); their loss sums over DP x CP like the DP ranks' do.
+tokens left by ``--eod-mask-loss`` or ``--sft``'s loss mask, counted over every rank), so each rank backpropagates
+its share of the global mean and the DP reduction is a plain sum: the result is the same whatever the DP size or
+micro-batch size, which is what the equivalence tests check. Under context parallelism each rank holds some tokens
+of every sample of its DP rank's micro-batches (megalite.model.context_parallel); their loss sums over DP x CP like
+the DP ranks' do.
 
 With multi-token prediction each depth's loss is normalized likewise, by the tokens that count at that depth over the
 global batch (fewer: the last k of each sample have no label k + 1 places ahead); the objective adds
@@ -84,7 +85,11 @@ class MicroBatch:
 
     @classmethod
     def of(cls, samples: torch.Tensor, cfg: MegaliteConfig, eod: int | None) -> "MicroBatch":
-        """From samples of seq length + 1 tokens [micro-batch, seq + 1]; ``eod`` ends the packed documents."""
+        """From samples of seq length + 1 tokens [micro-batch, seq + 1] (with --sft [micro-batch, 2, seq + 1]: the
+        tokens and which count as labels); ``eod`` ends the packed documents."""
+        targets = None
+        if samples.dim() == 3:
+            samples, targets = samples[:, 0], samples[:, 1, 1:]
         inputs, labels = samples[:, :-1], samples[:, 1:]
         d = cfg.data
         packing = (packed_documents(inputs, eod, reset_position_ids=d.reset_position_ids,
@@ -95,6 +100,8 @@ class MicroBatch:
                                a2a_size=levels[0] if levels else 1, positions=packing.positions if packing else None,
                                documents=packing.documents if packing else None)
         loss_mask = packing.loss_mask if packing is not None else torch.ones_like(labels, dtype=torch.float32)
+        if targets is not None:   # --sft: the assistant's tokens only
+            loss_mask = loss_mask * targets.float()
         depth = cfg.model.mtp_num_layers
         mtp = (multi_token_targets(samples, depth, loss_mask, packing.documents if packing else None, shard)
                if depth else None)
@@ -234,7 +241,7 @@ class Trainer:
         micro_batches = self.micro_batches(samples)
         m = self.cfg.model
         mtp = m.mtp_num_layers is not None and not forward_only   # evaluation reports the language-model loss only
-        if self.cfg.data.eod_mask_loss or mtp:   # the tokens that count, over every rank's share of the global batch
+        if self.cfg.data.masks_loss() or mtp:   # the tokens that count, over every rank's share of the global batch
             # Waited for only where the first loss is scaled by it: overlapped parameter gathers still in flight on
             # this group come before it, and the first forward need not wait for them all. With MTP: each depth's.
             counted = torch.stack([torch.cat([b.loss_mask.sum().reshape(1)] +
@@ -373,7 +380,7 @@ class Trainer:
             record["decoupled_lr"] = decoupled_lr
         if self.batches.ramps:
             record["global_batch_size"] = batch
-        if self.cfg.data.eod_mask_loss:   # the tokens the loss averaged over (fewer than global batch x seq)
+        if self.cfg.data.masks_loss():   # the tokens the loss averaged over (fewer than global batch x seq)
             record["loss_tokens"] = int(global_tokens)
         record.update(hook_metrics)
         if step["skipped"]:

@@ -111,3 +111,47 @@ def build_hf_tokenizer(directory: Path) -> Path:
               "unk_token": HF_EOD}
     (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
     return directory
+
+
+# ChatML, as many open models' tokenizer_config.json holds it (a system turn first when given).
+CHATML_TEMPLATE = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}"
+                   "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def build_chat_tokenizer(directory: Path) -> Path:
+    """build_hf_tokenizer's BPE with ChatML's two special tokens added and its template in tokenizer_config.json."""
+    from tokenizers import Tokenizer
+
+    build_hf_tokenizer(directory)
+    tokenizer = Tokenizer.from_file(str(directory / "tokenizer.json"))
+    tokenizer.add_special_tokens(["<|im_start|>", "<|im_end|>"])
+    tokenizer.save(str(directory / "tokenizer.json"))
+    config = json.loads((directory / "tokenizer_config.json").read_text())
+    (directory / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": CHATML_TEMPLATE}))
+    return directory
+
+
+def chat_records(count: int, seed: int = 0) -> list[dict]:
+    """Short conversations of generated text (at most 26 characters of content, so each fits 64 tokens of the chat
+    tokenizer): a user/assistant exchange, every fourth after a system turn, every seventh with a second exchange;
+    every fifth a prompt/response pair instead."""
+    rng = random.Random(seed)
+    words = " ".join(generated_documents(50, seed=seed)).split()
+    records = []
+    while len(records) < count:
+        i = len(records)
+
+        def text() -> str:
+            return " ".join(rng.choice(words) for _ in range(rng.randint(1, 2)))
+        if i % 5 == 4:
+            record = {"prompt": text(), "response": text()}
+        else:
+            messages = [{"role": "system", "content": text()}] if i % 4 == 1 else []
+            for _ in range(2 if i % 7 == 3 else 1):
+                messages += [{"role": "user", "content": text()}, {"role": "assistant", "content": text()}]
+            record = {"messages": messages}
+        contents = [record.get("prompt", ""), record.get("response", "")] + [
+            m["content"] for m in record.get("messages", [])]
+        if sum(len(c) for c in contents) <= 26:
+            records.append(record)
+    return records

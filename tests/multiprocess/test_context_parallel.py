@@ -6,12 +6,14 @@ run. The attention cores are also compared directly with SDPA over the whole seq
 q, k and v), with grouped-query attention and packed documents, in fp64 where the ring's blockwise softmax must agree
 to rounding. Multi-token prediction rides along in three layouts (TP x CP with sequence parallelism, ZeRO-3 with full
 recompute, packed documents under PP): its tokens k places ahead are cut from the whole sample before CP takes its
-load-balanced chunks, and its loss is compared too.
+load-balanced chunks, and its loss is compared too. Fine-tuning on conversations (--sft: the loss on the assistant's
+tokens only) rides along twice, padded at TP x CP and packed at TP x CP x PP (3 iterations each).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 import pytest
@@ -27,7 +29,7 @@ from megalite.tensor_parallel import TensorParallelRNG
 from megalite.training import Trainer
 
 from ..activation_memory import saved_bytes
-from ..data.helpers import write_progressions
+from ..data.helpers import build_chat_tokenizer, chat_records, write_progressions
 from ..helpers import losses, max_relative_difference, tiny_config, with_checkpoint
 from .equivalence import CPU, check_against_reference, reference
 from .groups import layout, requires_world
@@ -128,9 +130,13 @@ def test_losses_and_weights_match_single_process(label, cp, comm_type, tp, model
 
 
 @requires_world(8)
-def test_context_pipeline_and_data_parallel_match_single_process():
+def test_context_pipeline_and_data_parallel_match_single_process(chat_data):
     cfg = cp_config(2, pp=2, model={"num_layers": 4})
     check_against_reference(cfg, label="p2p CP=2 x PP=2 x DP=2")
+    # Fine-tuning on conversations, packed: the assistant-only loss mask through CP's split, TP and the last stage.
+    packed = {**chat_data, "reset_position_ids": True, "reset_attention_mask": True}
+    cfg = cp_config(2, tp=2, pp=2, data=packed, training=SHORT)
+    check_against_reference(cfg, label="chat conversations (--sft), packed, p2p CP=2 x TP=2 x PP=2")
 
 
 @requires_world(4)
@@ -157,16 +163,35 @@ def packed_data(directory):
             "reset_position_ids": True, "reset_attention_mask": True, "eod_mask_loss": True}
 
 
+@pytest.fixture
+def chat_data(directory):
+    """Short conversations (--sft) and a byte-level BPE with ChatML's template (tests/data/helpers.py): one per
+    sample, padded (add --reset-attention-mask to pack them)."""
+    tokenizer, path = Path(directory) / "chat_tokenizer", Path(directory) / "chat.jsonl"
+    if dist.get_rank() == 0:
+        build_chat_tokenizer(tokenizer)
+        path.write_text("".join(json.dumps(record) + "\n" for record in chat_records(300)))
+    dist.barrier()
+    return {"mock_data": False, "sft": True, "data_path": str(path), "tokenizer_type": "HuggingFaceTokenizer",
+            "tokenizer_model": str(tokenizer), "eval_interval": 2}
+
+
+# Chat runs are shorter (3 iterations, evaluated after 2 and 3): the test-time budget.
+SHORT = {"train_iters": 3}
+
+
 @requires_world(4)
-@pytest.mark.parametrize("label, cp, comm_type, pp, model", [
-    ("packed documents, p2p CP=2 x DP=2", 2, "p2p", 1, {}),
-    ("packed documents, a2a CP=4", 4, "a2a", 1, {}),
+@pytest.mark.parametrize("label, cp, comm_type, pp, model, tp, data", [
+    ("packed documents, p2p CP=2 x DP=2", 2, "p2p", 1, {}, 1, "packed_data"),
+    ("packed documents, a2a CP=4", 4, "a2a", 1, {}, 1, "packed_data"),
     ("packed documents, allgather CP=2 x PP=2 (V=2, interleaved), rotary, MTP", 2, "allgather", 2,
-     {"num_layers": 4, "position_embedding_type": "rope", "mtp_num_layers": 1}),
+     {"num_layers": 4, "position_embedding_type": "rope", "mtp_num_layers": 1}, 1, "packed_data"),
+    ("chat conversations (--sft), padded, p2p CP=2 x TP=2", 2, "p2p", 1, {}, 2, "chat_data"),
 ], ids=slug)
-def test_packed_documents_match_single_process(packed_data, label, cp, comm_type, pp, model):
-    cfg = cp_config(cp, comm_type, pp=pp, model=model, data=packed_data,
-                    parallel={"num_virtual_stages_per_pipeline_rank": 2 if pp > 1 else None})
+def test_packed_documents_match_single_process(request, label, cp, comm_type, pp, model, tp, data):
+    cfg = cp_config(cp, comm_type, tp=tp, pp=pp, model=model, data=request.getfixturevalue(data),
+                    parallel={"num_virtual_stages_per_pipeline_rank": 2 if pp > 1 else None},
+                    training=SHORT if data == "chat_data" else {})
     check_against_reference(cfg, label=label)
 
 

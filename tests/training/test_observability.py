@@ -43,3 +43,4 @@ def test_packed_documents_report_the_tokens_the_loss_counts(tmp_path, capsys):
     assert pretrain_gpt.main(argv) == 0
     records = read_metrics(tmp_path / "m.jsonl")
     assert all(0 < r["loss_tokens"] < 4 * 64 for r in records)   # every sample holds a few document ends
+    assert f"loss tokens {records[-1]['loss_tokens']} |" in capsys.readouterr().out   # the console line too

@@ -10,7 +10,7 @@ by step (bench/common.py's rules) and the ratio is the median of per-round ratio
 below 1.0 compiled is faster. Both sides' first-step losses are printed (equal to float32 rounding: inductor fuses
 and reorders the arithmetic).
 
-    python bench/compile_bench.py [--iters 20] [--output FILE] [--fresh-cache] [--layers 4 --hidden 256 ...]
+    python bench/compile_bench.py [--iters 20] [--threads 1] [--output FILE] [--fresh-cache] [--layers 4 ...]
 
 About 3 minutes on 2 idle cores, most of it the compile.
 """
@@ -39,10 +39,13 @@ def main() -> None:
     parser.add_argument("--backend", default="inductor")
     parser.add_argument("--fresh-cache", action="store_true", help="compile into an empty inductor cache")
     parser.add_argument("--output", default=None, help="also write the table to this markdown file")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="intra-op threads (default: all cores; 1 on a shared machine, where waiting threads spin)")
     args = parser.parse_args()
     if args.fresh_cache:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="inductor_")
-    threads = common.set_threads(1)
+    threads = common.set_threads(1) if args.threads is None else args.threads
+    torch.set_num_threads(threads)
     parallel_state.initialize_model_parallel(1, 1)
     eager_cfg = common.training_config(args, micro_batches=1)
     compiled_cfg = dataclasses.replace(eager_cfg, kernels=dataclasses.replace(

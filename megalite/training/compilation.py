@@ -2,8 +2,8 @@
 
 A layer is the unit because every layer of a stage is the same code: one compiled graph serves them all (dynamo
 inlines the module and takes its parameters as graph inputs), a pipeline stage compiles only the layers it holds,
-and what stays outside a layer (embedding, output layer and loss, the schedule, the data-parallel engine's hooks)
-runs as before. ``Module.compile`` compiles in place: parameter names, and so checkpoints and canonical names, are
+and what stays outside a layer (embedding, output layer and loss, multi-token prediction's layers, the schedule,
+the data-parallel engine's hooks) runs as before. ``Module.compile`` compiles in place: parameter names, and so checkpoints and canonical names, are
 unchanged.
 
 What the compiled layers meet, and how it goes (``tests/training/test_compilation.py`` lists the graph breaks of
@@ -46,6 +46,7 @@ import torch
 
 from megalite.model import GPTModel
 from megalite.model.moe import MoELayer
+from megalite.model.rotary import RotaryEmbedding
 
 
 def compiled_modules(chunk: GPTModel) -> list[torch.nn.Module]:
@@ -53,8 +54,12 @@ def compiled_modules(chunk: GPTModel) -> list[torch.nn.Module]:
     return [layer.self_attention if isinstance(layer.mlp, MoELayer) else layer for layer in chunk.layers]
 
 
-def compile_layers(chunks: Iterable[GPTModel], backend: str) -> None:
+def compile_layers(chunks: Iterable[GPTModel], backend: str, seq_length: int, device: torch.device) -> None:
     """Compile ``chunks``' layers in place (see the module doc); compilation itself happens at their first call."""
     for chunk in chunks:
         for module in compiled_modules(chunk):
+            # Rotary tables are cached at first use: built now, so the first compiled call does not trace their
+            # construction (a cache it filled would fail its guards at the next call: the layer compiled twice).
+            for rotary in (m for m in module.modules() if isinstance(m, RotaryEmbedding)):
+                rotary.cos_sin(seq_length, device)
             module.compile(backend=backend, dynamic=False)

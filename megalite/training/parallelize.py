@@ -46,7 +46,7 @@ def parallelize(run: Run, device: torch.device) -> Parallelized:
     for chunk in model:
         chunk.initialize(t.seed)   # in fp32, then cast: the same initial weights for every dtype and layout
     if cfg.kernels.torch_compile:   # torchtitan's order: TP (built into the layers), recompute, compile, FSDP
-        compile_layers(model, cfg.kernels.torch_compile_backend)
+        compile_layers(model, cfg.kernels.torch_compile_backend, m.seq_length, device)
     # Context-parallel ranks hold the same weights: gradients are summed over DP x CP, and the distributed
     # optimizer and ZeRO-3 shard over it. With the first and last stage on one rank (v-shape) both embedding
     # copies are here: summed locally.

@@ -699,7 +699,7 @@ def _check_kernels(cfg: MegaliteConfig) -> None:
                  f"{FLAG.use_fused_kernels} on needs a CUDA device and none is visible: use auto (fused kernels "
                  f"where there is a GPU, torch ops elsewhere) or off")
     if cfg.kernels.torch_compile:
-        import torch   # noqa: PLC0415 - as above
+        import torch._dynamo   # noqa: PLC0415 - as above
 
         _require(mode != "on", f"{FLAG.use_fused_kernels} on would swap the attention core for a fused kernel, which "
                                f"{FLAG.torch_compile} cannot trace: use auto (the compiler fuses the layers' ops)")

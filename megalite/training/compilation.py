@@ -3,8 +3,8 @@
 A layer is the unit because every layer of a stage is the same code: one compiled graph serves them all (dynamo
 inlines the module and takes its parameters as graph inputs), a pipeline stage compiles only the layers it holds,
 and what stays outside a layer (embedding, output layer and loss, multi-token prediction's layers, the schedule,
-the data-parallel engine's hooks) runs as before. ``Module.compile`` compiles in place: parameter names, and so checkpoints and canonical names, are
-unchanged.
+the data-parallel engine's hooks) runs as before. ``Module.compile`` compiles in place: parameter names, and so
+checkpoints and canonical names, are unchanged.
 
 What the compiled layers meet, and how it goes (``tests/training/test_compilation.py`` lists the graph breaks of
 dropout, selective recompute and MoE layers, and the training tests there and at TP=2 x PP=2 fail on any in GPT-2
@@ -24,8 +24,8 @@ and Llama-style layers; the ZeRO-3, CP and MoE observations below were measured 
 - Mixture of experts: routing makes the token counts per expert data (``.tolist()`` for the all-to-all's splits,
   tensors sized by them), a graph break at each; so in an MoE layer only the attention is compiled and the router,
   dispatcher and experts run eagerly, as without --torch-compile.
-- ZeRO-3 (FSDP2): ``fully_shard`` comes after compiling, as in torchtitan; the layers still compile to one graph
-  without a break (checked at DP=2: the same losses as eager, also under full recompute).
+- ZeRO-3 (FSDP2): ``fully_shard`` comes after compiling, as in torchtitan; the layers compile to one graph without
+  a break (checked at DP=2: the same losses as eager, also under full recompute).
 - Context parallelism: the ring's (p2p) exchanges are ``batch_isend_irecv``, which dynamo leaves out of graphs
   (P2P compilation is off by default in torch): a graph break at each exchange, the attention compiled in pieces
   between them (checked at CP=2: the same losses as eager).

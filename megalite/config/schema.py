@@ -913,6 +913,13 @@ class KernelConfig:
     no_cross_entropy_loss_fusion: bool = option(
         False, "Compute the vocab-parallel cross entropy with torch ops, not the fused per-shard kernels (fused by "
                "default here, where Megatron's --cross-entropy-loss-fusion is opt-in).")
+    torch_compile: bool = option(
+        False, "torch.compile each transformer layer on its own (torchtitan's approach; in an MoE layer only the "
+               "attention, the token routing stays eager): the compiler fuses the layer's ops, so the norms, bias + "
+               "GeLU and rotary embeddings run as torch ops inside it, not as megalite's fused kernels.")
+    torch_compile_backend: str = option(
+        "inductor", "With --torch-compile: torch.compile's backend (inductor generates the fused code; aot_eager "
+                    "traces the same graphs, forward and backward, and runs them op by op: fast to compile).")
 
 
 @dataclass

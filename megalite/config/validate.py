@@ -747,6 +747,18 @@ def _check_kernels(cfg: MegaliteConfig) -> None:
         _require(torch.cuda.is_available(),
                  f"{FLAG.use_fused_kernels} on needs a CUDA device and none is visible: use auto (fused kernels "
                  f"where there is a GPU, torch ops elsewhere) or off")
+    if cfg.kernels.torch_compile:
+        import torch._dynamo   # noqa: PLC0415 - as above
+
+        _require(mode != "on", f"{FLAG.use_fused_kernels} on would swap the attention core for a fused kernel, which "
+                               f"{FLAG.torch_compile} cannot trace: use auto (the compiler fuses the layers' ops)")
+        _require(cfg.parallel.pipeline_schedule == "1f1b",
+                 f"{FLAG.torch_compile} compiles each layer's backward whole, and {FLAG.pipeline_schedule} "
+                 f"{cfg.parallel.pipeline_schedule} defers its weight gradients out of it: use 1f1b")
+        backends = torch._dynamo.list_backends(exclude_tags=())
+        _require(cfg.kernels.torch_compile_backend in backends,
+                 f"{FLAG.torch_compile_backend} {cfg.kernels.torch_compile_backend} is not a torch.compile backend; "
+                 f"one of: {', '.join(backends)}")
 
 
 def _check_megatron_tokenizer(cfg: MegaliteConfig) -> None:

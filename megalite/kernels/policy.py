@@ -68,9 +68,12 @@ class KernelPolicy:
 
     @classmethod
     def from_config(cls, cfg: KernelConfig) -> KernelPolicy:
-        switches = {MASKED_SOFTMAX: cfg.no_masked_softmax_fusion, BIAS_GELU: cfg.no_bias_gelu_fusion,
-                    LAYERNORM: cfg.no_layernorm_fusion, ROPE: cfg.no_rope_fusion,
-                    CROSS_ENTROPY: cfg.no_cross_entropy_loss_fusion}
+        # --torch-compile: an extension call is opaque to the compiler (a graph break in every layer), and the
+        # compiler fuses the torch ops of the layers' norms, bias + GeLU and rotary embeddings itself.
+        compiled = cfg.torch_compile
+        switches = {MASKED_SOFTMAX: cfg.no_masked_softmax_fusion or compiled,
+                    BIAS_GELU: cfg.no_bias_gelu_fusion or compiled, LAYERNORM: cfg.no_layernorm_fusion or compiled,
+                    ROPE: cfg.no_rope_fusion or compiled, CROSS_ENTROPY: cfg.no_cross_entropy_loss_fusion}
         return cls(cfg.use_fused_kernels, frozenset(op for op, off in switches.items() if off))
 
     def enabled(self, op: str) -> bool:

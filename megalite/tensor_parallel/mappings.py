@@ -102,7 +102,9 @@ class _CopyToTensorParallel(torch.autograd.Function):
 class _ReduceFromTensorParallel(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x):
-        if not x.is_contiguous():
+        # Compiled (--torch-compile), out of place: dynamo does not trace mark_dirty, and the compiler plans the
+        # buffers itself.
+        if not x.is_contiguous() or torch.compiler.is_compiling():
             return _all_reduce(x)
         # The partial sums are a fresh activation (a matmul's or the embedding's output) that nothing else keeps:
         # sum them in place rather than into a copy. mark_dirty makes autograd refuse, at backward, any graph that

@@ -17,6 +17,7 @@ from megalite.model import GPTModel
 from megalite.pipeline import Pipeline
 from megalite.run import Run
 from megalite.tensor_parallel import TensorParallelRNG, attach_weight_grad_store
+from megalite.training.compilation import compile_layers
 
 
 class Parallelized(NamedTuple):
@@ -44,6 +45,8 @@ def parallelize(run: Run, device: torch.device) -> Parallelized:
             for c in pipeline.chunks).to(device)
     for chunk in model:
         chunk.initialize(t.seed)   # in fp32, then cast: the same initial weights for every dtype and layout
+    if cfg.kernels.torch_compile:   # torchtitan's order: TP (built into the layers), recompute, compile, FSDP
+        compile_layers(model, cfg.kernels.torch_compile_backend, m.seq_length, device)
     # Context-parallel ranks hold the same weights: gradients are summed over DP x CP, and the distributed
     # optimizer and ZeRO-3 shard over it, or with HSDP over one instance of it, replicated across the instances. With
     # the first and last stage on one rank (v-shape) both embedding copies are here: summed locally.
@@ -67,7 +70,10 @@ def parallelize(run: Run, device: torch.device) -> Parallelized:
         dense = functools.partial(DataParallel, list(model), bucket_size=o.ddp_bucket_size, zero=o.zero_level,
                                   grad_dtype=grad_dtype, overlap_grad_reduce=o.overlap_grad_reduce,
                                   overlap_param_gather=o.overlap_param_gather,
-                                  gradient_accumulation_fusion=not o.no_gradient_accumulation_fusion,
+                                  # A compiled layer's backward cannot write into the engine's buckets (a
+                                  # side effect dynamo does not trace): its weights get gradients, summed by hooks.
+                                  gradient_accumulation_fusion=not (o.no_gradient_accumulation_fusion
+                                                                    or cfg.kernels.torch_compile),
                                   fp8_param_gather=m.fp8_param_gather)
         engine = dense(**shared) if expert_data is None else EngineUnion([
             dense(**shared, select=lambda p: not is_expert(p)),

@@ -108,3 +108,11 @@ def test_bad_policies_are_refused():
         KernelPolicy("sometimes")
     with pytest.raises(ValueError, match="unknown fused ops"):
         KernelPolicy("auto", frozenset({"flash"}))
+
+
+def test_torch_compile_leaves_the_layers_ops_to_the_compiler():
+    """Inside a compiled layer an extension call would break the graph; the loss, outside the layers, stays fused."""
+    compiled = KernelPolicy.from_config(KernelConfig(torch_compile=True))
+    assert [op for op in OPS if compiled.enabled(op)] == [policy.CROSS_ENTROPY]
+    assert [op for op in OPS if KernelPolicy.from_config(KernelConfig()).enabled(op)] == [
+        op for op in OPS if op != policy.MASKED_SOFTMAX]

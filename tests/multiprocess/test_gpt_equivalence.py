@@ -12,6 +12,7 @@ import dataclasses
 import pytest
 import torch
 import torch.distributed as dist
+from torch._dynamo.utils import counters
 
 from megalite import parallel_state
 from megalite.config import ParallelConfig
@@ -23,22 +24,31 @@ from .equivalence import CPU, check_against_reference, full_parameters, referenc
 
 
 @requires_world(4)
-@pytest.mark.parametrize("tp, pp, v, ranks, micro_batch_size", [
-    (2, 1, 1, None, 2),          # TP=2 x DP=2
-    (4, 1, 1, None, 2),          # TP=4
-    (1, 1, 1, [0, 1], 2),        # DP=2
-    (1, 1, 1, None, 1),          # DP=4 with smaller micro-batches (more accumulation steps)
-    (2, 1, 1, [0, 1], 1),        # TP=2 alone
-    (1, 2, 1, None, 1),          # PP=2 x DP=2, 1F1B
-    (1, 4, 1, None, 1),          # PP=4, 1F1B
-    (1, 2, 2, [0, 1], 1),        # PP=2, V=2: interleaved
-    (2, 2, 1, None, 1),          # TP=2 x PP=2
+@pytest.mark.parametrize("tp, pp, v, ranks, micro_batch_size, torch_compile", [
+    (2, 1, 1, None, 2, False),          # TP=2 x DP=2
+    (4, 1, 1, None, 2, False),          # TP=4
+    (1, 1, 1, [0, 1], 2, False),        # DP=2
+    (1, 1, 1, None, 1, False),          # DP=4 with smaller micro-batches (more accumulation steps)
+    (2, 1, 1, [0, 1], 1, False),        # TP=2 alone
+    (1, 2, 1, None, 1, False),          # PP=2 x DP=2, 1F1B
+    (1, 4, 1, None, 1, False),          # PP=4, 1F1B
+    (1, 2, 2, [0, 1], 1, False),        # PP=2, V=2: interleaved
+    (2, 2, 1, None, 1, False),          # TP=2 x PP=2
+    (2, 2, 1, None, 1, True),           # TP=2 x PP=2, --torch-compile (aot_eager) against the eager reference
 ])
-def test_losses_and_weights_match_single_process(tp, pp, v, ranks, micro_batch_size):
+def test_losses_and_weights_match_single_process(tp, pp, v, ranks, micro_batch_size, torch_compile):
     cfg = tiny_config(tp=tp, pp=pp, model={"num_layers": 4},
                       parallel={"num_virtual_stages_per_pipeline_rank": v if v > 1 else None},
-                      training={"micro_batch_size": micro_batch_size})
-    check_against_reference(cfg, ranks, f"tp={tp} pp={pp} v={v} ranks={ranks} mbs={micro_batch_size}")
+                      training={"micro_batch_size": micro_batch_size},
+                      kernels={"torch_compile": torch_compile, "torch_compile_backend": "aot_eager"})
+    counters.clear()
+    check_against_reference(cfg, ranks, f"tp={tp} pp={pp} v={v} ranks={ranks} mbs={micro_batch_size} "
+                                        f"compile={torch_compile}")
+    # Compiled: the TP collectives trace (no graph break), each stage's two layers share their graphs (training and
+    # evaluation: two), none recompiled over the 10 steps.
+    if torch_compile:
+        assert not counters["graph_break"]
+        assert counters["stats"]["unique_graphs"] == 2
 
 
 @requires_world(8)

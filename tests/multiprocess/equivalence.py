@@ -74,8 +74,8 @@ def resumed_losses(cfg, tp: int, pp: int, ranks, iteration: int, ep: int = 1):
 
 def reference(cfg):
     """The single-process run: no parallelism, and the plain (unsharded, unoverlapped, on-device) optimizer (and no
-    token dispatch to choose), its layers eager (compiled ones are compared with them). Runs once per configuration and launch: tests comparing several layouts of one
-    configuration share it."""
+    token dispatch to choose), its layers eager (compiled ones are compared with them). Runs once per configuration
+    and launch: tests comparing several layouts of one configuration share it."""
     optimizer = dataclasses.replace(cfg.optimizer, use_distributed_optimizer=False, zero_stage=1,
                                     overlap_grad_reduce=False, overlap_param_gather=False,
                                     optimizer_cpu_offload=False, offload_params=False, ddp_bucket_size=None,

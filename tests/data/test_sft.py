@@ -167,3 +167,17 @@ def test_prompt_tokens_change_the_loss_only_through_conditioning(tmp_path, chat_
     conditioned = _first_step(ending_with("thanks a lot", before="quick "), chat_dir)
     assert conditioned["loss"] != base["loss"]
     assert conditioned["loss_tokens"] == base["loss_tokens"] == base["trained_tokens"] < 4 * 96
+
+
+def test_the_walk_through_s_tiny_chat_model_renders_its_data(tmp_path, monkeypatch):
+    """tools/make_tiny_chat_model.py (the README's fine-tuning walk-through) writes conversations and a model whose
+    tokenizer renders them with its template as transformers does."""
+    monkeypatch.setattr("sys.argv", ["make_tiny_chat_model.py", str(tmp_path)])
+    load_tool("make_tiny_chat_model").main()
+    config = json.loads((tmp_path / "tiny_hf" / "config.json").read_text())
+    assert config["num_hidden_layers"] == 2 and config["architectures"] == ["LlamaForCausalLM"]
+    record = json.loads((tmp_path / "chat.jsonl").read_text().splitlines()[0])
+    renderer = ChatRenderer(HuggingFaceTokenizer.from_directory(tmp_path / "tiny_hf"))
+    expected = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "tiny_hf")).apply_chat_template(
+        record["messages"], tokenize=True)["input_ids"]
+    assert renderer.render(record["messages"], "record 0").tokens.tolist() == list(expected) + [renderer.eod]

@@ -305,10 +305,14 @@ class DataParallel(DataParallelEngine):
         work = self._reduce(shard_sum, full, async_op)
         if self.zero2:
             accumulator = self.grad_shards[bucket.index]
-            self._pending_reductions.append((work, lambda: accumulator.add_(shard_sum)))
+            complete = lambda: accumulator.add_(shard_sum)   # noqa: E731
         else:
             target = self.grad_buffer[start:end]
-            self._pending_reductions.append((work, lambda: target.copy_(shard_sum) if self.dp > 1 else None))
+            complete = lambda: target.copy_(shard_sum) if self.dp > 1 else None   # noqa: E731
+        if async_op:
+            self._pending_reductions.append((work, complete))
+        else:   # done: its scratch shard freed now, not held with every other bucket's until the last is reduced
+            complete()
 
     def _reduce(self, shard_sum: torch.Tensor, full: torch.Tensor, async_op: bool) -> Optional[dist.Work]:
         """Sum ``full`` over the data group into this rank's ``shard_sum`` (reduce-scatter), then over the replicas

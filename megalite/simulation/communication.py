@@ -1,6 +1,6 @@
 """Count what a step hands to torch.distributed: elements and bytes per collective / point-to-point call, by process
 group kind (tensor, tensor_share, context, pipeline, data, data_context, embedding, model, expert, expert_data,
-world), without touching the code that calls it. The simulated GPUs (megalite.simulation) count with it and, through
+intra_instance, inter_instance, world), without touching the code that calls it. The simulated GPUs (megalite.simulation) count with it and, through
 ``nccl_device``, also hold every call to NCCL's rules; the benchmarks and tests count real runs with it.
 
 ``with count_communication() as counter: step()`` swaps the torch.distributed functions (and the aliases megalite
@@ -68,7 +68,7 @@ def _group_kinds() -> dict[int, str]:
     state = parallel_state.state()
     # Later kinds do not overwrite earlier ones: with DP=1 the model group may equal another; name it once.
     for kind in ("tensor", "context", "pipeline", "data", "data_context", "embedding", "model", "expert",
-                 "expert_data"):
+                 "expert_data", "intra_instance", "inter_instance"):   # (HSDP's two levels, named when N > 1)
         info = getattr(state, kind)
         if info is not None and info.group is not None:
             kinds.setdefault(id(info.group), kind)

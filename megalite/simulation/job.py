@@ -27,7 +27,9 @@ def _group_sizes(layout: Layout, world_size: int) -> dict[str, int]:
     return {"tensor": tp, "pipeline": layout.pp, "context": cp, "data": dp, "data_context": layout.replicas,
             "expert": ep, "expert_data": layout.expert_dp, "model": tp * layout.pp, "embedding": 2, "world": world_size,
             "context_span": tp * cp, "data_span": tp * dp, "data_context_span": tp * dp * cp,
-            "expert_span": tp * ep, "expert_data_span": tp * dp * cp, "model_span": world_size}
+            "expert_span": tp * ep, "expert_data_span": tp * dp * cp, "model_span": world_size,
+            "intra_instance": layout.shard_replicas, "intra_instance_span": tp * layout.shard_replicas,
+            "inter_instance": layout.instances, "inter_instance_span": tp * dp * cp}
 
 
 def _planned_step(cfg: MegaliteConfig, layout: Layout, hardware: Hardware) -> StepTime:

@@ -29,7 +29,8 @@ def memory_lines(report, planned: StageMemory) -> list[str]:
 # Which part of the planner's communication model a group's collectives belong to, and the span of ranks its ring
 # crosses (a group inside a node runs at the node's link).
 _PLANNED_AS = {"tensor": "tp", "tensor_share": "tp", "pipeline": "pp", "embedding": "dp", "data": "dp",
-               "data_context": "dp", "expert_data": "dp", "context": "cp", "expert": "all_to_all"}
+               "data_context": "dp", "expert_data": "dp", "context": "cp", "expert": "all_to_all",
+               "intra_instance": "dp", "inter_instance": "dp"}
 
 
 def _seconds(op: str, nbytes: float, n: int, bandwidth: float) -> float:

@@ -101,9 +101,18 @@ def _balanced_routing(top_k: int):
     return [(moe, "dispatch_and_combine", dispatch), (dispatcher, "split_sizes_to_host", split_sizes)]
 
 
+class _MetaStream(torch.cpu.Stream):
+    """The CPU's stream, which does nothing, but records an event as a CUDA stream does (FSDP2's HSDP keeps the
+    all-reduce's event to wait on it)."""
+
+    def record_event(self, event=None):
+        return torch.cpu.Event()
+
+
 class _MetaDeviceModule(types.ModuleType):
     """``torch.meta``, the device module FSDP2 looks up by the mesh's device type (``torch.cuda`` on GPUs): the CPU's
     streams and events (which do nothing), and no device index."""
+    Stream = _MetaStream
 
     def __getattr__(self, name):
         return getattr(torch.cpu, name)
@@ -111,6 +120,10 @@ class _MetaDeviceModule(types.ModuleType):
     @staticmethod
     def current_device():
         return None
+
+    @staticmethod
+    def current_stream(device=None):
+        return _MetaStream()
 
 
 @contextlib.contextmanager

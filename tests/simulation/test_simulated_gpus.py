@@ -50,6 +50,11 @@ LAYOUTS = {
     "fp16 dynamic loss scale TP=2": "--fp16 --tensor-model-parallel-size 2",
     "recompute full": "--recompute-granularity full --recompute-method uniform --pipeline-model-parallel-size 2",
     "recompute selective": "--recompute-granularity selective --tensor-model-parallel-size 2 --sequence-parallel",
+    "HSDP ZeRO-3 2 x 4": "--zero-stage 3 --num-distributed-optimizer-instances 2",
+    "CP=4 a2a+p2p 2 x 2": "--context-parallel-size 4 --cp-comm-type a2a+p2p --hierarchical-context-parallel-sizes 2 2 "
+                          "--attention-dropout 0",
+    "activation offloading TP=2 SP": "--fine-grained-activation-offloading --offload-modules attn_norm core_attn "
+                                     "attn_proj mlp_norm --tensor-model-parallel-size 2 --sequence-parallel",
 }
 
 
@@ -98,6 +103,23 @@ def test_weights_gradients_and_optimizer_states_are_the_planner_s_to_the_byte():
     found = report.peak_by_category
     assert (found["weights"], found["gradients"], found["optimizer"]) == \
         (stage.weights, stage.gradients, stage.optimizer)
+
+
+def test_hsdp_s_reductions_free_their_scratch_shards_as_they_go():
+    """HSDP (2 instances of 4) with the distributed optimizer, not overlapped, a model whose gradients dwarf its
+    activations (hidden 4096, sequence 256, full recompute): each bucket's reduced shard is copied home and its
+    scratch freed as soon as it is reduced (measured 1.021 x the planner's peak; held together until the last
+    bucket, they added a quarter of the gradients: 1.104), and the collectives are named by level (reduce-scatter
+    and gather inside the instance, all-reduce across), which the planner prices apart."""
+    cfg = config(["model=gpt_tiny", "--mock-data", "--bf16", "--hidden-size", "4096", "--num-attention-heads", "32",
+                  "--num-layers", "4", "--seq-length", "256", "--global-batch-size", "8", "--micro-batch-size", "1",
+                  "--recompute-granularity", "full", "--recompute-method", "uniform", "--use-distributed-optimizer",
+                  "--num-distributed-optimizer-instances", "2", "--simulate-gpus", "8"])
+    report = simulate_rank(cfg, 0)
+    assert 0.98 < report.peak_bytes / planned_total(cfg, 0) < 1.05
+    kinds = {(op, kind) for op, kind in report.communication}
+    assert {("reduce_scatter", "intra_instance"), ("all_gather", "intra_instance"),
+            ("all_reduce", "inter_instance")} <= kinds
 
 
 # ---- defects a first GPU run would hit, planted: each must turn a simulated run red ------------------------------

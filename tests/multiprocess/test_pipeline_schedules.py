@@ -321,7 +321,7 @@ def test_fp8_weight_gradients_move_to_the_w_steps_and_train_as_1f1b(monkeypatch)
         cfg = _config(1, 2, schedule, optimizer={"use_distributed_optimizer": True, "clip_grad": 0.0})
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, fp8_format="hybrid",
                                                                  fp8_amax_history_len=4),
-                                  training=dataclasses.replace(cfg.training, train_iters=4),
+                                  training=dataclasses.replace(cfg.training, train_iters=2),
                                   data=dataclasses.replace(cfg.data, eval_interval=0))
         deferred.clear()
         with layout(1, 2):

@@ -51,8 +51,6 @@ LAYOUTS = {
     "recompute full": "--recompute-granularity full --recompute-method uniform --pipeline-model-parallel-size 2",
     "recompute selective": "--recompute-granularity selective --tensor-model-parallel-size 2 --sequence-parallel",
     "HSDP ZeRO-3 2 x 4": "--zero-stage 3 --num-distributed-optimizer-instances 2",
-    "CP=4 a2a+p2p 2 x 2": "--context-parallel-size 4 --cp-comm-type a2a+p2p --hierarchical-context-parallel-sizes 2 2 "
-                          "--attention-dropout 0",
     "activation offloading TP=2 SP": "--fine-grained-activation-offloading --offload-modules attn_norm core_attn "
                                      "attn_proj mlp_norm --tensor-model-parallel-size 2 --sequence-parallel",
 }

@@ -87,9 +87,9 @@ class MicroBatch:
     def of(cls, samples: torch.Tensor, cfg: MegaliteConfig, eod: int | None) -> "MicroBatch":
         """From samples of seq length + 1 tokens [micro-batch, seq + 1] (with --sft [micro-batch, 2, seq + 1]: the
         tokens and which count as labels); ``eod`` ends the packed documents."""
-        targets = None
+        trained = None   # --sft: which labels are trained (the assistant's tokens)
         if samples.dim() == 3:
-            samples, targets = samples[:, 0], samples[:, 1, 1:]
+            samples, trained = samples[:, 0], samples[:, 1, 1:]
         inputs, labels = samples[:, :-1], samples[:, 1:]
         d = cfg.data
         packing = (packed_documents(inputs, eod, reset_position_ids=d.reset_position_ids,
@@ -100,8 +100,8 @@ class MicroBatch:
                                a2a_size=levels[0] if levels else 1, positions=packing.positions if packing else None,
                                documents=packing.documents if packing else None)
         loss_mask = packing.loss_mask if packing is not None else torch.ones_like(labels, dtype=torch.float32)
-        if targets is not None:   # --sft: the assistant's tokens only
-            loss_mask = loss_mask * targets.float()
+        if trained is not None:
+            loss_mask = loss_mask * trained.float()
         depth = cfg.model.mtp_num_layers
         mtp = (multi_token_targets(samples, depth, loss_mask, packing.documents if packing else None, shard)
                if depth else None)
